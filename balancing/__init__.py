@@ -1,0 +1,1 @@
+"""Cost-balanced assignment of samples to (step, rank). NumPy + OR-Tools; never imports Spark."""
