@@ -1,0 +1,233 @@
+"""Balance job: prepared sequences -> cost-balanced Parquet shards, one directory per rank, plus a manifest.
+
+    spark-submit jobs/balance.py --input PREPARED --output SHARDS --world-size K --local-batch-size B
+    freescale balance ...            (same arguments, local Spark by default)
+
+Steps: compute each sample's cost with the cost model (native Spark expressions),
+shuffle with a seed, cut the shuffled order into windows of W global batches,
+plan every window on the executors (balancing.plan), write each rank's samples in
+step order under rank=<k>/, and record per-step imbalance, predicted bubble,
+row counts and checksums in manifest.json. The output appears atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file by spark-submit: make the project importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from jobs.job_errors import run_job  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
+
+STRATEGIES = ("contiguous", "lpt", "kk", "ortools")
+CONTROLS = ("mirror",)
+REQUIRED_COLUMNS = ("user_id", "items", "length")
+SHARD_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length", "cost",
+                 "valid_item", "valid_timestamp", "test_item", "test_timestamp", "origin_step")
+ROW_GROUP_BYTES = 4 << 20  # small row groups: the trainer streams a shard one row group at a time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freescale balance", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="output directory of `freescale prepare` (holds sequences/)")
+    p.add_argument("--output", required=True, help="shard directory to create")
+    p.add_argument("--world-size", type=int, required=True, help="number of training ranks K")
+    p.add_argument("--local-batch-size", type=int, required=True, help="samples per rank per step B")
+    p.add_argument("--strategy", choices=STRATEGIES, default="kk", help="partition strategy (default kk)")
+    p.add_argument("--window-steps", type=int, default=1,
+                   help="plan W global batches together so heavy samples can share steps (default 1)")
+    p.add_argument("--cost-model", help="cost-model JSON (default: the built-in analytic model)")
+    p.add_argument("--token-cap", type=int, help="per-rank cap on the sum of history lengths per step")
+    p.add_argument("--equal-counts", action="store_true", help="every rank gets B samples (+-1) per step")
+    p.add_argument("--capacities", help="relative rank speeds, comma separated, one per rank")
+    p.add_argument("--seed", type=int, default=0, help="shuffle and tie-break seed (default 0)")
+    p.add_argument("--time-limit", type=float, help="seconds per step for the ortools strategy")
+    p.add_argument("--leftover", choices=("drop", "keep"), default="drop",
+                   help="the last partial global batch: drop it (default) or keep it as a short step")
+    p.add_argument("--control", choices=CONTROLS,
+                   help="diagnostic shards: 'mirror' gives every rank the same samples each step")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
+    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables)")
+    p.add_argument("--experiment", default="freescale", help="MLflow experiment (default freescale)")
+    return p
+
+
+def parse_capacities(text: str | None, world_size: int) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise InputError(f"--capacities {text!r}: expected {world_size} comma-separated numbers") from None
+    if len(values) != world_size:
+        raise InputError(f"--capacities has {len(values)} values, --world-size is {world_size}")
+    bad = [v for v in values if not np.isfinite(v) or v <= 0]
+    if bad:
+        raise InputError(f"--capacities value {bad[0]} is not a positive number")
+    return values
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    for flag, value in (("--world-size", args.world_size), ("--local-batch-size", args.local_batch_size),
+                        ("--window-steps", args.window_steps)):
+        if value <= 0:
+            raise InputError(f"{flag} must be a positive integer, got {value}")
+    if args.token_cap is not None and args.token_cap <= 0:
+        raise InputError(f"--token-cap must be a positive integer, got {args.token_cap}")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise InputError(f"--time-limit must be positive, got {args.time_limit}")
+
+
+def read_sequences(spark, fs, input_uri: str):
+    """The prepared sequences: `<input>/sequences` (a prepare output) or a sequences Parquet directly."""
+    if not fs.exists(input_uri):
+        raise InputError(f"input {input_uri} does not exist")
+    path = f"{input_uri}/sequences" if fs.exists(f"{input_uri}/sequences") else input_uri
+    try:
+        frame = spark.read.parquet(path)
+    except Exception as exc:  # noqa: BLE001 - Spark raises several types for unreadable input
+        raise InputError(f"input {path} is not readable Parquet: {str(exc).splitlines()[0]}") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
+    if missing:
+        raise InputError(f"input {path} lacks column {missing[0]!r} (has {', '.join(frame.columns)}); "
+                         "run `freescale prepare` first")
+    return path, frame
+
+
+def prepared_metadata(fs, input_uri: str) -> dict:
+    meta_path = f"{input_uri}/prepare.json"
+    return json.loads(fs.read_text(meta_path)) if fs.exists(meta_path) else {}
+
+
+def balance(args: argparse.Namespace) -> int:
+    from pyspark.sql import functions as F
+
+    from jobs import shard_plan
+    from jobs.atomic_output import atomic_output, check_output_free
+    from jobs.hadoop_fs import HadoopFS
+    from jobs.manifest import MANIFEST_NAME, RANK_DIR, build_manifest, describe_files, dumps
+    from jobs.tracking import log_job_run, resolve_tracking_uri
+    from pipeline.cost_model import CostModel, cost_column, default_cost_model
+    from pipeline.session import build_spark_session
+
+    validate_args(args)
+    capacities = parse_capacities(args.capacities, args.world_size)
+    model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
+    started = time.perf_counter()
+
+    spark = build_spark_session(args.master, "freescale-balance")
+    fs = HadoopFS(spark)
+    input_uri, output_uri = fs.qualify(args.input), fs.qualify(args.output)
+    check_output_free(fs, output_uri, args.overwrite)
+    sequences_path, sequences = read_sequences(spark, fs, input_uri)
+    spec = shard_plan.PlanSpec(world_size=args.world_size, local_batch_size=args.local_batch_size,
+                               window_steps=args.window_steps, strategy=args.strategy, seed=args.seed,
+                               token_cap=args.token_cap, equal_counts=args.equal_counts,
+                               capacities=capacities, time_limit_s=args.time_limit)
+
+    costs = sequences.select("user_id", "length", cost_column(model, "length").alias("cost"))
+    positioned = shard_plan.with_global_position(costs, args.seed)
+    num_samples = positioned.count()
+    g = spec.global_batch_size
+    if num_samples == 0:
+        raise InputError(f"input {sequences_path} has no samples")
+    if num_samples < g and (args.leftover == "drop" or args.control):
+        raise InputError(f"input {sequences_path} has {num_samples} samples, fewer than one global batch "
+                         f"(world size {spec.world_size} x local batch {spec.local_batch_size} = {g})")
+
+    plan_started = time.perf_counter()
+    if args.control == "mirror":
+        num_steps = num_samples // g
+        assignment = shard_plan.mirror_assignment(positioned, spec, num_steps)
+        planned = positioned.where(F.col("position") < num_steps * spec.local_batch_size)
+    else:
+        planned = shard_plan.apply_leftover_policy(positioned, num_samples, g, args.leftover)
+        assignment = shard_plan.plan_windows(planned, spec)
+    assignment = assignment.localCheckpoint(eager=True)
+    plan_seconds = time.perf_counter() - plan_started
+
+    summary = assignment.agg(F.count(F.lit(1)).alias("rows"), F.countDistinct("user_id").alias("users"),
+                             F.max("step").alias("last_step"),
+                             F.sum((F.col("step") != F.col("origin_step")).cast("long")).alias("moved")).first()
+    planned_samples = planned.count()
+    expected_rows = planned_samples * (spec.world_size if args.control else 1)
+    if summary["rows"] != expected_rows or summary["users"] != planned_samples:
+        raise RuntimeError(f"plan lost or duplicated samples: {summary['rows']} rows for {planned_samples} samples")
+    num_steps = int(summary["last_step"]) + 1
+
+    step_table = shard_plan.step_loads(assignment, costs, spec).toPandas()
+    baseline = shard_plan.contiguous_assignment(planned, spec) if not args.control else assignment
+    baseline_table = shard_plan.step_loads(baseline, costs, spec).toPandas()
+    imbalance = step_table["max_time"] / step_table["mean_time"] - 1.0
+    rank_totals = {int(r["rank"]): {"tokens": r["tokens"], "cost": r["cost"]} for r in (
+        assignment.join(costs, "user_id").groupBy("rank")
+        .agg(F.sum("length").alias("tokens"), F.sum("cost").alias("cost")).collect())}
+
+    rows = (sequences.join(assignment, "user_id")
+            .withColumn("cost", cost_column(model, "length")))
+    rows = rows.select("rank", *[c for c in SHARD_COLUMNS if c in rows.columns])
+    stats = {
+        "bubble": shard_plan.bubble_of(step_table),
+        "bubble_contiguous": shard_plan.bubble_of(baseline_table),
+        "imbalance_mean": float(imbalance.mean()),
+        "imbalance_p50": float(imbalance.median()),
+        "imbalance_p95": float(imbalance.quantile(0.95)),
+        "imbalance_max": float(imbalance.max()),
+        "plan_seconds": plan_seconds,
+    }
+    leftover = num_samples - planned_samples
+    with atomic_output(fs, output_uri, args.overwrite) as staging:
+        (rows.repartition(min(spec.world_size, 256), "rank")
+         .sortWithinPartitions("rank", "step", "slot")
+         .write.option("parquet.block.size", ROW_GROUP_BYTES)
+         .partitionBy("rank").parquet(staging))
+        spark.createDataFrame(step_table).coalesce(1).write.parquet(f"{staging}/_steps")
+        files = []
+        for rank in range(spec.world_size):
+            rank_dir = f"{staging}/{RANK_DIR.format(rank=rank)}"
+            if fs.exists(rank_dir):
+                files.extend(fs.list_files(rank_dir, ".parquet"))
+        manifest = build_manifest(
+            root=staging, files=describe_files(spark, files), rank_summaries=rank_totals,
+            world_size=spec.world_size, local_batch_size=spec.local_batch_size, global_batch_size=g,
+            num_steps=num_steps, window_steps=spec.window_steps, strategy=spec.strategy,
+            control=args.control, seed=args.seed, equal_counts=spec.equal_counts, token_cap=spec.token_cap,
+            capacities=list(capacities) if capacities else None, cost_model=model.to_json(),
+            num_items=prepared_metadata(fs, input_uri).get("num_items"),
+            input={"uri": input_uri, "samples": num_samples},
+            num_samples=planned_samples, num_rows=summary["rows"],
+            leftover={"policy": args.leftover, "samples": leftover},
+            moved_samples=int(summary["moved"]), columns=["rank", *rows.columns[1:]], stats=stats,
+            step_stats="_steps")
+        fs.write_text(f"{staging}/{MANIFEST_NAME}", dumps(manifest))
+
+    log_job_run(
+        "balance", tracking_uri=resolve_tracking_uri(args.tracking_uri), experiment=args.experiment,
+        params={k: v for k, v in vars(args).items() if k not in ("overwrite", "tracking_uri", "experiment")},
+        metrics={**stats, "num_samples": planned_samples, "num_steps": num_steps, "leftover_samples": leftover,
+                 "moved_samples": summary["moved"], "job_seconds": time.perf_counter() - started},
+        tags={"freescale.strategy": spec.strategy, "freescale.world_size": str(spec.world_size),
+              "freescale.output": output_uri},
+        artifacts={"manifest.json": dumps(manifest)})
+    print(f"freescale balance: wrote {planned_samples} samples ({summary['rows']} rows) in {num_steps} steps x "
+          f"{spec.world_size} ranks to {output_uri}; strategy {spec.strategy}"
+          f"{' (control ' + args.control + ')' if args.control else ''}, predicted bubble "
+          f"{stats['bubble']:.2%} vs {stats['bubble_contiguous']:.2%} contiguous; "
+          f"{leftover} leftover samples dropped ({args.leftover}), {summary['moved']} moved between steps")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_job("balance", lambda: balance(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

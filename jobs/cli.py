@@ -1,0 +1,61 @@
+"""The `freescale` command: one entry point for every job.
+
+    freescale prepare ...   raw logs -> sequences          (jobs/prepare.py)
+    freescale balance ...   sequences -> balanced shards   (jobs/balance.py)
+    freescale demo          both, on the embedded synthetic default
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+SUBCOMMANDS = ("prepare", "balance", "demo")
+
+
+def demo(argv: list[str]) -> int:
+    """Embedded default: synthetic data, local Spark, sqlite MLflow. Stages already done are kept."""
+    from jobs import balance, prepare
+    from jobs.manifest import MANIFEST_NAME
+
+    p = argparse.ArgumentParser(prog="freescale demo", description=demo.__doc__)
+    p.add_argument("--workdir", default="out/demo", help="where the stages write (default out/demo)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--local-batch-size", type=int, default=32)
+    p.add_argument("--fresh", action="store_true", help="rerun every stage even if its output exists")
+    args = p.parse_args(argv)
+    work = Path(args.workdir)
+    prepared, shards = work / "prepared", work / "shards"
+    stages = [
+        (prepared / "prepare.json", prepare.main, ["--output", str(prepared)]),
+        (shards / MANIFEST_NAME, balance.main,
+         ["--input", str(prepared), "--output", str(shards), "--world-size", str(args.world_size),
+          "--local-batch-size", str(args.local_batch_size), "--strategy", "kk", "--window-steps", "32"]),
+    ]
+    for done_marker, stage, stage_argv in stages:
+        if done_marker.exists() and not args.fresh:
+            print(f"freescale demo: {done_marker.parent} is complete, skipping (--fresh reruns it)")
+            continue
+        rc = stage(stage_argv + ["--overwrite"])
+        if rc:
+            return rc
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    if command == "prepare":
+        from jobs.prepare import main as run
+    elif command == "balance":
+        from jobs.balance import main as run
+    else:
+        run = demo
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

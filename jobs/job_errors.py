@@ -1,0 +1,44 @@
+"""How every job ends on bad input: one line on stderr naming the problem, exit status 2."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+from pipeline.errors import InputError
+
+EXIT_BAD_INPUT = 2
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    expected: list[type[BaseException]] = [InputError, FileExistsError, FileNotFoundError]
+    try:
+        from balancing import InfeasibleError
+        expected.append(InfeasibleError)
+    except ImportError:
+        pass
+    try:
+        from pyspark.errors import PySparkException
+        expected.append(PySparkException)
+    except ImportError:
+        pass
+    return tuple(expected)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def run_job(job: str, body: Callable[[], int | None]) -> int:
+    """Run `body`; expected failures become one line, everything else keeps its traceback.
+
+    FREESCALE_DEBUG=1 shows the traceback of expected failures too.
+    """
+    try:
+        return body() or 0
+    except _expected_errors() as exc:
+        if os.environ.get("FREESCALE_DEBUG"):
+            raise
+        print(f"freescale {job}: error: {first_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT

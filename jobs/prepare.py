@@ -1,0 +1,144 @@
+"""Prepare job: raw interaction logs (or the seeded synthetic generator) -> per-user sequences.
+
+    spark-submit jobs/prepare.py --input ratings.parquet --output PREPARED
+    freescale prepare --output PREPARED           (no --input: synthetic data)
+
+Writes <output>/sequences (one row per user: chronological item ids, leave-one-out
+valid/test targets), <output>/item_vocab (raw item -> contiguous id) and
+<output>/prepare.json (parameters and counts, including every user dropped and why).
+The output appears atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file by spark-submit: make the project importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jobs.job_errors import run_job  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
+
+FORMATS = ("parquet", "csv", "ml-100k", "ml-1m", "ml-csv")
+PREPARE_FORMAT = "freescale.prepared/1"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freescale prepare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", help="interaction log: Parquet, CSV or a MovieLens file/directory "
+                                   "(omit for the synthetic generator)")
+    p.add_argument("--output", required=True, help="directory to create")
+    p.add_argument("--format", choices=FORMATS, help="input format (default: from the file name)")
+    p.add_argument("--user-col", help="user column (default: user_id/userId/user/uid)")
+    p.add_argument("--item-col", help="item column (default: item_id/movie_id/movieId/item/iid)")
+    p.add_argument("--time-col", help="timestamp column (default: timestamp/ts/time/event_time)")
+    p.add_argument("--rating-col", help="optional rating/action column (default: rating/action/score)")
+    p.add_argument("--max-seq-len", type=int, default=1024,
+                   help="keep the most recent N training items per user (default 1024)")
+    g = p.add_argument_group("synthetic data (when --input is omitted)")
+    g.add_argument("--synthetic-users", type=int, default=20_000, help="users (default 20000)")
+    g.add_argument("--synthetic-items", type=int, default=10_000, help="catalog size (default 10000)")
+    g.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
+    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables)")
+    p.add_argument("--experiment", default="freescale", help="MLflow experiment (default freescale)")
+    return p
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    checks = [("--max-seq-len", args.max_seq_len)]
+    if args.input is None:
+        checks += [("--synthetic-users", args.synthetic_users), ("--synthetic-items", args.synthetic_items)]
+    for flag, value in checks:
+        if value <= 0:
+            raise InputError(f"{flag} must be a positive integer, got {value}")
+
+
+def prepare(args: argparse.Namespace) -> int:
+    from pyspark.sql import functions as F
+
+    from jobs.atomic_output import atomic_output, check_output_free
+    from jobs.hadoop_fs import HadoopFS
+    from jobs.tracking import log_job_run, resolve_tracking_uri
+    from pipeline.ingest import read_interactions
+    from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences
+    from pipeline.session import build_spark_session
+    from pipeline.synthetic import synthetic_interactions
+
+    validate_args(args)
+    started = time.perf_counter()
+    spark = build_spark_session(args.master, "freescale-prepare")
+    fs = HadoopFS(spark)
+    output_uri = fs.qualify(args.output)
+    check_output_free(fs, output_uri, args.overwrite)
+
+    if args.input is None:
+        source = {"kind": "synthetic", "users": args.synthetic_users, "items": args.synthetic_items,
+                  "seed": args.seed}
+        interactions = synthetic_interactions(spark, args.synthetic_users, args.synthetic_items, seed=args.seed)
+    else:
+        source = {"kind": "file", "uri": fs.qualify(args.input), "format": args.format}
+        interactions = read_interactions(spark, args.input, fmt=args.format, user_col=args.user_col,
+                                         item_col=args.item_col, time_col=args.time_col,
+                                         rating_col=args.rating_col)
+    interactions = interactions.localCheckpoint(eager=True)  # read the raw input once
+    counts = interactions.agg(F.count(F.lit(1)).alias("interactions"),
+                              F.countDistinct("user_id").alias("users")).first()
+
+    with atomic_output(fs, output_uri, args.overwrite) as staging:
+        vocab = build_item_vocab(interactions)
+        vocab.write.parquet(f"{staging}/item_vocab")
+        vocab = spark.read.parquet(f"{staging}/item_vocab")
+        build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len) \
+            .write.parquet(f"{staging}/sequences")
+        sequences = spark.read.parquet(f"{staging}/sequences")
+        seq = sequences.agg(
+            F.count(F.lit(1)).alias("users"),
+            F.sum("length").alias("training_items"),
+            F.sum((F.col("num_interactions") - 2 > F.col("length")).cast("long")).alias("truncated"),
+            F.sum(F.col("num_interactions") - 2 - F.col("length")).alias("items_truncated"),
+            F.min("length").alias("min_length"), F.max("length").alias("max_length"),
+            F.expr("percentile_approx(length, 0.5)").alias("median_length"),
+            F.expr("percentile_approx(length, 0.99)").alias("p99_length")).first()
+        stats = {
+            "interactions": counts["interactions"],
+            "users": counts["users"],
+            "num_items": vocab.count(),
+            "sequences": seq["users"],
+            "users_dropped_short": counts["users"] - seq["users"],
+            "users_truncated": seq["truncated"] or 0,
+            "items_truncated": seq["items_truncated"] or 0,
+            "training_items": seq["training_items"] or 0,
+            "min_length": seq["min_length"], "median_length": seq["median_length"],
+            "p99_length": seq["p99_length"], "max_length": seq["max_length"],
+        }
+        if stats["sequences"] == 0:
+            raise InputError(f"input {source.get('uri', 'synthetic')}: no user has the 3 interactions "
+                             "a leave-one-out split needs")
+        meta = {"format": PREPARE_FORMAT, "source": source, "max_seq_len": args.max_seq_len, **stats}
+        fs.write_text(f"{staging}/prepare.json", json.dumps(meta, indent=2) + "\n")
+
+    log_job_run(
+        "prepare", tracking_uri=resolve_tracking_uri(args.tracking_uri), experiment=args.experiment,
+        params={k: v for k, v in vars(args).items() if k not in ("overwrite", "tracking_uri", "experiment")},
+        metrics={**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
+                 "job_seconds": time.perf_counter() - started},
+        tags={"freescale.output": output_uri, "freescale.data": source.get("uri", "synthetic")},
+        artifacts={"prepare.json": json.dumps(meta, indent=2)})
+    print(f"freescale prepare: {stats['sequences']} sequences over {stats['num_items']} items to {output_uri}; "
+          f"{stats['users_dropped_short']} users dropped (fewer than 3 interactions), "
+          f"{stats['users_truncated']} truncated to {args.max_seq_len} items")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_job("prepare", lambda: prepare(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
