@@ -142,6 +142,12 @@ def balance(args: argparse.Namespace) -> int:
         raise InputError(f"input {sequences_path} has {num_samples} samples, fewer than one global batch "
                          f"(world size {spec.world_size} x local batch {spec.local_batch_size} = {g})")
 
+    if spec.token_cap is not None:
+        longest = costs.orderBy(F.col("length").desc(), "user_id").select("user_id", "length").first()
+        if longest["length"] > spec.token_cap:
+            raise InputError(f"--token-cap {spec.token_cap} is below the history of user {longest['user_id']} "
+                             f"({longest['length']} items): no rank can hold it")
+
     plan_started = time.perf_counter()
     if args.control == "mirror":
         num_steps = num_samples // g

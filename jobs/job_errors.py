@@ -26,8 +26,14 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def first_line(exc: BaseException) -> str:
+    """The message's first line; for an error raised inside a Spark task, the original error's line."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    lines = text.splitlines()
+    for marker in ("InfeasibleError: ", "InputError: "):
+        raised = [line for line in lines if marker in line]
+        if raised:
+            return raised[-1].split(marker, 1)[1].strip()
+    return lines[0] if lines else type(exc).__name__
 
 
 def run_job(job: str, body: Callable[[], int | None]) -> int:

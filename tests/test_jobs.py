@@ -1,0 +1,222 @@
+"""The prepare and balance jobs end to end on local Spark (in-process, shared session)."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs import balance, prepare
+from tests.shard_reading import load_manifest, read_all, read_rank
+
+NO_TRACKING = ["--tracking-uri", "none"]
+
+
+@pytest.fixture(scope="module")
+def prepared_ml(spark, movielens_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ml") / "prepared"
+    assert prepare.main(["--input", str(movielens_dir / "ratings.parquet"), "--output", str(out),
+                         *NO_TRACKING]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def prepared_synthetic(spark, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("syn") / "prepared"
+    assert prepare.main(["--output", str(out), "--synthetic-users", "3000", "--synthetic-items", "800",
+                         "--seed", "7", "--max-seq-len", "300", *NO_TRACKING]) == 0
+    return out
+
+
+def run_balance(prepared: Path, out: Path, *extra: str) -> int:
+    return balance.main(["--input", str(prepared), "--output", str(out), *NO_TRACKING, *extra])
+
+
+def test_prepare_movielens_counts(prepared_ml):
+    meta = json.loads((prepared_ml / "prepare.json").read_text())
+    assert meta["sequences"] == 943 and meta["num_items"] == 1682 and meta["interactions"] == 100_000
+    assert meta["users_dropped_short"] == 0 and meta["users_truncated"] == 0
+    # every interaction is a training item or one of the two held-out targets
+    assert meta["training_items"] + 2 * meta["sequences"] == meta["interactions"]
+
+
+def test_balance_movielens_every_sample_once(prepared_ml, tmp_path):
+    out = tmp_path / "shards"
+    assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
+                       "--strategy", "kk", "--window-steps", "4") == 0
+    manifest = load_manifest(out)
+    rows = read_all(out)
+    assert manifest["leftover"] == {"policy": "drop", "samples": 943 % 64}
+    assert manifest["num_samples"] == len(rows) == 943 - 943 % 64
+    assert rows["user_id"].is_unique
+    assert manifest["num_steps"] == 943 // 64 and manifest["num_items"] == 1682
+    # each step holds exactly one global batch
+    assert (rows.groupby("step").size() == 64).all()
+    # the leftover is exactly the users missing from the shards
+    sequences = pq.read_table(prepared_ml / "sequences").to_pandas()
+    assert len(set(sequences["user_id"]) - set(rows["user_id"])) == manifest["leftover"]["samples"]
+    # a shard row carries its sequence unchanged
+    merged = rows.merge(sequences, on="user_id", suffixes=("", "_src"))
+    assert all(np.array_equal(a, b) for a, b in zip(merged["items"], merged["items_src"]))
+    assert (merged["test_item"] == merged["test_item_src"]).all()
+    assert manifest["stats"]["bubble"] < manifest["stats"]["bubble_contiguous"]
+
+
+def test_shards_in_step_order_with_valid_checksums(prepared_ml, tmp_path):
+    out = tmp_path / "shards"
+    assert run_balance(prepared_ml, out, "--world-size", "3", "--local-batch-size", "8") == 0
+    manifest = load_manifest(out)
+    for rank_entry in manifest["ranks"]:
+        frame = read_rank(out, rank_entry["rank"])
+        assert len(frame) == rank_entry["rows"]
+        keys = list(zip(frame["step"], frame["slot"]))
+        assert keys == sorted(keys)
+        for f in rank_entry["files"]:
+            data = (out / f["path"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == f["sha256"] and len(data) == f["bytes"]
+            assert pq.ParquetFile(out / f["path"]).metadata.num_rows == f["rows"]
+
+
+def test_synthetic_equal_counts_and_token_cap(prepared_synthetic, tmp_path):
+    out = tmp_path / "shards"
+    assert run_balance(prepared_synthetic, out, "--world-size", "4", "--local-batch-size", "8",
+                       "--equal-counts", "--token-cap", "4000", "--window-steps", "8") == 0
+    rows = read_all(out)
+    per_rank_step = rows.groupby(["step", "rank"]).agg(n=("user_id", "size"), tokens=("length", "sum"))
+    assert (per_rank_step["n"] == 8).all()
+    assert per_rank_step["tokens"].max() <= 4000
+    assert rows["user_id"].is_unique and len(rows) == 3000 - 3000 % 32
+
+
+def test_keep_leftover_loses_nothing(prepared_ml, tmp_path):
+    out = tmp_path / "shards"
+    assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
+                       "--leftover", "keep") == 0
+    rows = read_all(out)
+    assert len(rows) == 943 and rows["user_id"].is_unique
+    assert load_manifest(out)["leftover"]["samples"] == 0
+
+
+def test_deterministic_for_a_seed(prepared_ml, tmp_path):
+    def assignment(out, seed):
+        assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
+                           "--window-steps", "4", "--seed", seed) == 0
+        return read_all(out).sort_values("user_id")[["user_id", "step", "rank", "slot"]].to_numpy().tolist()
+
+    first = assignment(tmp_path / "a", "3")
+    assert first == assignment(tmp_path / "b", "3")
+    assert first != assignment(tmp_path / "c", "4")
+
+
+def test_mirror_control_gives_every_rank_the_same_samples(prepared_ml, tmp_path):
+    out = tmp_path / "shards"
+    assert run_balance(prepared_ml, out, "--world-size", "3", "--local-batch-size", "8",
+                       "--control", "mirror") == 0
+    rows = read_all(out)
+    manifest = load_manifest(out)
+    assert manifest["control"] == "mirror" and manifest["num_steps"] == 943 // 24
+    by_rank = [read_rank(out, r).groupby("step")["user_id"].apply(list) for r in range(3)]
+    assert by_rank[0].equals(by_rank[1]) and by_rank[0].equals(by_rank[2])
+    assert len(rows) == 3 * 8 * manifest["num_steps"]
+
+
+def assert_one_line_error(capsys, rc: int, *fragments: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.mark.parametrize("flag,value", [("--world-size", "0"), ("--local-batch-size", "-3"),
+                                        ("--window-steps", "0")])
+def test_balance_rejects_non_positive_sizes(prepared_ml, tmp_path, capsys, flag, value):
+    sizes = {"--world-size": "2", "--local-batch-size": "4", "--window-steps": "1", flag: value}
+    rc = run_balance(prepared_ml, tmp_path / "out", *[x for kv in sizes.items() for x in kv])
+    assert_one_line_error(capsys, rc, flag, value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_balance_rejects_bad_cost_model(prepared_ml, tmp_path, capsys):
+    bad = tmp_path / "cost.json"
+    bad.write_text("{not json")
+    rc = run_balance(prepared_ml, tmp_path / "out", "--world-size", "2", "--local-batch-size", "4",
+                     "--cost-model", str(bad))
+    assert_one_line_error(capsys, rc, "cost.json")
+    assert not (tmp_path / "out").exists()
+
+
+def test_balance_refuses_existing_output_without_overwrite(prepared_ml, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    rc = run_balance(prepared_ml, out, "--world-size", "2", "--local-batch-size", "4")
+    assert_one_line_error(capsys, rc, str(out), "--overwrite")
+    assert (out / "keep.txt").read_text() == "precious"
+    assert run_balance(prepared_ml, out, "--world-size", "2", "--local-batch-size", "4", "--overwrite") == 0
+    assert not (out / "keep.txt").exists() and (out / "manifest.json").exists()
+    assert not list(tmp_path.glob("out.*")), "staging or retired directories left behind"
+
+
+def test_balance_infeasible_token_cap_leaves_nothing(prepared_ml, tmp_path, capsys):
+    rc = run_balance(prepared_ml, tmp_path / "out", "--world-size", "2", "--local-batch-size", "4",
+                     "--token-cap", "100")
+    assert_one_line_error(capsys, rc, "100")
+    assert not list(tmp_path.iterdir())
+
+
+def test_balance_rejects_input_without_sequences(spark, tmp_path, capsys):
+    pq.write_table(pa.table({"user_id": ["a"], "foo": [1]}), tmp_path / "x.parquet")
+    rc = run_balance(tmp_path / "x.parquet", tmp_path / "out", "--world-size", "2", "--local-batch-size", "4")
+    assert_one_line_error(capsys, rc, "items")
+    assert not (tmp_path / "out").exists()
+
+
+def test_balance_rejects_too_few_samples(prepared_ml, tmp_path, capsys):
+    rc = run_balance(prepared_ml, tmp_path / "out", "--world-size", "100", "--local-batch-size", "10")
+    assert_one_line_error(capsys, rc, "943", "1000")
+
+
+@pytest.mark.parametrize("case", ["missing_column", "null_user", "null_item", "empty", "no_such_path"])
+def test_prepare_bad_input(spark, tmp_path, capsys, case):
+    src = tmp_path / "in.parquet"
+    table = {"user_id": ["u1", "u2"], "item_id": ["i1", "i2"], "timestamp": [1, 2]}
+    expected = {"missing_column": "timestamp", "null_user": "user_id", "null_item": "item_id",
+                "empty": "in.parquet", "no_such_path": "nowhere"}[case]
+    if case == "missing_column":
+        del table["timestamp"]
+    elif case == "null_user":
+        table["user_id"][1] = None
+    elif case == "null_item":
+        table["item_id"][0] = None
+    elif case == "empty":
+        table = {k: v[:0] for k, v in table.items()}
+    if case == "no_such_path":
+        src = tmp_path / "nowhere.parquet"
+    else:
+        pq.write_table(pa.table(table, schema=pa.schema([(k, pa.int64() if k == "timestamp" else pa.string())
+                                                           for k in table])), src)
+    rc = prepare.main(["--input", str(src), "--output", str(tmp_path / "out"), *NO_TRACKING])
+    assert_one_line_error(capsys, rc, expected)
+    assert not (tmp_path / "out").exists()
+
+
+def test_jobs_log_to_mlflow(prepared_ml, tmp_path):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert balance.main(["--input", str(prepared_ml), "--output", str(tmp_path / "out"), "--world-size", "2",
+                         "--local-batch-size", "16", "--tracking-uri", uri, "--experiment", "jobs-test"]) == 0
+    client = mlflow.tracking.MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("jobs-test").experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    manifest = load_manifest(tmp_path / "out")
+    assert run.data.params["world_size"] == "2" and run.data.params["strategy"] == "kk"
+    assert run.data.metrics["bubble"] == pytest.approx(manifest["stats"]["bubble"])
+    assert run.data.metrics["leftover_samples"] == manifest["leftover"]["samples"]
+    assert run.data.tags["freescale.job"] == "balance"
