@@ -1,0 +1,294 @@
+"""Read user-item interactions from common layouts into one canonical schema.
+
+Canonical schema (``CANONICAL_SCHEMA``)::
+
+    user_id: string, item: string, timestamp: long (unix seconds), rating: float (null when absent)
+
+Everything downstream (vocabulary, sequences, balancing) assumes this schema,
+so every format difference is absorbed here, and bad input fails here with a
+one-line ``InputError`` naming the path and the column or value, instead of
+failing later inside a Spark stage with a JVM stack trace.
+
+Validation costs one aggregate pass over the input (row count, null counts and
+unparseable counts together); nothing but that one-row result reaches the driver.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from py4j.protocol import Py4JJavaError
+from pyspark.errors import PySparkException
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from pipeline.errors import InputError
+
+# Spark reports every column as nullable; validation guarantees user_id, item
+# and timestamp are never null in what read_interactions returns.
+CANONICAL_SCHEMA = T.StructType([
+    T.StructField("user_id", T.StringType()),
+    T.StructField("item", T.StringType()),
+    T.StructField("timestamp", T.LongType()),
+    T.StructField("rating", T.FloatType()),
+])
+
+FORMATS = ("parquet", "csv", "ml-100k", "ml-1m", "ml-csv")
+
+# Raw MovieLens layouts: file name -> (format, separator, header, column names).
+# Headerless layouts get their columns named here so recognition below applies.
+MOVIELENS_LAYOUTS: dict[str, tuple[str, str, bool, tuple[str, ...] | None]] = {
+    "u.data": ("ml-100k", "\t", False, ("user_id", "item_id", "rating", "timestamp")),
+    "ratings.dat": ("ml-1m", "::", False, ("user_id", "item_id", "rating", "timestamp")),
+    "ratings.csv": ("ml-csv", ",", True, None),  # header: userId,movieId,rating,timestamp
+}
+_LAYOUT_BY_FORMAT = {fmt: (name, sep, header, cols) for name, (fmt, sep, header, cols) in MOVIELENS_LAYOUTS.items()}
+
+# Recognised column names, matched case-insensitively, first match wins.
+USER_COLUMNS = ("user_id", "userId", "user", "uid")
+ITEM_COLUMNS = ("item_id", "movie_id", "movieId", "item", "iid")
+TIME_COLUMNS = ("timestamp", "ts", "time", "event_time")
+RATING_COLUMNS = ("rating", "action", "score")
+
+# What Spark raises for unreadable files (missing, corrupt, not the format).
+_READ_ERRORS = (PySparkException, Py4JJavaError)
+
+_INTEGRAL = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
+_FRACTIONAL = (T.FloatType, T.DoubleType, T.DecimalType)
+_DATETIME = (T.TimestampType, T.TimestampNTZType, T.DateType)
+
+
+def read_interactions(
+    spark: SparkSession,
+    path: str | os.PathLike,
+    *,
+    fmt: str | None = None,
+    user_col: str | None = None,
+    item_col: str | None = None,
+    time_col: str | None = None,
+    rating_col: str | None = None,
+) -> DataFrame:
+    """Read interactions at ``path`` and return them in ``CANONICAL_SCHEMA``.
+
+    ``fmt`` is one of ``FORMATS`` or None to detect it from the path. Column
+    names default to the first recognised name (``USER_COLUMNS`` etc.);
+    ``*_col`` arguments override. Raises ``InputError`` on bad input.
+    """
+    fmt, source = _resolve(str(path), fmt)
+    raw = _read_raw(spark, source, fmt)
+    if not raw.columns:
+        raise InputError(f"{source}: empty input (no columns and no rows)")
+
+    user = _pick(raw, source, "user", user_col, USER_COLUMNS, required=True)
+    item = _pick(raw, source, "item", item_col, ITEM_COLUMNS, required=True)
+    time = _pick(raw, source, "timestamp", time_col, TIME_COLUMNS, required=True)
+    rating = _pick(raw, source, "rating", rating_col, RATING_COLUMNS, required=False)
+
+    user_expr = _id_expr(raw, source, user)
+    item_expr = _id_expr(raw, source, item)
+    time_expr = _time_expr(raw, source, time)
+    rating_expr = _rating_expr(raw, source, rating) if rating else F.lit(None).cast("float")
+
+    out = raw.select(
+        user_expr.alias("user_id"),
+        item_expr.alias("item"),
+        time_expr.alias("timestamp"),
+        rating_expr.alias("rating"),
+        # Raw values ride along for validation only, dropped below.
+        _col(time).alias("_raw_time"),
+        (_col(rating) if rating else F.lit(None).cast("string")).alias("_raw_rating"),
+    )
+    _validate(out, source, user, item, time, rating)
+    return out.select(*CANONICAL_SCHEMA.fieldNames())
+
+
+def _resolve(path: str, fmt: str | None) -> tuple[str, str]:
+    """Return (format, concrete path to read), detecting the format when not given."""
+    if fmt is not None and fmt not in FORMATS:
+        raise InputError(f"{path}: unknown format {fmt!r} (expected one of {', '.join(FORMATS)})")
+    local = path.removeprefix("file://")
+    if "://" in local:
+        # Remote filesystems cannot be listed cheaply here; trust the caller or the suffix.
+        return fmt or _format_from_name(path), path
+    p = Path(local)
+    if not p.exists():
+        raise InputError(f"{path}: path does not exist")
+    if p.is_file():
+        return fmt or _format_from_name(path), path
+    # Directory: a MovieLens layout inside it, else a Parquet/CSV dataset directory.
+    if fmt in _LAYOUT_BY_FORMAT:
+        name = _LAYOUT_BY_FORMAT[fmt][0]
+        return fmt, str(p / name) if (p / name).is_file() else path
+    if fmt is None:
+        for name, layout in MOVIELENS_LAYOUTS.items():
+            if (p / name).is_file():
+                return layout[0], str(p / name)
+    if fmt in (None, "parquet") and (p / "ratings.parquet").exists():
+        return "parquet", str(p / "ratings.parquet")
+    if fmt is not None:
+        return fmt, path
+    names = [q.name for q in p.iterdir() if not q.name.startswith((".", "_"))]
+    if any(n.endswith(".parquet") for n in names):
+        return "parquet", path
+    if any(n.endswith(".csv") for n in names):
+        return "csv", path
+    raise InputError(f"{path}: unknown format (no u.data, ratings.dat, ratings.csv, *.parquet or *.csv inside; pass fmt)")
+
+
+def _format_from_name(path: str) -> str:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if name in MOVIELENS_LAYOUTS:
+        return MOVIELENS_LAYOUTS[name][0]
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".csv"):
+        return "csv"
+    raise InputError(f"{path}: unknown format (expected .parquet, .csv, u.data, ratings.dat or ratings.csv; pass fmt)")
+
+
+def _read_raw(spark: SparkSession, path: str, fmt: str) -> DataFrame:
+    try:
+        if fmt == "parquet":
+            return spark.read.parquet(path)
+        # Text formats are read as strings and parsed below, so one code path
+        # decides what a malformed value is and reports it by name.
+        sep, header, cols = ",", True, None
+        if fmt in _LAYOUT_BY_FORMAT:
+            _, sep, header, cols = _LAYOUT_BY_FORMAT[fmt]
+        reader = spark.read.option("sep", sep).option("header", header).option("inferSchema", False)
+        if cols:
+            reader = reader.schema(", ".join(f"{c} string" for c in cols))
+        return reader.csv(path)
+    except _READ_ERRORS as err:
+        raise InputError(f"{path}: cannot read as {fmt}: {_spark_reason(err)}") from None
+
+
+def _spark_reason(err: Exception) -> str:
+    """First line of a Spark error, without the JVM stack trace."""
+    text = err.java_exception.getMessage() if isinstance(err, Py4JJavaError) else str(err)
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(err).__name__
+
+
+def _pick(df: DataFrame, source: str, role: str, explicit: str | None,
+          candidates: tuple[str, ...], *, required: bool) -> str | None:
+    """Actual column name for ``role``: the explicit one, else the first recognised name."""
+    by_lower = {c.lower(): c for c in df.columns}
+    if explicit is not None:
+        if explicit in df.columns:
+            return explicit
+        if explicit.lower() in by_lower:
+            return by_lower[explicit.lower()]
+        raise InputError(f"{source}: {role} column {explicit!r} not found; available columns: {', '.join(df.columns)}")
+    for name in candidates:
+        if name.lower() in by_lower:
+            return by_lower[name.lower()]
+    if not required:
+        return None
+    flag = "--time-col" if role == "timestamp" else f"--{role}-col"
+    raise InputError(
+        f"{source}: missing {role} column (looked for {', '.join(candidates)}; use {flag}); "
+        f"available columns: {', '.join(df.columns)}"
+    )
+
+
+def _col(name: str) -> Column:
+    # Backticks make names with dots or spaces literal instead of struct paths.
+    return F.col("`" + name.replace("`", "``") + "`")
+
+
+def _type_error(source: str, name: str, dtype: T.DataType, expected: str) -> InputError:
+    return InputError(f"{source}: column {name!r} has type {dtype.simpleString()}; expected {expected}")
+
+
+def _id_expr(df: DataFrame, source: str, name: str) -> Column:
+    dtype = df.schema[name].dataType
+    col = _col(name)
+    if isinstance(dtype, (T.StringType, *_INTEGRAL)):
+        return col.cast("string")
+    if isinstance(dtype, _FRACTIONAL):
+        # pandas writes integer ids as float when a column had NaNs: 3.0 must
+        # become "3", and NaN becomes null (reported as a null id).
+        return F.when(~F.isnan(col.cast("double")), col.try_cast("long").cast("string"))
+    raise _type_error(source, name, dtype, "string or integer ids")
+
+
+def _time_expr(df: DataFrame, source: str, name: str) -> Column:
+    dtype = df.schema[name].dataType
+    col = _col(name)
+    if isinstance(dtype, _INTEGRAL):
+        return col.cast("long")
+    if isinstance(dtype, _FRACTIONAL):
+        # try_cast: NaN or out-of-range become null and are reported, not an ANSI stack trace.
+        return F.when(~F.isnan(col.cast("double")), col.try_cast("long"))
+    if isinstance(dtype, _DATETIME):
+        # NTZ and date values are read in the session time zone (UTC for our sessions).
+        return F.unix_seconds(col.cast("timestamp"))
+    if isinstance(dtype, T.StringType):
+        # Integral seconds first (exact for large values), then fractional
+        # seconds, then a datetime string; whatever is left unparsed is an error.
+        return F.coalesce(
+            col.try_cast("long"),
+            col.try_cast("double").cast("long"),
+            F.unix_seconds(F.try_to_timestamp(col)),
+        )
+    raise _type_error(source, name, dtype, "unix seconds (integer), a timestamp, or a string of either")
+
+
+def _rating_expr(df: DataFrame, source: str, name: str) -> Column:
+    dtype = df.schema[name].dataType
+    col = _col(name)
+    if isinstance(dtype, (*_INTEGRAL, *_FRACTIONAL)):
+        return col.cast("float")
+    if isinstance(dtype, T.StringType):
+        return col.try_cast("float")
+    raise _type_error(source, name, dtype, "a number")
+
+
+def _validate(df: DataFrame, source: str, user: str, item: str, time: str, rating: str | None) -> None:
+    """One aggregate pass; raise on the first problem found, most basic first."""
+    def count_if(cond: Column) -> Column:
+        return F.sum(F.when(cond, 1).otherwise(0))
+
+    bad_time = F.col("_raw_time").isNotNull() & F.col("timestamp").isNull()
+    bad_rating = F.col("_raw_rating").isNotNull() & F.col("rating").isNull()
+    aggregate = df.agg(
+        F.count(F.lit(1)).alias("rows"),
+        count_if(F.col("user_id").isNull()).alias("null_users"),
+        count_if(F.col("item").isNull()).alias("null_items"),
+        count_if(F.col("_raw_time").isNull()).alias("null_times"),
+        count_if(bad_time).alias("bad_times"),
+        F.first(F.when(bad_time, F.col("_raw_time").cast("string")), ignorenulls=True).alias("bad_time_example"),
+        count_if(bad_rating).alias("bad_ratings"),
+        F.first(F.when(bad_rating, F.col("_raw_rating").cast("string")), ignorenulls=True).alias("bad_rating_example"),
+    )
+    try:
+        row = aggregate.first()
+    except _READ_ERRORS as err:  # corrupt data pages surface only when rows are read
+        raise InputError(f"{source}: cannot read: {_spark_reason(err)}") from None
+
+    if row["rows"] == 0:
+        raise InputError(f"{source}: empty input (zero rows)")
+    if row["null_users"]:
+        raise InputError(f"{source}: {row['null_users']} of {row['rows']} rows have a null user id in column {user!r}")
+    if row["null_items"]:
+        raise InputError(f"{source}: {row['null_items']} of {row['rows']} rows have a null item in column {item!r}")
+    if row["null_times"]:
+        raise InputError(f"{source}: {row['null_times']} of {row['rows']} rows have a null timestamp in column {time!r}")
+    if row["bad_times"]:
+        raise InputError(
+            f"{source}: column {time!r} has {row['bad_times']} values that are not unix seconds or a timestamp, "
+            f"e.g. {_short(row['bad_time_example'])}"
+        )
+    if row["bad_ratings"]:
+        raise InputError(
+            f"{source}: column {rating!r} has {row['bad_ratings']} non-numeric values, "
+            f"e.g. {_short(row['bad_rating_example'])}"
+        )
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """repr() keeps the message on one line even if the value holds a newline."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...'"
