@@ -1,0 +1,496 @@
+"""ShardReader / collate / build_loader / manifest checks against hand-written shards.
+
+The shards are written here with pyarrow in the layout of the balance job
+(manifest.json + rank=<k>/part-*.parquet, rows in (step, slot) order), with
+small row groups and several files per rank so steps straddle row-group and
+file boundaries.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from training.manifest_check import ShardError, load_manifest, verify_checksums
+from training.shard_reader import (
+    NEXT_STEP_KEY,
+    READ_COLUMNS,
+    ShardReader,
+    StepBatch,
+    StepRows,
+    build_loader,
+    collate_step,
+)
+
+SCHEMA = pa.schema([
+    ("step", pa.int64()), ("slot", pa.int32()), ("user_id", pa.string()),
+    ("items", pa.list_(pa.int32())), ("timestamps", pa.list_(pa.int64())), ("ratings", pa.list_(pa.float32())),
+    ("length", pa.int32()), ("cost", pa.float64()),
+    ("valid_item", pa.int32()), ("valid_timestamp", pa.int64()),
+    ("test_item", pa.int32()), ("test_timestamp", pa.int64()), ("origin_step", pa.int64()),
+])
+
+Row = dict[str, Any]
+
+# Captured before any test patches it, for the tests' own look at the files.
+_READ_ROW_GROUP = pq.ParquetFile.read_row_group
+
+
+def make_rows(rank: int, num_steps: int, local_batch: int, num_items: int, rng: np.random.Generator,
+              empty_steps: set[int], max_len: int) -> list[Row]:
+    rows = []
+    for step in range(num_steps):
+        if step in empty_steps:
+            continue
+        for slot in range(int(rng.integers(1, local_batch + 2))):  # uneven counts, like cost balancing
+            n = int(rng.integers(1, max_len + 1))
+            ts = np.sort(rng.integers(1_000_000, 2_000_000, n)).tolist()
+            kind = rng.integers(0, 3)
+            if kind == 0:
+                ratings = [None] * n  # source without ratings
+            else:
+                ratings = [None if rng.random() < 0.2 else float(rng.choice([0.5, 1.0, 2.5, 3.0, 4.5, 5.0]))
+                           for _ in range(n)]
+            rows.append({
+                "step": step, "slot": slot, "user_id": f"u{rank}-{step}-{slot}",
+                "items": rng.integers(1, num_items + 1, n).tolist(), "timestamps": ts, "ratings": ratings,
+                "length": n, "cost": float(n * n), "valid_item": int(rng.integers(1, num_items + 1)),
+                "valid_timestamp": ts[-1] + 1, "test_item": int(rng.integers(1, num_items + 1)),
+                "test_timestamp": ts[-1] + 2, "origin_step": step,
+            })
+    return rows
+
+
+def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_steps: int = 7,
+                 num_items: int = 40, rows_per_file: int = 7, row_group_size: int = 3, max_len: int = 6,
+                 empty_steps: dict[int, set[int]] | None = None, seed: int = 0,
+                 alter: Callable[[int, list[Row]], None] | None = None) -> Path:
+    """Write a shard directory like the balance job's; returns it."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    ranks = []
+    for rank in range(world_size):
+        rows = make_rows(rank, num_steps, local_batch, num_items, rng, (empty_steps or {}).get(rank, set()), max_len)
+        if alter is not None:
+            alter(rank, rows)
+        rank_dir = root / f"rank={rank}"
+        rank_dir.mkdir()
+        files = []
+        for part, start in enumerate(range(0, len(rows), rows_per_file)):
+            chunk = rows[start:start + rows_per_file]
+            rel = f"rank={rank}/part-{part:05d}-c000.snappy.parquet"
+            pq.write_table(pa.Table.from_pylist(chunk, schema=SCHEMA), root / rel,
+                           row_group_size=row_group_size, write_page_checksum=True)
+            data = (root / rel).read_bytes()
+            files.append({"path": rel, "rows": len(chunk), "bytes": len(data),
+                          "sha256": hashlib.sha256(data).hexdigest()})
+        ranks.append({"rank": rank, "rows": len(rows), "tokens": sum(r["length"] for r in rows),
+                      "cost": sum(r["cost"] for r in rows), "files": files})
+    manifest = {
+        "format": "freescale.shards/1", "world_size": world_size, "local_batch_size": local_batch,
+        "global_batch_size": world_size * local_batch, "num_steps": num_steps, "window_steps": 1,
+        "strategy": "kk", "control": None, "seed": seed, "num_items": num_items,
+        "num_samples": sum(r["rows"] for r in ranks), "leftover": {"policy": "drop", "samples": 0},
+        "cost_model": {"kind": "quadratic"}, "stats": {}, "ranks": ranks,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return root
+
+
+def whole_rank(root: Path, rank: int) -> pa.Table:
+    """The rank's rows read whole, the way tests/shard_reading.py does."""
+    manifest = json.loads((root / "manifest.json").read_text())
+    tables = [pq.read_table(root / f["path"]) for f in manifest["ranks"][rank]["files"]]
+    return pa.concat_tables(tables).select(list(READ_COLUMNS))
+
+
+def reference_batches(root: Path, rank: int) -> list[StepBatch]:
+    """Expected batches built with plain Python loops, independent of collate_step's vectorisation."""
+    manifest = json.loads((root / "manifest.json").read_text())
+    rows = whole_rank(root, rank).to_pylist()
+    out = []
+    for step in range(manifest["num_steps"]):
+        rs = [r for r in rows if r["step"] == step]
+
+        def ints(values: list[Any]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        ratings = [0 if x is None else min(5, max(1, int(np.floor(x + 0.5)))) for r in rs for x in r["ratings"]]
+        out.append(StepBatch(
+            lengths=ints([r["length"] for r in rs]),
+            item_ids=ints([x for r in rs for x in r["items"]]),
+            timestamps=ints([x for r in rs for x in r["timestamps"]]),
+            ratings=ints(ratings),
+            valid_item=ints([r["valid_item"] for r in rs]), test_item=ints([r["test_item"] for r in rs]),
+            valid_timestamp=ints([r["valid_timestamp"] for r in rs]),
+            test_timestamp=ints([r["test_timestamp"] for r in rs]),
+            user_ids=[r["user_id"] for r in rs], step=step))
+    return out
+
+
+def assert_batches_equal(actual: list[StepBatch], expected: list[StepBatch]) -> None:
+    assert [b.step for b in actual] == [b.step for b in expected]
+    for a, e in zip(actual, expected):
+        assert a.user_ids == e.user_ids, a.step
+        for name in ("lengths", "item_ids", "timestamps", "ratings", "valid_item", "test_item",
+                     "valid_timestamp", "test_timestamp"):
+            got, want = getattr(a, name), getattr(e, name)
+            assert got.dtype == torch.int64, name
+            assert torch.equal(got, want), (a.step, name)
+
+
+def reader_for(root: Path, rank: int, world_size: int = 2) -> ShardReader:
+    return ShardReader(root, rank, load_manifest(root, world_size, rank=rank))
+
+
+class ReadLog:
+    """Records every ParquetFile.read_row_group call by the row group's first (step, slot)."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[int, int]] = []
+        self.live_bytes: list[int] = []
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.live_bytes.clear()
+
+
+@pytest.fixture
+def read_log(monkeypatch: pytest.MonkeyPatch) -> ReadLog:
+    log = ReadLog()
+    original = pq.ParquetFile.read_row_group
+
+    def counting(self: pq.ParquetFile, i: int, *args: Any, **kwargs: Any) -> pa.Table:
+        table = original(self, i, *args, **kwargs)
+        log.keys.append((table["step"][0].as_py(), table["slot"][0].as_py()))
+        log.live_bytes.append(pa.total_allocated_bytes())
+        return table
+
+    def forbidden(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the reader must stream row groups, not read whole files")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting)
+    for name in ("read", "read_row_groups", "iter_batches"):
+        monkeypatch.setattr(pq.ParquetFile, name, forbidden)
+    monkeypatch.setattr(pq, "read_table", forbidden)
+    return log
+
+
+def row_groups(root: Path, rank: int) -> list[tuple[tuple[int, int], int]]:
+    """(first (step, slot), last step) of every row group of the rank, in order."""
+    manifest = json.loads((root / "manifest.json").read_text())
+    out = []
+    for f in manifest["ranks"][rank]["files"]:
+        handle = pq.ParquetFile(root / f["path"])
+        for i in range(handle.num_row_groups):
+            t = _READ_ROW_GROUP(handle, i, columns=["step", "slot"])
+            out.append(((t["step"][0].as_py(), t["slot"][0].as_py()), t["step"][-1].as_py()))
+    return out
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Path:
+    # Rank 1 has nothing at steps 0, 3 and 6 (first, middle and last step).
+    return write_shards(tmp_path / "shards", empty_steps={1: {0, 3, 6}})
+
+
+# -- streaming ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_stream_equals_whole_files(shards: Path, rank: int) -> None:
+    items = list(reader_for(shards, rank))
+    assert [it.step for it in items] == list(range(7))  # every step exactly once, empty ones included
+    streamed = pa.concat_tables([it.rows for it in items])
+    assert streamed.to_pylist() == whole_rank(shards, rank).to_pylist()
+    for it in items:
+        assert set(it.rows["step"].to_pylist()) <= {it.step}
+    assert_batches_equal([collate_step(it) for it in items], reference_batches(shards, rank))
+
+
+def test_steps_cross_row_groups_and_files(shards: Path) -> None:
+    # Guard on the fixture: the interesting boundaries must actually occur.
+    groups = row_groups(shards, 0)
+    assert len(groups) >= 6
+    assert any(key[0] == prev_last for (key, _), (_, prev_last) in zip(groups[1:], groups[:-1]))
+    assert len(json.loads((shards / "manifest.json").read_text())["ranks"][0]["files"]) >= 3
+
+
+def test_empty_step_yields_empty_batch(shards: Path) -> None:
+    batches = [collate_step(it) for it in reader_for(shards, 1)]
+    for step in (0, 3, 6):
+        batch = batches[step]
+        assert batch.step == step and len(batch) == 0 and batch.user_ids == []
+        for name in ("lengths", "item_ids", "timestamps", "ratings", "valid_item", "test_item"):
+            tensor = getattr(batch, name)
+            assert tensor.shape == (0,) and tensor.dtype == torch.int64
+    assert all(len(b) > 0 for b in batches if b.step not in (0, 3, 6))
+
+
+def test_collate_is_flat_and_rounds_ratings() -> None:
+    rows = pa.Table.from_pylist([
+        {"step": 4, "slot": 0, "user_id": "a", "items": [3, 1], "timestamps": [10, 11], "ratings": [4.5, None],
+         "length": 2, "cost": 4.0, "valid_item": 7, "valid_timestamp": 12, "test_item": 8, "test_timestamp": 13,
+         "origin_step": 4},
+        {"step": 4, "slot": 1, "user_id": "b", "items": [9, 9, 2], "timestamps": [1, 2, 3],
+         "ratings": [None, None, None], "length": 3, "cost": 9.0, "valid_item": 1, "valid_timestamp": 4,
+         "test_item": 2, "test_timestamp": 5, "origin_step": 4},
+        {"step": 4, "slot": 2, "user_id": "c", "items": [5], "timestamps": [7], "ratings": [0.5],
+         "length": 1, "cost": 1.0, "valid_item": 6, "valid_timestamp": 8, "test_item": 6, "test_timestamp": 9,
+         "origin_step": 4},
+    ], schema=SCHEMA)
+    batch = collate_step(StepRows(4, rows.slice(0)))
+    assert batch.step == 4 and batch.user_ids == ["a", "b", "c"]
+    assert batch.lengths.tolist() == [2, 3, 1]
+    assert batch.item_ids.tolist() == [3, 1, 9, 9, 2, 5]
+    assert batch.timestamps.tolist() == [10, 11, 1, 2, 3, 7]
+    assert batch.ratings.tolist() == [5, 0, 0, 0, 0, 1]  # half rounds up, null -> 0, 0.5 -> 1
+    assert batch.valid_item.tolist() == [7, 1, 6] and batch.test_timestamp.tolist() == [13, 5, 9]
+    # A slice that starts mid-table (as the reader yields) must flatten only its own rows.
+    tail = collate_step(StepRows(4, rows.slice(1, 2)))
+    assert tail.item_ids.tolist() == [9, 9, 2, 5] and tail.lengths.tolist() == [3, 1]
+    moved = batch.to("cpu")
+    assert torch.equal(moved.item_ids, batch.item_ids) and moved.user_ids == batch.user_ids
+
+
+# -- row-group streaming and memory ------------------------------------------
+
+
+def test_reads_each_row_group_once_in_order(shards: Path, read_log: ReadLog) -> None:
+    items = list(reader_for(shards, 0))
+    assert len(items) == 7
+    # read_table/read/iter_batches are forbidden by the fixture; each row group is read once, in order.
+    assert read_log.keys == [key for key, _ in row_groups(shards, 0)]
+
+
+def test_memory_is_bounded_by_a_row_group(tmp_path: Path, read_log: ReadLog) -> None:
+    root = write_shards(tmp_path / "big", world_size=1, num_steps=60, local_batch=6, rows_per_file=100,
+                        row_group_size=8, max_len=200, num_items=1000)
+    read_log.clear()
+    baseline = pa.total_allocated_bytes()
+    steps = 0
+    for item in reader_for(root, 0, world_size=1):
+        collate_step(item)  # what the loader does; the Arrow rows are dropped after
+        steps += 1
+        del item
+    assert steps == 60
+    peak = max(read_log.live_bytes) - baseline
+    groups = len(read_log.keys)
+    read_log.clear()
+    # Measured outside the patched reader: the whole rank decoded, and its largest row group.
+    files = json.loads((root / "manifest.json").read_text())["ranks"][0]["files"]
+    handles = [pq.ParquetFile(root / f["path"]) for f in files]
+    sizes = [_READ_ROW_GROUP(h, i, columns=list(READ_COLUMNS)).nbytes
+             for h in handles for i in range(h.num_row_groups)]
+    whole_bytes, largest = sum(sizes), max(sizes)
+    assert groups >= 30 and whole_bytes > 20 * largest  # the check below is meaningful
+    # Live Arrow memory right after each read: the new row group, the previous one
+    # (a step straddling both) and slack for allocator rounding, never the file.
+    assert peak <= 4 * largest, (peak, largest, whole_bytes)
+
+
+# -- resume ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_resume_after_every_step(shards: Path, read_log: ReadLog, rank: int) -> None:
+    groups = row_groups(shards, rank)
+    read_log.clear()
+    expected = [collate_step(it) for it in reader_for(shards, rank)]
+    assert read_log.keys == [key for key, _ in groups]
+    for k in range(len(expected) + 1):
+        reader = reader_for(shards, rank)
+        for _ in range(k):
+            next(reader)
+        state = json.loads(json.dumps(reader.state_dict()))  # checkpoints are JSON
+        assert state[NEXT_STEP_KEY] == k and len(state) <= 5
+        read_log.clear()
+        resumed = reader_for(shards, rank)
+        resumed.reset(state)
+        rest = [collate_step(it) for it in resumed]
+        assert_batches_equal(rest, expected[k:])
+        # Only row groups still holding rows of steps >= k are read, each once:
+        # no replay of the consumed part of the shard.
+        needed = [key for key, last_step in groups if last_step >= k]
+        assert read_log.keys == needed, (k, read_log.keys, needed)
+
+
+def test_resume_rejects_foreign_state(shards: Path) -> None:
+    reader = reader_for(shards, 0)
+    next(reader)
+    state = reader.state_dict()
+    with pytest.raises(ShardError, match="rank 0"):
+        reader_for(shards, 1).reset(state)
+    with pytest.raises(ShardError, match="does not exist"):
+        reader_for(shards, 0).reset({**state, "row_group_index": 99})
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_loader_state_dict_round_trip(shards: Path, prefetch: int) -> None:
+    expected = reference_batches(shards, 0)
+    loader = build_loader(shards, 0, 2, prefetch=prefetch)
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    fourth = next(it)  # the loader keeps going after a checkpoint
+    assert_batches_equal(first + [fourth], expected[:4])
+
+    restored = build_loader(shards, 0, 2, prefetch=prefetch)
+    restored.load_state_dict(state)
+    assert_batches_equal(list(restored), expected[3:])
+    # The next epoch replays the plan from step 0.
+    assert_batches_equal(list(restored), expected)
+
+
+# -- manifest and file errors ------------------------------------------------
+
+
+def test_missing_manifest(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ShardError, match=f"shard directory {tmp_path / 'empty'}"):
+        load_manifest(tmp_path / "empty", 2)
+    with pytest.raises(ShardError, match="no manifest.json"):
+        build_loader(tmp_path / "empty", 0, 2)
+
+
+def test_world_size_mismatch_names_both(shards: Path) -> None:
+    with pytest.raises(ShardError) as err:
+        build_loader(shards, 0, 3)
+    message = str(err.value)
+    assert "world size 2" in message and "world size 3" in message and "\n" not in message
+
+
+def test_rank_outside_world(shards: Path) -> None:
+    with pytest.raises(ShardError, match="rank 2 is outside world size 2"):
+        build_loader(shards, 2, 2)
+
+
+def test_file_size_mismatch(shards: Path) -> None:
+    manifest = load_manifest(shards, 2)
+    path = shards / manifest["ranks"][1]["files"][1]["path"]
+    with open(path, "ab") as handle:
+        handle.write(b"xx")
+    load_manifest(shards, 2, rank=0)  # only this rank's files are stat'ed
+    with pytest.raises(ShardError, match=f"{path}.*bytes"):
+        build_loader(shards, 1, 2)
+
+
+def test_missing_file(shards: Path) -> None:
+    path = shards / load_manifest(shards, 2)["ranks"][0]["files"][0]["path"]
+    path.unlink()
+    with pytest.raises(ShardError, match=f"{path} of rank 0 is missing"):
+        load_manifest(shards, 2)
+
+
+def test_empty_rank_shard(tmp_path: Path) -> None:
+    root = write_shards(tmp_path / "s", empty_steps={1: set(range(7))})
+    with pytest.raises(ShardError, match=f"rank 1 has an empty shard.*{root}"):
+        build_loader(root, 0, 2)
+
+
+def _corrupt_whole_file(root: Path, rank: int, index: int) -> Path:
+    path = root / load_manifest(root, 2)["ranks"][rank]["files"][index]["path"]
+    size = path.stat().st_size
+    path.write_bytes(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes())
+    return path  # same size, so only reading the file can tell
+
+
+def test_corrupt_parquet_file(shards: Path) -> None:
+    path = _corrupt_whole_file(shards, 0, 1)
+    load_manifest(shards, 2)  # sizes still match
+    with pytest.raises(ShardError, match=f"corrupt Parquet file {path}"):
+        list(reader_for(shards, 0))
+    with pytest.raises(ShardError, match=f"corrupt Parquet file {path}"):
+        list(build_loader(shards, 0, 2))
+    with pytest.raises(ShardError, match=f"{path} has sha256"):
+        build_loader(shards, 0, 2, verify=True)
+
+
+def test_corrupt_data_page(shards: Path) -> None:
+    manifest = load_manifest(shards, 2)
+    verify_checksums(manifest, shards, 0)
+    path = shards / manifest["ranks"][0]["files"][0]["path"]
+    column = pq.read_metadata(path).row_group(1).column(3)  # items of the second row group
+    end = column.data_page_offset + column.total_compressed_size
+    data = bytearray(path.read_bytes())
+    for i in range(end - 6, end - 2):  # inside the page payload, header intact
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=f"corrupt Parquet file {path}: row group 1"):
+        list(reader_for(shards, 0))
+
+
+@pytest.mark.parametrize("bad_id", [41, 0, -3])
+def test_item_id_outside_catalog(tmp_path: Path, bad_id: int) -> None:
+    def alter(rank: int, rows: list[Row]) -> None:
+        if rank == 1:
+            row = next(r for r in rows if r["step"] == 4)
+            row["items"][-1] = bad_id
+
+    root = write_shards(tmp_path / "s", alter=alter)  # num_items = 40
+    reader = reader_for(root, 1)
+    path_pattern = r"rank=1/part-\d+-c000\.snappy\.parquet"
+    with pytest.raises(ShardError, match=f"{path_pattern}: step 4: item id {bad_id} .*outside 1..40"):
+        list(reader)
+    list(reader_for(root, 0))  # the other rank is fine
+
+
+def test_target_id_outside_catalog(tmp_path: Path) -> None:
+    def alter(rank: int, rows: list[Row]) -> None:
+        if rank == 0:
+            rows[-1]["test_item"] = 99
+
+    root = write_shards(tmp_path / "s", alter=alter)
+    with pytest.raises(ShardError, match="step 6: test_item id 99"):
+        list(reader_for(root, 0))
+
+
+def test_rows_out_of_step_order(tmp_path: Path) -> None:
+    def alter(rank: int, rows: list[Row]) -> None:
+        if rank == 0:
+            rows[2], rows[-2] = rows[-2], rows[2]
+
+    root = write_shards(tmp_path / "s", alter=alter)
+    with pytest.raises(ShardError, match="step order"):
+        list(reader_for(root, 0))
+
+
+def test_length_disagrees_with_items(tmp_path: Path) -> None:
+    def alter(rank: int, rows: list[Row]) -> None:
+        if rank == 0:
+            rows[5]["length"] += 1
+
+    root = write_shards(tmp_path / "s", alter=alter)
+    with pytest.raises(ShardError, match="elements but length is"):
+        list(reader_for(root, 0))
+
+
+def test_step_beyond_manifest(tmp_path: Path) -> None:
+    root = write_shards(tmp_path / "s")
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["num_steps"] = 5
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match=r"outside 0\.\.4"):
+        list(reader_for(root, 0))
+
+
+def test_format_and_checksum_helpers(shards: Path) -> None:
+    manifest = load_manifest(shards, 2)
+    for rank in range(2):
+        verify_checksums(manifest, shards, rank)
+    raw = json.loads((shards / "manifest.json").read_text())
+    raw["format"] = "something/2"
+    (shards / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ShardError, match="format 'something/2'"):
+        load_manifest(shards, 2)
+    (shards / "manifest.json").write_text("{not json")
+    with pytest.raises(ShardError, match=f"cannot parse {shards / 'manifest.json'}"):
+        load_manifest(shards, 2)
