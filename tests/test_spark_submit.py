@@ -45,6 +45,8 @@ def test_spark_submit_bad_input_is_one_line(tmp_path):
     run = spark_submit("balance.py", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o"),
                        "--world-size", "2", "--local-batch-size", "4")
     assert run.returncode == 2
-    errors = [l for l in run.stderr.splitlines() if l.startswith("freescale balance: error:")]
+    # spark-submit's PythonRunner merges the driver's stderr into its stdout
+    output = (run.stdout + run.stderr).splitlines()
+    errors = [line for line in output if line.startswith("freescale balance: error:")]
     assert len(errors) == 1 and "missing" in errors[0]
     assert not (tmp_path / "o").exists()
