@@ -65,7 +65,7 @@ def prepare(args: argparse.Namespace) -> int:
     from jobs.hadoop_fs import HadoopFS
     from jobs.tracking import log_job_run, resolve_tracking_uri
     from pipeline.ingest import read_interactions
-    from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences
+    from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences, sequence_stats
     from pipeline.session import build_spark_session
     from pipeline.synthetic import synthetic_interactions
 
@@ -96,27 +96,9 @@ def prepare(args: argparse.Namespace) -> int:
         build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len) \
             .write.parquet(f"{staging}/sequences")
         sequences = spark.read.parquet(f"{staging}/sequences")
-        seq = sequences.agg(
-            F.count(F.lit(1)).alias("users"),
-            F.sum("length").alias("training_items"),
-            F.sum((F.col("num_interactions") - 2 > F.col("length")).cast("long")).alias("truncated"),
-            F.sum(F.col("num_interactions") - 2 - F.col("length")).alias("items_truncated"),
-            F.min("length").alias("min_length"), F.max("length").alias("max_length"),
-            F.expr("percentile_approx(length, 0.5)").alias("median_length"),
-            F.expr("percentile_approx(length, 0.99)").alias("p99_length")).first()
-        stats = {
-            "interactions": counts["interactions"],
-            "users": counts["users"],
-            "num_items": vocab.count(),
-            "sequences": seq["users"],
-            "users_dropped_short": counts["users"] - seq["users"],
-            "users_truncated": seq["truncated"] or 0,
-            "items_truncated": seq["items_truncated"] or 0,
-            "training_items": seq["training_items"] or 0,
-            "min_length": seq["min_length"], "median_length": seq["median_length"],
-            "p99_length": seq["p99_length"], "max_length": seq["max_length"],
-        }
-        if stats["sequences"] == 0:
+        stats = {"input_interactions": counts["interactions"], "input_users": counts["users"],
+                 "num_items": vocab.count(), **sequence_stats(sequences, interactions)}
+        if stats["users"] == 0:
             raise InputError(f"input {source.get('uri', 'synthetic')}: no user has the 3 interactions "
                              "a leave-one-out split needs")
         meta = {"format": PREPARE_FORMAT, "source": source, "max_seq_len": args.max_seq_len, **stats}
@@ -129,7 +111,7 @@ def prepare(args: argparse.Namespace) -> int:
                  "job_seconds": time.perf_counter() - started},
         tags={"freescale.output": output_uri, "freescale.data": source.get("uri", "synthetic")},
         artifacts={"prepare.json": json.dumps(meta, indent=2)})
-    print(f"freescale prepare: {stats['sequences']} sequences over {stats['num_items']} items to {output_uri}; "
+    print(f"freescale prepare: {stats['users']} sequences over {stats['num_items']} items to {output_uri}; "
           f"{stats['users_dropped_short']} users dropped (fewer than 3 interactions), "
           f"{stats['users_truncated']} truncated to {args.max_seq_len} items")
     return 0

@@ -38,10 +38,10 @@ def run_balance(prepared: Path, out: Path, *extra: str) -> int:
 
 def test_prepare_movielens_counts(prepared_ml):
     meta = json.loads((prepared_ml / "prepare.json").read_text())
-    assert meta["sequences"] == 943 and meta["num_items"] == 1682 and meta["interactions"] == 100_000
+    assert meta["users"] == 943 and meta["num_items"] == 1682 and meta["input_interactions"] == 100_000
     assert meta["users_dropped_short"] == 0 and meta["users_truncated"] == 0
     # every interaction is a training item or one of the two held-out targets
-    assert meta["training_items"] + 2 * meta["sequences"] == meta["interactions"]
+    assert meta["train_interactions"] + 2 * meta["users"] == meta["input_interactions"]
 
 
 def test_balance_movielens_every_sample_once(prepared_ml, tmp_path):
