@@ -1,0 +1,481 @@
+"""Tests for the HSTU encoder, the sequential recommender, its loss and its metrics.
+
+All single-process on CPU: the item table is built on CPU with
+``build_local_model`` (no DistributedModelParallel).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training.hstu import AttentionPlan, HSTUConfig, HSTUEncoder, HSTULayer, log_bucket
+from training.jagged import (
+    group_by_length,
+    jagged_concat_last,
+    next_item_positions,
+    offsets_from_lengths,
+)
+from training.losses import sampled_softmax_loss
+from training.metrics import (
+    RetrievalMetrics,
+    metrics_from_ranks,
+    most_popular_baseline,
+    retrieval_metrics,
+    target_ranks,
+)
+from training.model import (
+    FEATURE_KEYS,
+    ITEM_TABLE,
+    ModelConfig,
+    SequenceBatch,
+    build_local_model,
+    build_model,
+)
+
+NUM_ITEMS = 40
+SMALL = HSTUConfig(embedding_dim=16, num_layers=2, num_heads=2, attention_dim=8, linear_dim=8, dropout=0.0, max_seq_len=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy shared
+    2-core machine OpenMP threads waiting on each other made steps 10-50x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def random_batch(lengths: list[int], num_items: int = NUM_ITEMS, seed: int = 0) -> SequenceBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths_t = torch.tensor(lengths, dtype=torch.int64)
+    total = int(lengths_t.sum())
+    batch_size = len(lengths)
+    gaps = torch.randint(1, 100_000, (total,), generator=g)
+    return SequenceBatch(
+        lengths=lengths_t,
+        item_ids=torch.randint(1, num_items + 1, (total,), generator=g),
+        timestamps=1_000_000_000 + torch.cumsum(gaps, 0),
+        ratings=torch.randint(0, 6, (total,), generator=g),
+        valid_item=torch.randint(1, num_items + 1, (batch_size,), generator=g),
+        test_item=torch.randint(1, num_items + 1, (batch_size,), generator=g),
+        valid_timestamp=torch.full((batch_size,), 2_000_000_000),
+        test_timestamp=torch.full((batch_size,), 2_000_000_100),
+        user_ids=[f"u{i}" for i in range(batch_size)],
+        step=0,
+    )
+
+
+def encoder_inputs(lengths: list[int], dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    offsets = offsets_from_lengths(torch.tensor(lengths))
+    total = int(offsets[-1])
+    values = torch.randn(total, dim, generator=g)
+    timestamps = torch.cumsum(torch.randint(1, 10_000, (total,), generator=g), 0)
+    return values, offsets, timestamps
+
+
+def small_model(**overrides) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_local_model(NUM_ITEMS, ModelConfig(hstu=SMALL, **overrides))
+
+
+# ---------------------------------------------------------------- jagged utils
+
+
+def test_next_item_positions_skip_last_row_of_each_sample() -> None:
+    offsets = offsets_from_lengths(torch.tensor([3, 1, 0, 2]))
+    queries, targets = next_item_positions(offsets)
+    assert queries.tolist() == [0, 1, 4]
+    assert targets.tolist() == [1, 2, 5]
+
+
+def test_group_by_length_covers_every_row_once_without_padding() -> None:
+    offsets = offsets_from_lengths(torch.tensor([4, 2, 0, 4, 1]))
+    groups = group_by_length(offsets)
+    assert sorted((g.length, g.rows.shape[0]) for g in groups) == [(1, 1), (2, 1), (4, 2)]
+    rows = torch.cat([g.rows.flatten() for g in groups])
+    assert sorted(rows.tolist()) == list(range(11))
+
+
+def test_jagged_concat_last_appends_one_row_per_sample() -> None:
+    offsets = offsets_from_lengths(torch.tensor([2, 1]))
+    values, new_offsets = jagged_concat_last(torch.tensor([10, 11, 20]), offsets, torch.tensor([12, 21]))
+    assert values.tolist() == [10, 11, 12, 20, 21]
+    assert new_offsets.tolist() == [0, 3, 5]
+
+
+def test_log_bucket_is_monotone_and_bounded() -> None:
+    distances = torch.arange(0, 5000)
+    buckets = log_bucket(distances, 64, 1024)
+    assert buckets[0] == 0 and buckets[1] > 0
+    assert bool((buckets[1:] >= buckets[:-1]).all())
+    assert int(buckets.max()) == 63
+    # Small distances, which matter most, stay in distinct buckets.
+    assert len(set(buckets[:6].tolist())) == 6
+
+
+# -------------------------------------------------------------------- encoder
+
+
+def test_encoder_output_shape_and_unit_norm() -> None:
+    torch.manual_seed(0)
+    encoder = HSTUEncoder(SMALL).eval()
+    values, offsets, timestamps = encoder_inputs([5, 1, 7], SMALL.embedding_dim)
+    out = encoder(values, offsets, timestamps)
+    assert out.shape == values.shape
+    torch.testing.assert_close(out.norm(dim=-1), torch.ones(13))
+
+
+def test_encoder_rejects_mismatched_jagged_shapes() -> None:
+    encoder = HSTUEncoder(SMALL)
+    values, offsets, timestamps = encoder_inputs([3, 2], SMALL.embedding_dim)
+    with pytest.raises(ValueError, match="jagged shapes"):
+        encoder(values[:-1], offsets, timestamps[:-1])
+
+
+@pytest.mark.parametrize("block_size", [128, 4])
+def test_jagged_batch_equals_each_sample_alone(block_size: int) -> None:
+    """No padding leakage: a sample's outputs do not depend on its batch-mates."""
+    torch.manual_seed(0)
+    encoder = HSTUEncoder(HSTUConfig(**{**SMALL.__dict__, "attention_block_size": block_size})).eval()
+    lengths = [5, 1, 9, 5, 12, 3]  # a repeated length exercises the grouped path
+    values, offsets, timestamps = encoder_inputs(lengths, SMALL.embedding_dim)
+    with torch.no_grad():
+        batched = encoder(values, offsets, timestamps)
+        for i, length in enumerate(lengths):
+            rows = slice(int(offsets[i]), int(offsets[i + 1]))
+            alone = encoder(values[rows], torch.tensor([0, length]), timestamps[rows])
+            torch.testing.assert_close(batched[rows], alone, rtol=1e-5, atol=1e-5)
+
+
+def reference_hstu_layer(layer: HSTULayer, x: torch.Tensor, t: torch.Tensor, config: HSTUConfig) -> torch.Tensor:
+    """The paper's formula for one sample, written densely and independently of the jagged code."""
+    n, heads = x.shape[0], config.num_heads
+    dq, dv = config.attention_dim, config.linear_dim
+    projected = F.silu(layer.uvqk(layer.input_norm(x)))
+    u, v, q, k = torch.split(projected, [heads * dv, heads * dv, heads * dq, heads * dq], dim=-1)
+    outputs = []
+    for h in range(heads):
+        qh, kh, vh = q[:, h * dq:(h + 1) * dq], k[:, h * dq:(h + 1) * dq], v[:, h * dv:(h + 1) * dv]
+        attention = torch.zeros(n, n)
+        for i in range(n):
+            for j in range(i + 1):
+                position_bucket = log_bucket(torch.tensor(i - j), config.num_position_buckets, config.max_seq_len)
+                time_bucket = log_bucket((t[i] - t[j]).abs(), config.num_time_buckets, config.max_time_gap_seconds)
+                bias = (layer.relative_bias.position_bias.weight[position_bucket, h]
+                        + layer.relative_bias.time_bias.weight[time_bucket, h])
+                attention[i, j] = F.silu(qh[i] @ kh[j] + bias) / n
+        outputs.append(attention @ vh)
+    attended = torch.cat(outputs, dim=-1)
+    return x + layer.output(layer.attention_norm(attended) * u)
+
+
+@pytest.mark.parametrize("block_size", [128, 4])  # 4: the 6-long sample spans two row blocks
+def test_layer_matches_dense_reference_formula(block_size: int) -> None:
+    config = HSTUConfig(**{**SMALL.__dict__, "attention_block_size": block_size})
+    torch.manual_seed(0)
+    layer = HSTULayer(config).eval()
+    with torch.no_grad():
+        # Make the relative bias large enough that a wrong bucket would show.
+        layer.relative_bias.position_bias.weight.normal_(std=1.0)
+        layer.relative_bias.time_bias.weight.normal_(std=1.0)
+    lengths = [6, 3]
+    values, offsets, timestamps = encoder_inputs(lengths, SMALL.embedding_dim)
+    with torch.no_grad():
+        plan = AttentionPlan.build(offsets, timestamps, config)
+        out = layer(values[plan.order], plan)[plan.inverse]
+        for i in range(len(lengths)):
+            rows = slice(int(offsets[i]), int(offsets[i + 1]))
+            expected = reference_hstu_layer(layer, values[rows], timestamps[rows], config)
+            torch.testing.assert_close(out[rows], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_is_causal() -> None:
+    """Changing positions after t (items, times) leaves outputs at <= t unchanged."""
+    torch.manual_seed(0)
+    encoder = HSTUEncoder(SMALL).eval()
+    values, offsets, timestamps = encoder_inputs([10, 6], SMALL.embedding_dim)
+    changed_values, changed_times = values.clone(), timestamps.clone()
+    cut = 6  # first sample: positions 0..5 kept, 6..9 changed
+    changed_values[cut:10] = torch.randn(10 - cut, SMALL.embedding_dim)
+    changed_times[cut:10] += 12345
+    with torch.no_grad():
+        before = encoder(values, offsets, timestamps)
+        after = encoder(changed_values, offsets, changed_times)
+    torch.testing.assert_close(before[:cut], after[:cut])
+    assert not torch.allclose(before[cut:10], after[cut:10])
+    torch.testing.assert_close(before[10:], after[10:])  # the other sample is untouched
+
+
+def test_model_is_causal_in_item_ids_and_ratings() -> None:
+    model = small_model().eval()
+    batch = random_batch([8, 3])
+    changed = random_batch([8, 3])
+    changed.item_ids, changed.ratings = batch.item_ids.clone(), batch.ratings.clone()
+    changed.timestamps = batch.timestamps
+    changed.item_ids[5:8] = (batch.item_ids[5:8] % NUM_ITEMS) + 1
+    changed.ratings[5:8] = (batch.ratings[5:8] + 1) % 6
+    with torch.no_grad():
+        before, after = model.encode(batch), model.encode(changed)
+    torch.testing.assert_close(before[:5], after[:5])
+    assert not torch.allclose(before[5:8], after[5:8])
+    torch.testing.assert_close(before[8:], after[8:])
+
+
+def test_max_seq_len_normalisation_makes_prefix_outputs_exact() -> None:
+    """With a constant divisor, position t of a long sequence equals the last output of its prefix."""
+    config = HSTUConfig(**{**SMALL.__dict__, "attention_normalization": "max_seq_len"})
+    torch.manual_seed(0)
+    encoder = HSTUEncoder(config).eval()
+    values, offsets, timestamps = encoder_inputs([9], config.embedding_dim)
+    with torch.no_grad():
+        full = encoder(values, offsets, timestamps)
+        prefix = encoder(values[:4], torch.tensor([0, 4]), timestamps[:4])
+    torch.testing.assert_close(full[:4], prefix)
+
+
+def test_config_rejects_unknown_normalisation() -> None:
+    with pytest.raises(ValueError, match="attention_normalization"):
+        HSTUConfig(attention_normalization="padded")
+
+
+# ---------------------------------------------------------------------- model
+
+
+def test_build_model_leaves_table_on_meta_for_sharding() -> None:
+    model = build_model(NUM_ITEMS, ModelConfig(hstu=SMALL), device="cpu")
+    table = model.embedding_collection.embeddings[ITEM_TABLE]
+    assert table.weight.device.type == "meta"
+    assert table.weight.shape == (NUM_ITEMS + 1, SMALL.embedding_dim)
+    assert next(model.encoder.parameters()).device.type == "cpu"
+
+
+def test_features_kjt_has_item_and_negative_keys() -> None:
+    batch = random_batch([3, 2])
+    kjt = batch.features(torch.tensor([7, 8, 9]))
+    assert kjt.keys() == FEATURE_KEYS
+    assert kjt["item"].values().tolist() == batch.item_ids.tolist()
+    assert kjt["item"].lengths().tolist() == [3, 2]
+    # Shared negatives spread over the batch's slots: a KJT needs one stride for all keys.
+    assert kjt["negative"].values().tolist() == [7, 8, 9]
+    assert kjt["negative"].lengths().tolist() == [2, 1]
+
+
+def test_batch_to_moves_every_tensor() -> None:
+    batch = random_batch([2, 2]).to("meta")
+    assert all(t.device.type == "meta" for t in (batch.lengths, batch.item_ids, batch.timestamps, batch.ratings,
+                                                  batch.valid_item, batch.test_item, batch.valid_timestamp,
+                                                  batch.test_timestamp))
+    assert batch.user_ids == ["u0", "u1"]
+
+
+def test_forward_shapes_and_finite_loss() -> None:
+    model = small_model()
+    batch = random_batch([5, 1, 7, 3])
+    loss, stats = model(batch, num_negatives=16)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert stats["num_targets"].item() == (5 - 1) + 0 + (7 - 1) + (3 - 1)
+    assert stats["num_negatives"].item() >= 16
+    loss.backward()
+    table = model.embedding_collection.embeddings[ITEM_TABLE].weight
+    assert table.grad is not None and torch.isfinite(table.grad).all()
+    assert all(p.grad is not None for p in model.encoder.parameters())
+
+
+def test_forward_handles_batch_without_targets() -> None:
+    model = small_model()
+    loss, stats = model(random_batch([1, 1]), num_negatives=4)
+    assert loss.item() == 0.0
+    loss.backward()
+
+
+def test_all_item_embeddings_match_table_in_any_chunking() -> None:
+    model = small_model()
+    table = model.embedding_collection.embeddings[ITEM_TABLE].weight.detach()
+    for chunk_size in (7, 1000):
+        embeddings = model.all_item_embeddings(chunk_size=chunk_size)
+        assert embeddings.shape == (NUM_ITEMS + 1, SMALL.embedding_dim)
+        torch.testing.assert_close(embeddings[1:], F.normalize(table[1:], dim=-1))
+        assert embeddings[0].abs().sum() == 0
+
+
+def test_test_queries_encode_history_followed_by_valid_item() -> None:
+    model = small_model().eval()
+    batch = random_batch([4, 2])
+    extended = random_batch([5, 3])
+    extended.item_ids, _ = jagged_concat_last(batch.item_ids, batch.offsets, batch.valid_item)
+    extended.timestamps, _ = jagged_concat_last(batch.timestamps, batch.offsets, batch.valid_timestamp)
+    extended.ratings, _ = jagged_concat_last(batch.ratings, batch.offsets, torch.zeros(2, dtype=torch.int64))
+    with torch.no_grad():
+        torch.testing.assert_close(model.score_queries(batch, "test"), model.score_queries(extended, "valid"))
+
+
+def test_evaluate_returns_sums_over_the_batch() -> None:
+    model = small_model().eval()
+    batch = random_batch([4, 2, 6])
+    result = model.evaluate(batch, model.all_item_embeddings(), use="valid", exclude_history=True)
+    assert result.count == 3
+    assert 0 <= result.hit_sum <= 3 and 0 < result.reciprocal_rank_sum <= 3
+
+
+def synthetic_sequences(num_users: int, length: int, seed: int) -> SequenceBatch:
+    """Each user walks the catalog in steps of +1 from a random start: next item is predictable."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, NUM_ITEMS, (num_users, 1), generator=g)
+    items = (starts + torch.arange(length)) % NUM_ITEMS + 1
+    batch = random_batch([length] * num_users, seed=seed)
+    batch.item_ids = items.flatten()
+    return batch
+
+
+def test_loss_decreases_with_adam() -> None:
+    model = small_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
+    batch = synthetic_sequences(num_users=16, length=12, seed=1)
+    losses = []
+    for _ in range(50):
+        optimizer.zero_grad()
+        loss, _ = model(batch, num_negatives=16)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.5 * first, f"loss did not fall enough: {first:.3f} -> {last:.3f}"
+
+
+def test_full_softmax_equals_cross_entropy_over_catalog() -> None:
+    model = small_model().eval()
+    batch = random_batch([6, 4])
+    with torch.no_grad():
+        loss, _ = model(batch, full_softmax=True)
+        # Independent computation: encoder outputs against every normalised item.
+        offsets = batch.offsets
+        items = model.embedding_collection.embeddings[ITEM_TABLE].weight
+        x = model._input_embeddings(items[batch.item_ids], batch.ratings)
+        hidden = model.encoder(x, offsets, batch.timestamps)
+        queries, targets = next_item_positions(offsets)
+        logits = hidden[queries] @ F.normalize(items[1:], dim=-1).t() / model.config.temperature
+        expected = F.cross_entropy(logits, batch.item_ids[targets] - 1)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------- losses
+
+
+def test_accidental_hits_are_masked() -> None:
+    torch.manual_seed(0)
+    query = F.normalize(torch.randn(3, 8), dim=-1)
+    positive = F.normalize(torch.randn(3, 8), dim=-1)
+    negatives = F.normalize(torch.randn(4, 8), dim=-1)
+    positive_ids = torch.tensor([5, 6, 7])
+    negative_ids = torch.tensor([1, 5, 2, 3])  # id 5 is query 0's target
+    loss, stats = sampled_softmax_loss(query, positive, negatives, positive_ids, negative_ids, 0.1)
+    assert stats["accidental_hits"].item() == 1
+    # By hand: query 0 without negative 1, queries 1 and 2 with all negatives.
+    per_query = []
+    for i in range(3):
+        keep = negative_ids != positive_ids[i]
+        logits = torch.cat([(query[i] * positive[i]).sum().view(1), negatives[keep] @ query[i]]) / 0.1
+        per_query.append(-torch.log_softmax(logits, 0)[0])
+    torch.testing.assert_close(loss, torch.stack(per_query).mean())
+    # Without masking the hit the loss would differ (sanity check of the test itself).
+    unmasked, _ = sampled_softmax_loss(query, positive, negatives, positive_ids, torch.tensor([1, 9, 2, 3]), 0.1)
+    assert not torch.allclose(loss, unmasked)
+
+
+def test_in_batch_negatives_never_include_own_target_unmasked() -> None:
+    """Every query's own target is among the in-batch negatives, so hits >= number of targets."""
+    model = small_model()
+    _, stats = model(random_batch([5, 4]), num_negatives=0)
+    assert stats["accidental_hits"].item() >= stats["num_targets"].item()
+
+
+# ------------------------------------------------------------------- metrics
+
+
+def test_metrics_from_ranks_hand_computed() -> None:
+    result = metrics_from_ranks(torch.tensor([0, 2, 12]), k=10)
+    assert result.count == 3
+    assert result.hit_sum == 2
+    assert result.ndcg_sum == pytest.approx(1.0 + 1.0 / math.log2(4))  # rank 2 -> 1/log2(4) = 0.5
+    assert result.reciprocal_rank_sum == pytest.approx(1.0 + 1.0 / 3 + 1.0 / 13)
+    means = result.means()
+    assert means["hr@10"] == pytest.approx(2 / 3)
+    assert means["ndcg@10"] == pytest.approx(0.5)
+    assert means["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 13) / 3)
+
+
+def test_retrieval_metrics_hand_computed_ranks() -> None:
+    # 1-d embeddings make scores = query * item; items 1..5 score 1..5 for query +1.
+    items = torch.tensor([[100.0], [1.0], [2.0], [3.0], [4.0], [5.0]])  # row 0 is padding, never ranked
+    query = torch.tensor([[1.0], [1.0], [-1.0]])
+    targets = torch.tensor([5, 3, 5])
+    result = retrieval_metrics(query, items, targets, k=2)
+    # Ranks: 0 (best), 2 (items 5 and 4 above), 4 (query -1 reverses the order).
+    assert result.hit_sum == 1
+    assert result.ndcg_sum == pytest.approx(1.0)
+    assert result.reciprocal_rank_sum == pytest.approx(1 + 1 / 3 + 1 / 5)
+    # Chunking queries does not change sums.
+    chunked = retrieval_metrics(query, items, targets, k=2, query_chunk_size=1)
+    assert chunked == result
+
+
+def test_exclude_removes_items_but_never_the_target() -> None:
+    scores = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    target = torch.tensor([3])
+    assert target_ranks(scores, target).tolist() == [2]
+    exclude = (torch.tensor([3]), torch.tensor([5, 4, 3]))  # lists the target too
+    assert target_ranks(scores, target, exclude).tolist() == [0]
+
+
+def test_ties_count_against_the_target() -> None:
+    scores = torch.zeros(1, 6)  # a collapsed model: every item scores the same
+    assert target_ranks(scores, torch.tensor([2])).tolist() == [4]
+
+
+def test_metrics_sums_combine_like_an_all_reduce() -> None:
+    a = metrics_from_ranks(torch.tensor([0, 5]))
+    b = metrics_from_ranks(torch.tensor([20]))
+    combined = RetrievalMetrics.from_tensor(a.to_tensor() + b.to_tensor())
+    assert combined == a + b == metrics_from_ranks(torch.tensor([0, 5, 20]))
+
+
+def test_most_popular_baseline_hand_computed() -> None:
+    # Counts: item 3 x3, item 1 x2, items 2 and 4 x1 (tie broken by id), item 5 never.
+    train = torch.tensor([3, 3, 3, 1, 1, 2, 4])
+    targets = torch.tensor([3, 4, 5, 2])
+    result = most_popular_baseline(train, num_items=5, target_ids=targets, k=3)
+    # Order 3, 1, 2, 4, 5 -> ranks 0, 3, 4, 2.
+    assert result.hit_sum == 2
+    assert result.ndcg_sum == pytest.approx(1.0 + 1.0 / math.log2(4))
+    assert result.reciprocal_rank_sum == pytest.approx(1 + 1 / 4 + 1 / 5 + 1 / 3)
+    excluded = most_popular_baseline(train, 5, torch.tensor([4]), k=3, exclude=(torch.tensor([2]), torch.tensor([3, 1])))
+    assert excluded.reciprocal_rank_sum == pytest.approx(1 / 2)  # only item 2 left above item 4
+
+
+# --------------------------------------------------------------- determinism
+
+
+def test_same_seed_same_model_and_loss() -> None:
+    batch = random_batch([6, 3, 4])
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        model = small_model(**{})  # seeds 0 before building
+        torch.manual_seed(1)
+        loss, _ = model(batch, num_negatives=8)
+        loss.backward()
+        return loss.detach(), model.embedding_collection.embeddings[ITEM_TABLE].weight.grad.clone()
+
+    loss_a, grad_a = run()
+    loss_b, grad_b = run()
+    assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
+
+    model = small_model()
+    first = model.sample_negatives(8, torch.device("cpu"), torch.Generator().manual_seed(3))
+    second = model.sample_negatives(8, torch.device("cpu"), torch.Generator().manual_seed(3))
+    assert torch.equal(first, second)
+    assert int(first.min()) >= 1 and int(first.max()) <= NUM_ITEMS

@@ -1,0 +1,183 @@
+"""Full-catalog retrieval metrics (HR@k, NDCG@k, MRR) and a most-popular baseline.
+
+Metrics are returned as sums plus a count so every rank can evaluate its own
+users and one ``all_reduce`` of ``RetrievalMetrics.to_tensor()`` combines them;
+averaging per-rank means would weight ranks, not users.
+
+Ranking is against every item id ``1..num_items``; id 0 is padding and never
+ranked. A target's rank is the number of other candidates scoring ``>=`` it
+(ties count against the target), so a collapsed model that scores everything
+equally gets rank ``num_items - 1``, not a flattering rank 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+ExcludeIds = tuple[torch.Tensor, torch.Tensor]
+"""Jagged ids to drop from each query's ranking: ``(lengths [B], ids [sum(lengths)])``."""
+
+
+@dataclass
+class RetrievalMetrics:
+    """Sums of per-query HR@k, NDCG@k and reciprocal rank, and how many queries."""
+
+    hit_sum: float = 0.0
+    ndcg_sum: float = 0.0
+    reciprocal_rank_sum: float = 0.0
+    count: float = 0.0
+    k: int = 10
+
+    def __add__(self, other: "RetrievalMetrics") -> "RetrievalMetrics":
+        if self.k != other.k:
+            raise ValueError(f"cannot add metrics at k={self.k} and k={other.k}")
+        return RetrievalMetrics(
+            self.hit_sum + other.hit_sum,
+            self.ndcg_sum + other.ndcg_sum,
+            self.reciprocal_rank_sum + other.reciprocal_rank_sum,
+            self.count + other.count,
+            self.k,
+        )
+
+    def to_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[4]`` float64 (hit, ndcg, rr sums, count), ready for ``all_reduce(SUM)``."""
+        return torch.tensor(
+            [self.hit_sum, self.ndcg_sum, self.reciprocal_rank_sum, self.count],
+            dtype=torch.float64,
+            device=device,
+        )
+
+    @classmethod
+    def from_tensor(cls, sums: torch.Tensor, k: int = 10) -> "RetrievalMetrics":
+        hit, ndcg, rr, count = (float(x) for x in sums.tolist())
+        return cls(hit, ndcg, rr, count, k)
+
+    def means(self) -> dict[str, float]:
+        """``{"hr@k", "ndcg@k", "mrr", "count"}``; NaN means with no queries."""
+        n = self.count
+        mean = (lambda s: s / n) if n > 0 else (lambda s: math.nan)
+        return {
+            f"hr@{self.k}": mean(self.hit_sum),
+            f"ndcg@{self.k}": mean(self.ndcg_sum),
+            "mrr": mean(self.reciprocal_rank_sum),
+            "count": n,
+        }
+
+
+def metrics_from_ranks(ranks: torch.Tensor, k: int = 10) -> RetrievalMetrics:
+    """Sum HR@k, NDCG@k and reciprocal rank over 0-based ranks."""
+    ranks = ranks.to(torch.float64)
+    in_top_k = ranks < k
+    # One relevant item per query, so IDCG = 1 and NDCG = 1 / log2(rank + 2).
+    ndcg = torch.where(in_top_k, 1.0 / torch.log2(ranks + 2.0), torch.zeros_like(ranks))
+    return RetrievalMetrics(
+        hit_sum=float(in_top_k.sum()),
+        ndcg_sum=float(ndcg.sum()),
+        reciprocal_rank_sum=float((1.0 / (ranks + 1.0)).sum()),
+        count=float(ranks.numel()),
+        k=k,
+    )
+
+
+def target_ranks(
+    scores: torch.Tensor,
+    target_ids: torch.Tensor,
+    exclude: ExcludeIds | None = None,
+) -> torch.Tensor:
+    """0-based rank of each target among ids ``1..N`` given ``[B, N+1]`` scores.
+
+    Column 0 (padding) and excluded ids are dropped; the target itself is never
+    excluded, even if listed.
+    """
+    num_candidates = scores.shape[1]
+    if target_ids.numel() and (int(target_ids.min()) < 1 or int(target_ids.max()) >= num_candidates):
+        raise ValueError(f"target ids must be in 1..{num_candidates - 1}")
+    targets = target_ids.unsqueeze(1)
+    scores = scores.clone()
+    target_scores = scores.gather(1, targets)
+    scores[:, 0] = float("-inf")
+    if exclude is not None:
+        lengths, ids = exclude
+        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=scores.device), lengths)
+        scores[rows, ids] = float("-inf")
+        scores.scatter_(1, targets, target_scores)
+    # Ties with other candidates count as ranked above the target; "- 1" drops
+    # the target itself.
+    return (scores >= target_scores).sum(dim=1) - 1
+
+
+def _slice_exclude(exclude: ExcludeIds | None, start: int, stop: int) -> ExcludeIds | None:
+    if exclude is None:
+        return None
+    lengths, ids = exclude
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return lengths[start:stop], ids[int(offsets[start]):int(offsets[stop])]
+
+
+def retrieval_metrics(
+    query: torch.Tensor,
+    all_item_embeddings: torch.Tensor,
+    target_ids: torch.Tensor,
+    k: int = 10,
+    exclude: ExcludeIds | None = None,
+    query_chunk_size: int = 256,
+) -> RetrievalMetrics:
+    """HR@k, NDCG@k and MRR of ``target_ids`` ranked against the whole catalog.
+
+    Args:
+        query: ``[B, D]`` query embeddings.
+        all_item_embeddings: ``[num_items + 1, D]``; row ``i`` is item id ``i``
+            (row 0, padding, is ignored).
+        target_ids: ``[B]`` ids in ``1..num_items``.
+        k: cut-off for HR and NDCG (MRR is not truncated).
+        exclude: optional jagged ids per query to remove from the ranking
+            (e.g. already-seen items).
+        query_chunk_size: queries scored at once; bounds the ``[chunk, num_items]``
+            score matrix for large catalogs.
+    """
+    total = RetrievalMetrics(k=k)
+    for start in range(0, query.shape[0], query_chunk_size):
+        stop = min(start + query_chunk_size, query.shape[0])
+        scores = query[start:stop] @ all_item_embeddings.t()
+        ranks = target_ranks(scores, target_ids[start:stop], _slice_exclude(exclude, start, stop))
+        total = total + metrics_from_ranks(ranks, k)
+    return total
+
+
+def popularity_scores(train_item_ids: torch.Tensor, num_items: int) -> torch.Tensor:
+    """``[num_items + 1]`` tie-free scores: more frequent first, then lower id.
+
+    Ties broken by id rather than left as ties, because ``target_ranks`` counts
+    ties against the target and most items in a long tail share a count.
+    """
+    counts = torch.bincount(train_item_ids.to(torch.int64).flatten(), minlength=num_items + 1)[: num_items + 1]
+    order = torch.argsort(-counts, stable=True)
+    scores = torch.empty(num_items + 1, dtype=torch.float64)
+    scores[order] = -torch.arange(num_items + 1, dtype=torch.float64)
+    return scores
+
+
+def most_popular_baseline(
+    train_item_ids: torch.Tensor,
+    num_items: int,
+    target_ids: torch.Tensor,
+    k: int = 10,
+    exclude: ExcludeIds | None = None,
+    query_chunk_size: int = 256,
+) -> RetrievalMetrics:
+    """Metrics of recommending the same ranking -- by training frequency -- to everyone.
+
+    The trainer's sanity floor: a sequential model that cannot beat this has
+    not learned anything user-specific.
+    """
+    scores = popularity_scores(train_item_ids.cpu(), num_items).to(target_ids.device)
+    total = RetrievalMetrics(k=k)
+    for start in range(0, target_ids.shape[0], query_chunk_size):
+        stop = min(start + query_chunk_size, target_ids.shape[0])
+        chunk = scores.unsqueeze(0).expand(stop - start, -1)
+        ranks = target_ranks(chunk, target_ids[start:stop], _slice_exclude(exclude, start, stop))
+        total = total + metrics_from_ranks(ranks, k)
+    return total

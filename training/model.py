@@ -1,0 +1,388 @@
+"""Sequential recommender: TorchRec item table + jagged HSTU encoder + sampled softmax.
+
+The item table is a TorchRec ``EmbeddingCollection`` so ``DistributedModelParallel``
+can shard it (table-wise / row-wise, optimizer fused into backward); every
+lookup of item vectors -- history items, sampled negatives, and the whole
+catalog at evaluation -- goes through it, so all of them keep working once the
+table is sharded. Everything else (HSTU layers, rating embedding) is dense and
+replicated with data parallelism.
+
+Single-process use (tests, cost calibration)::
+
+    model = build_local_model(num_items, ModelConfig())
+    loss, stats = model(batch, num_negatives=128)
+
+Distributed use: ``build_model(num_items, config, device)`` puts the table on the
+``meta`` device for ``DistributedModelParallel`` to shard and materialise. Under
+DMP, ``all_item_embeddings`` and ``score_queries`` do collective lookups: every
+rank must call them, the same number of times.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+
+from training.hstu import HSTUConfig, HSTUEncoder
+from training.jagged import jagged_concat_last, last_positions, next_item_positions, offsets_from_lengths
+from training.losses import sampled_softmax_loss
+from training.metrics import ExcludeIds, RetrievalMetrics, retrieval_metrics
+
+ITEM_TABLE = "item_embedding"  # not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow
+ITEM_FEATURE = "item"
+NEGATIVE_FEATURE = "negative"
+FEATURE_KEYS = [ITEM_FEATURE, NEGATIVE_FEATURE]
+NUM_RATINGS = 6  # 0 = unknown, 1..5
+PADDING_ID = 0
+
+
+@dataclass
+class ModelConfig:
+    """Everything about the model that is not the encoder's shape."""
+
+    hstu: HSTUConfig = field(default_factory=HSTUConfig)
+    """Encoder configuration; ``hstu.embedding_dim`` is also the item table width."""
+    temperature: float = 0.05
+    """Softmax temperature over cosine similarities (both sides are L2-normalised)."""
+    in_batch_negatives: bool = True
+    """Also use the batch's (unique) target items as negatives for every query."""
+    embedding_init_scale: float = 0.05
+    """Item table rows start uniform in ``[-scale, scale]``. Set explicitly because
+    TorchRec's default, ``sqrt(1 / num_embeddings)``, shrinks with the catalog and
+    would let the rating embedding swamp item identity in large catalogs."""
+
+
+@dataclass
+class SequenceBatch:
+    """A jagged batch of user histories with leave-one-out evaluation targets.
+
+    Sample ``i``'s history is ``item_ids[offsets[i]:offsets[i+1]]`` (same for
+    ``timestamps`` and ``ratings``), with ``offsets`` the running sum of ``lengths``.
+    """
+
+    lengths: torch.Tensor
+    """``[B]`` int64 history length of each sample."""
+    item_ids: torch.Tensor
+    """``[T]`` int64 item ids of all histories concatenated (``T = lengths.sum()``), in 1..num_items."""
+    timestamps: torch.Tensor
+    """``[T]`` int64 interaction time, seconds."""
+    ratings: torch.Tensor
+    """``[T]`` int64 rating 1..5, 0 when unknown."""
+    valid_item: torch.Tensor
+    """``[B]`` int64 validation target (the interaction after the history)."""
+    test_item: torch.Tensor
+    """``[B]`` int64 test target (the interaction after the validation item)."""
+    valid_timestamp: torch.Tensor
+    """``[B]`` int64 time of the validation interaction."""
+    test_timestamp: torch.Tensor
+    """``[B]`` int64 time of the test interaction."""
+    user_ids: list[str]
+    """``B`` user ids, for logging and debugging only."""
+    step: int = 0
+    """Training step this batch belongs to."""
+    valid_rating: torch.Tensor | None = None
+    """Optional ``[B]`` int64 rating of the validation item; used as the rating of the
+    appended position in test scoring. ``None`` means unknown (0)."""
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.item_ids.numel())
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """``[B+1]`` int64 start of each sample in the jagged tensors."""
+        return offsets_from_lengths(self.lengths)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SequenceBatch":
+        """Copy of the batch with every tensor on ``device``."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(
+            self,
+            lengths=move(self.lengths),
+            item_ids=move(self.item_ids),
+            timestamps=move(self.timestamps),
+            ratings=move(self.ratings),
+            valid_item=move(self.valid_item),
+            test_item=move(self.test_item),
+            valid_timestamp=move(self.valid_timestamp),
+            test_timestamp=move(self.test_timestamp),
+            valid_rating=move(self.valid_rating),
+        )
+
+    def features(self, negatives: torch.Tensor) -> KeyedJaggedTensor:
+        """KJT with keys ``["item", "negative"]`` for the item table.
+
+        ``item`` holds the histories; ``negative`` the sampled negative ids.
+        """
+        return item_features(self.lengths, self.item_ids, negatives)
+
+
+def item_features(lengths: torch.Tensor, item_ids: torch.Tensor, negatives: torch.Tensor) -> KeyedJaggedTensor:
+    """KJT with keys ``["item", "negative"]``; both features share the batch size ``B``.
+
+    A KJT needs the same number of slots per key, but negatives are shared by
+    the whole batch, not per sample; they are spread evenly over the ``B``
+    slots (which slot holds which negative does not matter to the loss), which
+    keeps the per-slot lengths -- and row-wise all-to-all splits -- balanced.
+    """
+    batch_size = max(int(lengths.numel()), 1)
+    if lengths.numel() == 0:
+        lengths = torch.zeros(1, dtype=torch.int64, device=item_ids.device)
+    num_negatives = int(negatives.numel())
+    negative_lengths = torch.full((batch_size,), num_negatives // batch_size, dtype=torch.int64, device=item_ids.device)
+    negative_lengths[: num_negatives % batch_size] += 1
+    return KeyedJaggedTensor(
+        keys=FEATURE_KEYS,
+        values=torch.cat([item_ids.to(torch.int64), negatives.to(torch.int64)]),
+        lengths=torch.cat([lengths.to(torch.int64), negative_lengths]),
+    )
+
+
+def _unique_with_first_index(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique ids and, for each, the index of one occurrence in ``ids``."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    positions = torch.arange(ids.numel(), device=ids.device)
+    first = torch.full_like(unique, ids.numel()).scatter_reduce(0, inverse, positions, reduce="amin")
+    return unique, first
+
+
+class SequentialRecommender(nn.Module):
+    """Next-item retrieval model: item table (TorchRec) -> HSTU -> sampled softmax.
+
+    Args:
+        num_items: catalog size; item ids are ``1..num_items`` and 0 is padding.
+        config: model configuration.
+        device: device of the dense part (encoder, rating embedding).
+        embedding_device: device the item table is created on; ``meta`` when
+            ``DistributedModelParallel`` will shard and materialise it.
+    """
+
+    def __init__(
+        self,
+        num_items: int,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        embedding_device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_items < 1:
+            raise ValueError(f"num_items must be >= 1, got {num_items}")
+        self.num_items = num_items
+        self.config = config
+        dim = config.hstu.embedding_dim
+        scale = config.embedding_init_scale
+        self.embedding_collection = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name=ITEM_TABLE,
+                    num_embeddings=num_items + 1,
+                    embedding_dim=dim,
+                    feature_names=list(FEATURE_KEYS),
+                    weight_init_min=-scale,
+                    weight_init_max=scale,
+                )
+            ],
+            device=torch.device(embedding_device if embedding_device is not None else device),
+        )
+        self.rating_embedding: nn.Embedding | None = None
+        if config.hstu.use_rating_feature:
+            self.rating_embedding = nn.Embedding(NUM_RATINGS, dim, padding_idx=0, device=device)
+            # Same spread as item rows (uniform +-scale has std scale/sqrt(3)), so
+            # neither input dominates at initialisation.
+            with torch.no_grad():
+                nn.init.normal_(self.rating_embedding.weight, std=scale / math.sqrt(3.0))
+                self.rating_embedding.weight[0].zero_()
+        self.encoder = HSTUEncoder(config.hstu).to(device)
+
+    # ------------------------------------------------------------------ lookups
+
+    def _lookup(
+        self, lengths: torch.Tensor, item_ids: torch.Tensor, negatives: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Item and negative embeddings, ``[T, D]`` and ``[M, D]``, through the (possibly sharded) table."""
+        embeddings = self.embedding_collection(item_features(lengths, item_ids, negatives))
+        return embeddings[ITEM_FEATURE].values(), embeddings[NEGATIVE_FEATURE].values()
+
+    def _input_embeddings(self, item_embeddings: torch.Tensor, ratings: torch.Tensor) -> torch.Tensor:
+        x = item_embeddings
+        if self.rating_embedding is not None:
+            x = x + self.rating_embedding(ratings.clamp(0, NUM_RATINGS - 1).to(torch.int64))
+        # sqrt(D) as in the reference HSTU preprocessor: puts inputs at unit-ish
+        # scale on the residual stream whatever the init scale of the table.
+        return x * math.sqrt(self.config.hstu.embedding_dim)
+
+    def _encode(
+        self, item_embeddings: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, ratings: torch.Tensor
+    ) -> torch.Tensor:
+        return self.encoder(self._input_embeddings(item_embeddings, ratings), offsets, timestamps)
+
+    def encode(self, batch: SequenceBatch) -> torch.Tensor:
+        """``[T, D]`` L2-normalised encoder output at every history position."""
+        empty = torch.zeros(0, dtype=torch.int64, device=batch.item_ids.device)
+        item_embeddings, _ = self._lookup(batch.lengths, batch.item_ids, empty)
+        return self._encode(item_embeddings, batch.offsets, batch.timestamps, batch.ratings)
+
+    def sample_negatives(
+        self, num_negatives: int, device: torch.device, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """``num_negatives`` ids uniform in ``1..num_items`` (never padding).
+
+        Uses ``generator`` if given, else the global RNG of ``device``, so
+        ``torch.manual_seed`` makes training reproducible.
+        """
+        return torch.randint(1, self.num_items + 1, (num_negatives,), device=device, generator=generator)
+
+    @torch.no_grad()
+    def all_item_embeddings(self, chunk_size: int = 65536, normalize: bool = True) -> torch.Tensor:
+        """``[num_items + 1, D]`` embedding of every id (row 0, padding, is zeros).
+
+        Looks ids up through the EmbeddingCollection in chunks, so it works when
+        the table is sharded (each rank then receives the whole table; under DMP
+        all ranks must call this together).
+        """
+        device = self._dense_device()
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        rows = [torch.zeros(1, self.config.hstu.embedding_dim, device=device)]
+        for start in range(1, self.num_items + 1, chunk_size):
+            ids = torch.arange(start, min(start + chunk_size, self.num_items + 1), device=device)
+            _, embeddings = self._lookup(empty, empty, ids)
+            rows.append(embeddings)
+        table = torch.cat(rows)
+        return F.normalize(table, dim=-1) if normalize else table
+
+    def _dense_device(self) -> torch.device:
+        return next(self.encoder.parameters()).device
+
+    # ----------------------------------------------------------------- training
+
+    def forward(
+        self,
+        batch: SequenceBatch,
+        num_negatives: int = 128,
+        *,
+        full_softmax: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Next-item sampled-softmax loss over every position of every history.
+
+        Positions ``0..L-2`` of a sample predict positions ``1..L-1``. Negatives
+        are ``num_negatives`` uniform ids plus (``config.in_batch_negatives``)
+        the batch's unique targets, shared by all queries; a negative equal to a
+        query's target is masked. With ``full_softmax=True`` the negatives are
+        instead the whole catalog (looked up through the table every step --
+        only for small catalogs), which makes the loss the exact full softmax.
+
+        Returns ``(loss, stats)``; stats are detached scalar tensors (no host
+        sync), so the trainer decides when to read or all-reduce them.
+        """
+        device = batch.item_ids.device
+        if full_softmax:
+            negative_ids = torch.arange(1, self.num_items + 1, device=device)
+        else:
+            negative_ids = self.sample_negatives(num_negatives, device, generator)
+        item_embeddings, negative_embeddings = self._lookup(batch.lengths, batch.item_ids, negative_ids)
+
+        offsets = batch.offsets
+        hidden = self._encode(item_embeddings, offsets, batch.timestamps, batch.ratings)
+        query_rows, target_rows = next_item_positions(offsets)
+        target_ids = batch.item_ids[target_rows]
+        positive = F.normalize(item_embeddings[target_rows], dim=-1)
+        negatives = F.normalize(negative_embeddings, dim=-1)
+        if self.config.in_batch_negatives and not full_softmax:
+            # Unique, so a popular item is not counted several times in each partition function.
+            unique_ids, first = _unique_with_first_index(target_ids)
+            negatives = torch.cat([negatives, positive[first]])
+            negative_ids = torch.cat([negative_ids, unique_ids])
+
+        loss, stats = sampled_softmax_loss(
+            hidden[query_rows], positive, negatives, target_ids, negative_ids, self.config.temperature
+        )
+        stats = {
+            "loss": loss.detach(),
+            "num_targets": torch.tensor(float(target_ids.numel()), device=device),
+            "num_negatives": torch.tensor(float(negative_ids.numel()), device=device),
+            **stats,
+        }
+        return loss, stats
+
+    # --------------------------------------------------------------- evaluation
+
+    def score_queries(self, batch: SequenceBatch, use: Literal["valid", "test"] = "test") -> torch.Tensor:
+        """``[B, D]`` query embedding per sample: the encoder's last position.
+
+        ``"valid"`` encodes the history; ``"test"`` encodes the history followed
+        by the validation item (leave-one-out: the test history includes it),
+        whose rating is ``batch.valid_rating`` or unknown. Call under
+        ``torch.no_grad()`` and ``eval()``.
+        """
+        if use not in ("valid", "test"):
+            raise ValueError(f"use must be 'valid' or 'test', got {use!r}")
+        lengths, item_ids, timestamps, ratings = batch.lengths, batch.item_ids, batch.timestamps, batch.ratings
+        offsets = batch.offsets
+        if use == "test":
+            valid_rating = batch.valid_rating if batch.valid_rating is not None else torch.zeros_like(batch.valid_item)
+            item_ids, new_offsets = jagged_concat_last(item_ids, offsets, batch.valid_item)
+            timestamps, _ = jagged_concat_last(timestamps, offsets, batch.valid_timestamp)
+            ratings, _ = jagged_concat_last(ratings, offsets, valid_rating)
+            offsets, lengths = new_offsets, lengths + 1
+        if bool((lengths == 0).any()):
+            raise ValueError("score_queries needs every sample to have at least one position")
+        empty = torch.zeros(0, dtype=torch.int64, device=item_ids.device)
+        item_embeddings, _ = self._lookup(lengths, item_ids, empty)
+        hidden = self._encode(item_embeddings, offsets, timestamps, ratings)
+        return hidden[last_positions(offsets)]
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        batch: SequenceBatch,
+        all_item_embeddings: torch.Tensor,
+        use: Literal["valid", "test"] = "test",
+        k: int = 10,
+        exclude_history: bool = False,
+    ) -> RetrievalMetrics:
+        """Full-catalog HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets.
+
+        ``all_item_embeddings`` comes from ``all_item_embeddings()`` (computed
+        once per evaluation, not per batch). ``exclude_history`` removes items
+        the user already interacted with (for "test", including the validation
+        item) from the ranking.
+        """
+        query = self.score_queries(batch, use)
+        targets = batch.valid_item if use == "valid" else batch.test_item
+        exclude: ExcludeIds | None = None
+        if exclude_history:
+            if use == "test":
+                ids, _ = jagged_concat_last(batch.item_ids, batch.offsets, batch.valid_item)
+                exclude = (batch.lengths + 1, ids)
+            else:
+                exclude = (batch.lengths, batch.item_ids)
+        return retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=exclude)
+
+
+def build_model(num_items: int, config: ModelConfig, device: torch.device | str) -> SequentialRecommender:
+    """Model for ``DistributedModelParallel``: item table on ``meta``, dense part on ``device``.
+
+    DMP shards the table and materialises its shards (initialised from the
+    table's ``weight_init_min/max``). The unsharded result cannot run forward
+    by itself; for single-process use call ``build_local_model``.
+    """
+    return SequentialRecommender(num_items, config, device=device, embedding_device=torch.device("meta"))
+
+
+def build_local_model(
+    num_items: int, config: ModelConfig, device: torch.device | str = "cpu"
+) -> SequentialRecommender:
+    """Single-process model (tests, cost calibration): everything, table included, on ``device``."""
+    return SequentialRecommender(num_items, config, device=device, embedding_device=device)
