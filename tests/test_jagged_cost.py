@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.cost_model import CostModel, default_cost_model
 from training.hstu import HSTUConfig, HSTUEncoder
 from training.jagged import offsets_from_lengths
 
@@ -174,15 +175,20 @@ def test_jagged_step_time_follows_fitted_cost_model(single_thread, caching_mallo
     # Divide each row by its measurement: fit relative error, so the 2 ms
     # batches weigh as much as the 70 ms ones.
     coef = nonnegative_least_squares(features / measured[:, None], np.ones(len(names)))
-    a, b, c, d = coef
+    a, b, c, d = (float(x) for x in coef)
+    # The per-sample part in the balancer's own format: what `freescale
+    # calibrate` would write, and what the Spark jobs would apply per user.
+    fitted = CostModel(kind="quadratic", a=a, b=b, c=c, unit="seconds")
 
     def predict(lengths: list[int]) -> float:
-        return float(_features(lengths) @ coef)
+        return float(fitted.predict(np.asarray(lengths)).sum()) + d
 
     predicted_ratio = predict(MIX_LONG) / predict(MIX_SHORT)
     measured_ratio = seconds["mix_long"] / seconds["mix_short"]
     token_ratio = sum(MIX_LONG) / sum(MIX_SHORT)
     padded_ratio = predict([max(MIX_LONG)] * len(MIX_LONG)) / predict([max(MIX_SHORT)] * len(MIX_SHORT))
+    analytic = default_cost_model()  # for the report only: the un-calibrated default
+    analytic_ratio = float(analytic.predict(np.asarray(MIX_LONG)).sum() / analytic.predict(np.asarray(MIX_SHORT)).sum())
 
     report = (
         f"fit (seconds): a={a:.3e}/L^2 b={b:.3e}/L c={c:.3e}/sample d={d:.3e}/step; "
@@ -190,7 +196,7 @@ def test_jagged_step_time_follows_fitted_cost_model(single_thread, caching_mallo
         + f"; mix_short {seconds['mix_short'] * 1e3:.2f} ms (fit {predict(MIX_SHORT) * 1e3:.2f}),"
         f" mix_long {seconds['mix_long'] * 1e3:.2f} ms (fit {predict(MIX_LONG) * 1e3:.2f});"
         f" ratio measured {measured_ratio:.3f} predicted {predicted_ratio:.3f}"
-        f" tokens {token_ratio:.3f} padded {padded_ratio:.3f}"
+        f" tokens {token_ratio:.3f} padded {padded_ratio:.3f} default-cost-model {analytic_ratio:.3f}"
     )
     print(report)
 

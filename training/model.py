@@ -33,7 +33,8 @@ from training.jagged import jagged_concat_last, last_positions, next_item_positi
 from training.losses import sampled_softmax_loss
 from training.metrics import ExcludeIds, RetrievalMetrics, retrieval_metrics
 
-ITEM_TABLE = "item_embedding"  # not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow
+# Not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow.
+ITEM_TABLE = "item_embedding"
 ITEM_FEATURE = "item"
 NEGATIVE_FEATURE = "negative"
 FEATURE_KEYS = [ITEM_FEATURE, NEGATIVE_FEATURE]
