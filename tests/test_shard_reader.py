@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from training.manifest_check import ShardError, load_manifest, verify_checksums
+from training.batch import SequenceBatch
 from training.shard_reader import (
     NEXT_STEP_KEY,
     READ_COLUMNS,
     ShardReader,
-    StepBatch,
     StepRows,
     build_loader,
     collate_step,
@@ -112,7 +112,7 @@ def whole_rank(root: Path, rank: int) -> pa.Table:
     return pa.concat_tables(tables).select(list(READ_COLUMNS))
 
 
-def reference_batches(root: Path, rank: int) -> list[StepBatch]:
+def reference_batches(root: Path, rank: int) -> list[SequenceBatch]:
     """Expected batches built with plain Python loops, independent of collate_step's vectorisation."""
     manifest = json.loads((root / "manifest.json").read_text())
     rows = whole_rank(root, rank).to_pylist()
@@ -124,7 +124,7 @@ def reference_batches(root: Path, rank: int) -> list[StepBatch]:
             return torch.tensor(values, dtype=torch.int64)
 
         ratings = [0 if x is None else min(5, max(1, int(np.floor(x + 0.5)))) for r in rs for x in r["ratings"]]
-        out.append(StepBatch(
+        out.append(SequenceBatch(
             lengths=ints([r["length"] for r in rs]),
             item_ids=ints([x for r in rs for x in r["items"]]),
             timestamps=ints([x for r in rs for x in r["timestamps"]]),
@@ -136,7 +136,7 @@ def reference_batches(root: Path, rank: int) -> list[StepBatch]:
     return out
 
 
-def assert_batches_equal(actual: list[StepBatch], expected: list[StepBatch]) -> None:
+def assert_batches_equal(actual: list[SequenceBatch], expected: list[SequenceBatch]) -> None:
     assert [b.step for b in actual] == [b.step for b in expected]
     for a, e in zip(actual, expected):
         assert a.user_ids == e.user_ids, a.step
@@ -228,11 +228,11 @@ def test_empty_step_yields_empty_batch(shards: Path) -> None:
     batches = [collate_step(it) for it in reader_for(shards, 1)]
     for step in (0, 3, 6):
         batch = batches[step]
-        assert batch.step == step and len(batch) == 0 and batch.user_ids == []
+        assert batch.step == step and batch.batch_size == 0 and batch.user_ids == []
         for name in ("lengths", "item_ids", "timestamps", "ratings", "valid_item", "test_item"):
             tensor = getattr(batch, name)
             assert tensor.shape == (0,) and tensor.dtype == torch.int64
-    assert all(len(b) > 0 for b in batches if b.step not in (0, 3, 6))
+    assert all(b.batch_size > 0 for b in batches if b.step not in (0, 3, 6))
 
 
 def test_collate_is_flat_and_rounds_ratings() -> None:

@@ -20,24 +20,22 @@ rank must call them, the same number of times.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
+from torchrec import EmbeddingCollection, EmbeddingConfig
 
+from training.batch import FEATURE_KEYS, ITEM_FEATURE, NEGATIVE_FEATURE, SequenceBatch, item_features
 from training.hstu import HSTUConfig, HSTUEncoder
-from training.jagged import jagged_concat_last, last_positions, next_item_positions, offsets_from_lengths
+from training.jagged import jagged_concat_last, last_positions, next_item_positions
 from training.losses import sampled_softmax_loss
 from training.metrics import ExcludeIds, RetrievalMetrics, retrieval_metrics
 
 # Not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow.
 ITEM_TABLE = "item_embedding"
-ITEM_FEATURE = "item"
-NEGATIVE_FEATURE = "negative"
-FEATURE_KEYS = [ITEM_FEATURE, NEGATIVE_FEATURE]
 NUM_RATINGS = 6  # 0 = unknown, 1..5
 PADDING_ID = 0
 
@@ -56,98 +54,6 @@ class ModelConfig:
     """Item table rows start uniform in ``[-scale, scale]``. Set explicitly because
     TorchRec's default, ``sqrt(1 / num_embeddings)``, shrinks with the catalog and
     would let the rating embedding swamp item identity in large catalogs."""
-
-
-@dataclass
-class SequenceBatch:
-    """A jagged batch of user histories with leave-one-out evaluation targets.
-
-    Sample ``i``'s history is ``item_ids[offsets[i]:offsets[i+1]]`` (same for
-    ``timestamps`` and ``ratings``), with ``offsets`` the running sum of ``lengths``.
-    """
-
-    lengths: torch.Tensor
-    """``[B]`` int64 history length of each sample."""
-    item_ids: torch.Tensor
-    """``[T]`` int64 item ids of all histories concatenated (``T = lengths.sum()``), in 1..num_items."""
-    timestamps: torch.Tensor
-    """``[T]`` int64 interaction time, seconds."""
-    ratings: torch.Tensor
-    """``[T]`` int64 rating 1..5, 0 when unknown."""
-    valid_item: torch.Tensor
-    """``[B]`` int64 validation target (the interaction after the history)."""
-    test_item: torch.Tensor
-    """``[B]`` int64 test target (the interaction after the validation item)."""
-    valid_timestamp: torch.Tensor
-    """``[B]`` int64 time of the validation interaction."""
-    test_timestamp: torch.Tensor
-    """``[B]`` int64 time of the test interaction."""
-    user_ids: list[str]
-    """``B`` user ids, for logging and debugging only."""
-    step: int = 0
-    """Training step this batch belongs to."""
-    valid_rating: torch.Tensor | None = None
-    """Optional ``[B]`` int64 rating of the validation item; used as the rating of the
-    appended position in test scoring. ``None`` means unknown (0)."""
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.lengths.numel())
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.item_ids.numel())
-
-    @property
-    def offsets(self) -> torch.Tensor:
-        """``[B+1]`` int64 start of each sample in the jagged tensors."""
-        return offsets_from_lengths(self.lengths)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SequenceBatch":
-        """Copy of the batch with every tensor on ``device``."""
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
-
-        return replace(
-            self,
-            lengths=move(self.lengths),
-            item_ids=move(self.item_ids),
-            timestamps=move(self.timestamps),
-            ratings=move(self.ratings),
-            valid_item=move(self.valid_item),
-            test_item=move(self.test_item),
-            valid_timestamp=move(self.valid_timestamp),
-            test_timestamp=move(self.test_timestamp),
-            valid_rating=move(self.valid_rating),
-        )
-
-    def features(self, negatives: torch.Tensor) -> KeyedJaggedTensor:
-        """KJT with keys ``["item", "negative"]`` for the item table.
-
-        ``item`` holds the histories; ``negative`` the sampled negative ids.
-        """
-        return item_features(self.lengths, self.item_ids, negatives)
-
-
-def item_features(lengths: torch.Tensor, item_ids: torch.Tensor, negatives: torch.Tensor) -> KeyedJaggedTensor:
-    """KJT with keys ``["item", "negative"]``; both features share the batch size ``B``.
-
-    A KJT needs the same number of slots per key, but negatives are shared by
-    the whole batch, not per sample; they are spread evenly over the ``B``
-    slots (which slot holds which negative does not matter to the loss), which
-    keeps the per-slot lengths -- and row-wise all-to-all splits -- balanced.
-    """
-    batch_size = max(int(lengths.numel()), 1)
-    if lengths.numel() == 0:
-        lengths = torch.zeros(1, dtype=torch.int64, device=item_ids.device)
-    num_negatives = int(negatives.numel())
-    negative_lengths = torch.full((batch_size,), num_negatives // batch_size, dtype=torch.int64, device=item_ids.device)
-    negative_lengths[: num_negatives % batch_size] += 1
-    return KeyedJaggedTensor(
-        keys=FEATURE_KEYS,
-        values=torch.cat([item_ids.to(torch.int64), negatives.to(torch.int64)]),
-        lengths=torch.cat([lengths.to(torch.int64), negative_lengths]),
-    )
 
 
 def _unique_with_first_index(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ Its job is to do that with bounded memory and resumable state:
   seeks straight to the row group holding the next row instead of replaying the
   stream.
 * :func:`collate_step` turns a step's Arrow rows into flat tensors
-  (:class:`StepBatch`) with vectorised Arrow/NumPy operations.
+  (:class:`SequenceBatch`) with vectorised Arrow/NumPy operations.
 * :func:`build_loader` wires reader -> collate -> prefetch into a
   ``torchdata.nodes.Loader``.
 
@@ -35,7 +35,7 @@ from step 0 on the next ``iter()`` (a new epoch over the same plan).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 
+from training.batch import SequenceBatch
 from training.manifest_check import ShardError, load_manifest, one_line, rank_files, verify_checksums
 
 # Columns the reader needs; the shard's remaining columns (cost, origin_step) are
@@ -77,39 +78,6 @@ class StepRows:
     rows: pa.Table
 
 
-@dataclass
-class StepBatch:
-    """One rank's batch for one step, as flat tensors.
-
-    Sequences are concatenated (jagged layout): sample ``i`` owns
-    ``item_ids[offsets[i]:offsets[i+1]]`` where ``offsets`` is the cumulative sum
-    of ``lengths``; ``timestamps`` and ``ratings`` are aligned with
-    ``item_ids``. Ratings are rounded to 1..5, 0 where the source had none.
-    Mirrors ``training.model.SequenceBatch`` field for field so the two can be
-    unified.
-    """
-
-    lengths: torch.Tensor          # int64 [B]
-    item_ids: torch.Tensor         # int64 [T], T = lengths.sum()
-    timestamps: torch.Tensor       # int64 [T]
-    ratings: torch.Tensor          # int64 [T]
-    valid_item: torch.Tensor       # int64 [B]
-    test_item: torch.Tensor        # int64 [B]
-    valid_timestamp: torch.Tensor  # int64 [B]
-    test_timestamp: torch.Tensor   # int64 [B]
-    user_ids: list[str] = field(default_factory=list)
-    step: int = 0
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> StepBatch:
-        """A copy with every tensor on ``device`` (user ids and step stay on the host)."""
-        moved = {f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-                 for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-        return replace(self, **moved)
-
-    def __len__(self) -> int:
-        return int(self.lengths.shape[0])
-
-
 def _numpy(column: pa.ChunkedArray | pa.Array, dtype: type[np.generic] = np.int64) -> np.ndarray:
     """Column -> writable NumPy array of ``dtype`` (torch warns on read-only Arrow buffers)."""
     if isinstance(column, pa.ChunkedArray) and column.num_chunks == 0:
@@ -117,8 +85,8 @@ def _numpy(column: pa.ChunkedArray | pa.Array, dtype: type[np.generic] = np.int6
     return np.array(column.to_numpy(zero_copy_only=False), dtype=dtype, copy=True)
 
 
-def collate_step(step_rows: StepRows) -> StepBatch:
-    """Arrow rows of one step -> :class:`StepBatch`, vectorised (no per-item Python loop).
+def collate_step(step_rows: StepRows) -> SequenceBatch:
+    """Arrow rows of one step -> :class:`SequenceBatch`, vectorised (no per-item Python loop).
 
     List columns are flattened (``pyarrow.compute.list_flatten``), which drops
     the per-row offsets; ``lengths`` (validated by the reader to equal every list
@@ -127,7 +95,7 @@ def collate_step(step_rows: StepRows) -> StepBatch:
     table = step_rows.rows
     ratings = _numpy(pc.list_flatten(table["ratings"]), np.float64)  # nulls -> NaN
     rounded = np.clip(np.floor(ratings + 0.5), MIN_RATING, MAX_RATING)
-    return StepBatch(
+    return SequenceBatch(
         lengths=torch.from_numpy(_numpy(table["length"])),
         item_ids=torch.from_numpy(_numpy(pc.list_flatten(table["items"]))),
         timestamps=torch.from_numpy(_numpy(pc.list_flatten(table["timestamps"]))),
@@ -394,8 +362,8 @@ class ShardReader(BaseNode[StepRows]):
 
 
 def build_loader(shards_dir: str | os.PathLike[str], rank: int, world_size: int, *,
-                 prefetch: int = 2, verify: bool = False) -> Loader[StepBatch]:
-    """Loader of this rank's :class:`StepBatch` for steps ``0..num_steps-1``.
+                 prefetch: int = 2, verify: bool = False) -> Loader[SequenceBatch]:
+    """Loader of this rank's :class:`SequenceBatch` for steps ``0..num_steps-1``.
 
     Pipeline: :class:`ShardReader` -> ``Mapper(collate_step)`` -> ``Prefetcher``
     (a background thread reading and collating ``prefetch`` steps ahead; 0
