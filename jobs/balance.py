@@ -29,7 +29,7 @@ STRATEGIES = ("contiguous", "lpt", "kk", "ortools")
 CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")
 SHARD_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length", "cost",
-                 "valid_item", "valid_timestamp", "test_item", "test_timestamp", "origin_step")
+                 "valid_item", "valid_timestamp", "test_item", "test_timestamp", "origin_step", "step_targets")
 ROW_GROUP_BYTES = 4 << 20  # small row groups: the trainer streams a shard one row group at a time
 
 
@@ -176,7 +176,12 @@ def balance(args: argparse.Namespace) -> int:
         assignment.join(costs, "user_id").groupBy("rank")
         .agg(F.sum("length").alias("tokens"), F.sum("cost").alias("cost")).collect())}
 
+    # Next-item targets per step over all ranks: the trainer divides each rank's loss
+    # sum by it, so every plan weights every target the same.
+    step_targets = (assignment.join(costs, "user_id").groupBy("step")
+                    .agg(F.sum(F.col("length") - 1).alias("step_targets")))
     rows = (sequences.join(assignment, "user_id")
+            .join(F.broadcast(step_targets), "step")
             .withColumn("cost", cost_column(model, "length")))
     rows = rows.select("rank", *[c for c in SHARD_COLUMNS if c in rows.columns])
     stats = {

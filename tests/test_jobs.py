@@ -54,8 +54,11 @@ def test_balance_movielens_every_sample_once(prepared_ml, tmp_path):
     assert manifest["num_samples"] == len(rows) == 943 - 943 % 64
     assert rows["user_id"].is_unique
     assert manifest["num_steps"] == 943 // 64 and manifest["num_items"] == 1682
-    # each step holds exactly one global batch
+    # each step holds exactly one global batch, and knows its targets over all ranks
     assert (rows.groupby("step").size() == 64).all()
+    per_step = rows.groupby("step").agg(targets=("length", lambda x: int((x - 1).sum())),
+                                        step_targets=("step_targets", "first"))
+    assert (per_step["targets"] == per_step["step_targets"]).all()
     # the leftover is exactly the users missing from the shards
     sequences = pq.read_table(prepared_ml / "sequences").to_pandas()
     assert len(set(sequences["user_id"]) - set(rows["user_id"])) == manifest["leftover"]["samples"]

@@ -36,6 +36,7 @@ SCHEMA = pa.schema([
     ("length", pa.int32()), ("cost", pa.float64()),
     ("valid_item", pa.int32()), ("valid_timestamp", pa.int64()),
     ("test_item", pa.int32()), ("test_timestamp", pa.int64()), ("origin_step", pa.int64()),
+    ("step_targets", pa.int64()),
 ])
 
 Row = dict[str, Any]
@@ -64,7 +65,7 @@ def make_rows(rank: int, num_steps: int, local_batch: int, num_items: int, rng: 
                 "items": rng.integers(1, num_items + 1, n).tolist(), "timestamps": ts, "ratings": ratings,
                 "length": n, "cost": float(n * n), "valid_item": int(rng.integers(1, num_items + 1)),
                 "valid_timestamp": ts[-1] + 1, "test_item": int(rng.integers(1, num_items + 1)),
-                "test_timestamp": ts[-1] + 2, "origin_step": step,
+                "test_timestamp": ts[-1] + 2, "origin_step": step, "step_targets": 1000 + step,
             })
     return rows
 
@@ -239,15 +240,16 @@ def test_collate_is_flat_and_rounds_ratings() -> None:
     rows = pa.Table.from_pylist([
         {"step": 4, "slot": 0, "user_id": "a", "items": [3, 1], "timestamps": [10, 11], "ratings": [4.5, None],
          "length": 2, "cost": 4.0, "valid_item": 7, "valid_timestamp": 12, "test_item": 8, "test_timestamp": 13,
-         "origin_step": 4},
+         "origin_step": 4, "step_targets": 3},
         {"step": 4, "slot": 1, "user_id": "b", "items": [9, 9, 2], "timestamps": [1, 2, 3],
          "ratings": [None, None, None], "length": 3, "cost": 9.0, "valid_item": 1, "valid_timestamp": 4,
-         "test_item": 2, "test_timestamp": 5, "origin_step": 4},
+         "test_item": 2, "test_timestamp": 5, "origin_step": 4, "step_targets": 3},
         {"step": 4, "slot": 2, "user_id": "c", "items": [5], "timestamps": [7], "ratings": [0.5],
          "length": 1, "cost": 1.0, "valid_item": 6, "valid_timestamp": 8, "test_item": 6, "test_timestamp": 9,
-         "origin_step": 4},
+         "origin_step": 4, "step_targets": 3},
     ], schema=SCHEMA)
     batch = collate_step(StepRows(4, rows.slice(0)))
+    assert batch.step_targets == 3
     assert batch.step == 4 and batch.user_ids == ["a", "b", "c"]
     assert batch.lengths.tolist() == [2, 3, 1]
     assert batch.item_ids.tolist() == [3, 1, 9, 9, 2, 5]

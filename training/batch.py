@@ -41,6 +41,9 @@ class SequenceBatch:
     """``B`` user ids, for logging and debugging only."""
     step: int = 0
     """Training step this batch belongs to."""
+    step_targets: int = 0
+    """Next-item targets of this step summed over all ranks (from the shards). The loss
+    is divided by it, so a target weighs the same whichever rank the plan put it on."""
     valid_rating: torch.Tensor | None = None
     """Optional ``[B]`` int64 rating of the validation item; used as the rating of the
     appended position in test scoring. ``None`` means unknown (0)."""
