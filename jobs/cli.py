@@ -2,7 +2,8 @@
 
     freescale prepare ...   raw logs -> sequences          (jobs/prepare.py)
     freescale balance ...   sequences -> balanced shards   (jobs/balance.py)
-    freescale demo          both, on the embedded synthetic default
+    freescale train ...     shards -> trained model, measured bubbles (jobs/train.py, torchrun)
+    freescale demo          all three on the embedded synthetic default
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("prepare", "balance", "demo")
+SUBCOMMANDS = ("prepare", "balance", "train", "demo")
 
 
 def demo(argv: list[str]) -> int:
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         from jobs.prepare import main as run
     elif command == "balance":
         from jobs.balance import main as run
+    elif command == "train":
+        from jobs.train import launch as run
     else:
         run = demo
     return run(rest)

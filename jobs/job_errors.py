@@ -18,6 +18,12 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     try:
+        from training.config import ConfigError
+        from training.manifest_check import ShardError
+        expected.extend([ConfigError, ShardError])
+    except ImportError:
+        pass
+    try:
         from pyspark.errors import PySparkException
         expected.append(PySparkException)
     except ImportError:
@@ -29,7 +35,7 @@ def first_line(exc: BaseException) -> str:
     """The message's first line; for an error raised inside a Spark task, the original error's line."""
     text = str(exc).strip()
     lines = text.splitlines()
-    for marker in ("InfeasibleError: ", "InputError: "):
+    for marker in ("InfeasibleError: ", "InputError: ", "ShardError: "):
         raised = [line for line in lines if marker in line]
         if raised:
             return raised[-1].split(marker, 1)[1].strip()

@@ -44,6 +44,8 @@ class SequenceBatch:
     step_targets: int = 0
     """Next-item targets of this step summed over all ranks (from the shards). The loss
     is divided by it, so a target weighs the same whichever rank the plan put it on."""
+    cost: float = 0.0
+    """Sum of the cost model over the batch's samples: what the plan expected this rank to do."""
     valid_rating: torch.Tensor | None = None
     """Optional ``[B]`` int64 rating of the validation item; used as the rating of the
     appended position in test scoring. ``None`` means unknown (0)."""

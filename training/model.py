@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +114,7 @@ class SequentialRecommender(nn.Module):
 
     # ------------------------------------------------------------------ lookups
 
-    def _lookup(
+    def lookup(
         self, lengths: torch.Tensor, item_ids: torch.Tensor, negatives: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Item and negative embeddings, ``[T, D]`` and ``[M, D]``, through the (possibly sharded) table."""
@@ -137,7 +137,7 @@ class SequentialRecommender(nn.Module):
     def encode(self, batch: SequenceBatch) -> torch.Tensor:
         """``[T, D]`` L2-normalised encoder output at every history position."""
         empty = torch.zeros(0, dtype=torch.int64, device=batch.item_ids.device)
-        item_embeddings, _ = self._lookup(batch.lengths, batch.item_ids, empty)
+        item_embeddings, _ = self.lookup(batch.lengths, batch.item_ids, empty)
         return self._encode(item_embeddings, batch.offsets, batch.timestamps, batch.ratings)
 
     def sample_negatives(
@@ -163,7 +163,7 @@ class SequentialRecommender(nn.Module):
         rows = [torch.zeros(1, self.config.hstu.embedding_dim, device=device)]
         for start in range(1, self.num_items + 1, chunk_size):
             ids = torch.arange(start, min(start + chunk_size, self.num_items + 1), device=device)
-            _, embeddings = self._lookup(empty, empty, ids)
+            _, embeddings = self.lookup(empty, empty, ids)
             rows.append(embeddings)
         table = torch.cat(rows)
         return F.normalize(table, dim=-1) if normalize else table
@@ -180,6 +180,7 @@ class SequentialRecommender(nn.Module):
         *,
         full_softmax: bool = False,
         generator: torch.Generator | None = None,
+        probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Next-item sampled-softmax loss over every position of every history.
 
@@ -190,6 +191,10 @@ class SequentialRecommender(nn.Module):
         instead the whole catalog (looked up through the table every step --
         only for small catalogs), which makes the loss the exact full softmax.
 
+        ``probe(item_embeddings, negative_embeddings)`` is called as soon as the
+        (possibly sharded) lookup returns: the trainer timestamps the end of the
+        sparse forward there and hooks the gradients that end the dense backward.
+
         Returns ``(loss, stats)``; stats are detached scalar tensors (no host
         sync), so the trainer decides when to read or all-reduce them.
         """
@@ -198,7 +203,9 @@ class SequentialRecommender(nn.Module):
             negative_ids = torch.arange(1, self.num_items + 1, device=device)
         else:
             negative_ids = self.sample_negatives(num_negatives, device, generator)
-        item_embeddings, negative_embeddings = self._lookup(batch.lengths, batch.item_ids, negative_ids)
+        item_embeddings, negative_embeddings = self.lookup(batch.lengths, batch.item_ids, negative_ids)
+        if probe is not None:
+            probe(item_embeddings, negative_embeddings)
 
         offsets = batch.offsets
         hidden = self._encode(item_embeddings, offsets, batch.timestamps, batch.ratings)
@@ -225,13 +232,16 @@ class SequentialRecommender(nn.Module):
 
     # --------------------------------------------------------------- evaluation
 
-    def score_queries(self, batch: SequenceBatch, use: Literal["valid", "test"] = "test") -> torch.Tensor:
+    def score_queries(self, batch: SequenceBatch, use: Literal["valid", "test"] = "test",
+                      item_table: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, D]`` query embedding per sample: the encoder's last position.
 
         ``"valid"`` encodes the history; ``"test"`` encodes the history followed
         by the validation item (leave-one-out: the test history includes it),
         whose rating is ``batch.valid_rating`` or unknown. Call under
-        ``torch.no_grad()`` and ``eval()``.
+        ``torch.no_grad()`` and ``eval()``. With ``item_table`` (the raw rows from
+        ``all_item_embeddings(normalize=False)``) history items are read from it
+        instead of the table: no collective, so ranks may score different counts.
         """
         if use not in ("valid", "test"):
             raise ValueError(f"use must be 'valid' or 'test', got {use!r}")
@@ -245,8 +255,11 @@ class SequentialRecommender(nn.Module):
             offsets, lengths = new_offsets, lengths + 1
         if bool((lengths == 0).any()):
             raise ValueError("score_queries needs every sample to have at least one position")
-        empty = torch.zeros(0, dtype=torch.int64, device=item_ids.device)
-        item_embeddings, _ = self._lookup(lengths, item_ids, empty)
+        if item_table is None:
+            empty = torch.zeros(0, dtype=torch.int64, device=item_ids.device)
+            item_embeddings, _ = self.lookup(lengths, item_ids, empty)
+        else:
+            item_embeddings = item_table[item_ids]
         hidden = self._encode(item_embeddings, offsets, timestamps, ratings)
         return hidden[last_positions(offsets)]
 
@@ -258,6 +271,7 @@ class SequentialRecommender(nn.Module):
         use: Literal["valid", "test"] = "test",
         k: int = 10,
         exclude_history: bool = False,
+        item_table: torch.Tensor | None = None,
     ) -> RetrievalMetrics:
         """Full-catalog HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets.
 
@@ -266,7 +280,7 @@ class SequentialRecommender(nn.Module):
         the user already interacted with (for "test", including the validation
         item) from the ranking.
         """
-        query = self.score_queries(batch, use)
+        query = self.score_queries(batch, use, item_table)
         targets = batch.valid_item if use == "valid" else batch.test_item
         exclude: ExcludeIds | None = None
         if exclude_history:

@@ -52,12 +52,12 @@ from training.manifest_check import ShardError, load_manifest, one_line, rank_fi
 # Columns the reader needs; the shard's remaining columns (cost, origin_step) are
 # planning diagnostics and are not read, so they cost no memory.
 READ_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length",
-                "valid_item", "valid_timestamp", "test_item", "test_timestamp", "step_targets")
+                "valid_item", "valid_timestamp", "test_item", "test_timestamp", "step_targets", "cost")
 LIST_COLUMNS = ("items", "timestamps", "ratings")
 # Everything except the ratings may not be null: a null there is a job bug, and
 # letting it through would turn into NaN or garbage ids after collation.
 NON_NULL_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length",
-                    "valid_item", "valid_timestamp", "test_item", "test_timestamp", "step_targets")
+                    "valid_item", "valid_timestamp", "test_item", "test_timestamp", "step_targets", "cost")
 
 # ShardReader state keys.
 RANK_KEY = "rank"
@@ -107,6 +107,7 @@ def collate_step(step_rows: StepRows) -> SequenceBatch:
         user_ids=[str(u) for u in table["user_id"].to_pylist()],
         step=int(step_rows.step),
         step_targets=int(table["step_targets"][0].as_py()) if table.num_rows else 0,
+        cost=float(pc.sum(table["cost"]).as_py() or 0.0),
     )
 
 

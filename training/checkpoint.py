@@ -1,0 +1,61 @@
+"""Sharded checkpoints with torch.distributed.checkpoint, plus each rank's own position.
+
+A checkpoint is `<folder>/step_<n>/`: DCP files for the model (sharded table and
+dense part) and both optimizers, one `rank_<r>.pt` per rank with what only that
+rank knows (loader position, RNG states), and `COMPLETE`, written last by rank 0
+after every rank finished. A folder without `COMPLETE` (a crash mid-save) is ignored.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+COMPLETE = "COMPLETE"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class Checkpointer:
+    def __init__(self, folder: str, rank: int):
+        self.folder = Path(folder) if folder else None
+        self.rank = rank
+
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None
+
+    def step_dir(self, step: int) -> Path:
+        assert self.folder is not None
+        return self.folder / f"step_{step}"
+
+    def latest_step(self) -> int | None:
+        """Newest complete checkpoint (the same answer on every rank: a shared folder)."""
+        if self.folder is None or not self.folder.is_dir():
+            return None
+        steps = [int(m.group(1)) for p in self.folder.iterdir()
+                 if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()]
+        return max(steps, default=None)
+
+    def save(self, step: int, shared: dict[str, Any], own: dict[str, Any]) -> None:
+        """`shared`: DCP state (sharded or replicated tensors); `own`: this rank's private state."""
+        target = self.step_dir(step)
+        dcp.save(shared, checkpoint_id=str(target))
+        torch.save(own, target / f"rank_{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            (target / COMPLETE).write_text(f"{step}\n")
+        dist.barrier()
+
+    def load(self, step: int, shared: dict[str, Any]) -> dict[str, Any]:
+        """Load DCP state in place into `shared`; return this rank's private state."""
+        source = self.step_dir(step)
+        dcp.load(shared, checkpoint_id=str(source))
+        own_path = source / f"rank_{self.rank}.pt"
+        if not own_path.exists():
+            raise FileNotFoundError(f"checkpoint {source} has no state for rank {self.rank} "
+                                    "(saved with a different world size?)")
+        return torch.load(own_path, weights_only=False)

@@ -1,0 +1,70 @@
+"""Process-group set-up for the trainer: gloo on CPU, nccl on CUDA, with a collective timeout."""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from training.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+
+def choose_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in ("gloo", "nccl"):
+        raise ValueError(f"parallel.backend {requested!r}: expected auto, gloo or nccl")
+    return requested
+
+
+def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
+    """Join the job's process group (torchrun's env:// variables), or make a group of one.
+
+    `collective_timeout_s` bounds every collective: when a rank dies, the others
+    fail with a timeout error instead of waiting forever (gloo enforces it on each
+    transfer; nccl through its watchdog).
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = choose_backend(config.backend)
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # Ranks sharing a host share its cores: oversubscribed intra-op threads would
+    # make compute times (and so the measured bubbles) depend on scheduling noise.
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world_size))
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            store = tempfile.NamedTemporaryFile(prefix="freescale-pg-", delete=False).name
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
+                                    timeout=timeout)
+    return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """Agree before the first collective that could hang: False on every rank if any rank failed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0

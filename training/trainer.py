@@ -1,0 +1,312 @@
+"""The trainer: each rank streams its balanced shard, the item table is sharded, bubbles are measured.
+
+    trainer = Trainer(config, sink)
+    result = trainer.train()
+
+One step: next batch (timed as data wait) -> sharded embedding lookup (all-to-all)
+-> dense HSTU forward + backward (the work the plan balanced; timed on the wall
+and thread CPU clocks between the lookup's return and the gradient reaching the
+lookup's output) -> sparse backward (all-to-all + fused optimizer) -> dense
+gradient all-reduce -> dense optimizer. Per-rank timings are all-gathered every
+`timing_sync_every` steps; rank 0 turns them into bubble fractions.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from training import bubbles
+from training.batch import SequenceBatch
+from training.checkpoint import Checkpointer
+from training.config import TrainConfig
+from training.distributed import DistEnv, all_ranks_ok, init_distributed
+from training.manifest_check import ShardError, load_manifest
+from training.metrics import RetrievalMetrics, most_popular_baseline
+from training.model import build_model
+from training.shard_reader import build_loader
+from training.sharding import DenseGradSync, broadcast_dense, dense_parameters, shard_model
+
+WARMUP_STEPS = 2  # first steps pay allocator and first-touch costs no plan controls
+
+
+class MetricsSink(Protocol):
+    def log_step(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+class NullSink:
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+
+@dataclass
+class TrainResult:
+    """What a run produced; identical on every rank (built from gathered data)."""
+
+    summary: dict[str, float]
+    timings: np.ndarray
+    """[steps, ranks, fields] of bubbles.TIMING_FIELDS."""
+    steps: list[int]
+    losses: list[float]
+    """Global loss per step (targets-weighted over all ranks)."""
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+class StepProbe:
+    """Marks the end of the sparse forward and, via gradient hooks, the end of the dense backward."""
+
+    def __init__(self) -> None:
+        self.lookup_done_wall = self.lookup_done_cpu = 0.0
+        self.dense_done_wall = self.dense_done_cpu = 0.0
+
+    def __call__(self, item_embeddings: torch.Tensor, negative_embeddings: torch.Tensor) -> None:
+        self.lookup_done_wall, self.lookup_done_cpu = time.perf_counter(), time.thread_time()
+        for tensor in (item_embeddings, negative_embeddings):
+            if tensor.requires_grad:
+                tensor.register_hook(self._grad_arrived)
+
+    def _grad_arrived(self, grad: torch.Tensor) -> torch.Tensor:
+        # Both outputs feed one backward all-to-all; the later of the two ends the dense part.
+        self.dense_done_wall, self.dense_done_cpu = time.perf_counter(), time.thread_time()
+        return grad
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, sink: MetricsSink | None = None, env: DistEnv | None = None):
+        self.config = config
+        self.sink = sink or NullSink()
+        self.env = env or init_distributed(config.parallel, config.training.threads)
+        self.manifest, self.loader = self._open_shards()
+        torch.manual_seed(config.training.seed)
+        model = build_model(int(self.manifest["num_items"]), config.model, self.env.device)
+        self.model = shard_model(model, config.optimizer, config.parallel, self.env)
+        self.module = self.model.module
+        dense = dense_parameters(self.model)
+        broadcast_dense(dense)
+        self.sync_dense_grads = DenseGradSync(dense)
+        self.dense_optimizer = torch.optim.Adam(dense, lr=config.optimizer.dense_lr,
+                                                weight_decay=config.optimizer.weight_decay)
+        # Negatives and dropout differ per rank but replay exactly on resume.
+        self.generator = torch.Generator().manual_seed(config.training.seed * 1_000_003 + self.env.rank)
+        torch.manual_seed(config.training.seed * 1_000_003 + self.env.rank)
+        self.meter = bubbles.BubbleMeter(self.env.world_size, config.training.timing_sync_every)
+        self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank)
+        self.step = 0
+        self.max_steps = config.training.max_steps or int(self.manifest["num_steps"])
+        if config.checkpoint.resume:
+            self.resume()
+
+    def _open_shards(self) -> tuple[dict[str, Any], Any]:
+        """Check the manifest and this rank's files on every rank, then agree.
+
+        A rank with a bad shard must not leave the others blocked in the first
+        collective: each rank reports success, and all stop if any failed.
+        """
+        error: Exception | None = None
+        manifest, loader = {}, None
+        try:
+            manifest = load_manifest(self.config.data.shards, self.env.world_size, self.env.rank)
+            loader = build_loader(self.config.data.shards, self.env.rank, self.env.world_size,
+                                  prefetch=self.config.data.prefetch, verify=self.config.data.verify_checksums)
+            iter(loader)  # opens and checks every file footer of this rank
+        except ShardError as exc:
+            error = exc
+        if not all_ranks_ok(error is None):
+            raise error or ShardError(f"rank {self.env.rank}: another rank's shard failed its checks "
+                                      "(its error names the file)")
+        return manifest, loader
+
+    # ------------------------------------------------------------------ state
+
+    def _shared_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(),
+                "sparse_optimizer": self.model.fused_optimizer.state_dict(),
+                "dense_optimizer": self.dense_optimizer.state_dict()}
+
+    def save(self) -> None:
+        own = {"step": self.step, "loader": self.loader.state_dict(),
+               "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+        self.checkpointer.save(self.step, self._shared_state(), own)
+
+    def resume(self) -> None:
+        step = self.checkpointer.latest_step()
+        if step is None:
+            return
+        shared = self._shared_state()
+        own = self.checkpointer.load(step, shared)
+        self.model.load_state_dict(shared["model"])
+        self.model.fused_optimizer.load_state_dict(shared["sparse_optimizer"])
+        self.dense_optimizer.load_state_dict(shared["dense_optimizer"])
+        self.loader.load_state_dict(own["loader"])
+        self.generator.set_state(own["generator"])
+        torch.set_rng_state(own["torch_rng"])
+        self.step = int(own["step"])
+
+    # --------------------------------------------------------------- training
+
+    def train_step(self, batch: SequenceBatch, timing: bubbles.StepTiming) -> None:
+        if batch.batch_size == 0:
+            return self.idle_step(timing)
+        probe = StepProbe()
+        start_wall = time.perf_counter()
+        loss, stats = self.module(batch, self.config.loss.num_negatives,
+                                  full_softmax=self.config.loss.full_softmax, generator=self.generator,
+                                  probe=probe)
+        local_targets = float(stats["num_targets"])
+        if batch.step_targets > 0:
+            # Sum of this rank's target losses over the step's mean targets per rank: the
+            # ranks' gradients then average to the step's per-target mean whatever the plan.
+            loss = loss * (local_targets * self.env.world_size / batch.step_targets)
+        backward_start = time.perf_counter()
+        loss.backward()
+        backward_end = time.perf_counter()
+        self._finish_step(timing)
+        timing.sparse_forward_s = probe.lookup_done_wall - start_wall
+        dense_end_wall = probe.dense_done_wall or backward_end
+        timing.dense_compute_s = dense_end_wall - probe.lookup_done_wall
+        timing.dense_compute_cpu_s = (probe.dense_done_cpu or time.thread_time()) - probe.lookup_done_cpu
+        timing.sparse_backward_s = backward_end - max(dense_end_wall, backward_start)
+        timing.loss_sum = float(stats["loss"]) * local_targets
+        timing.targets = local_targets
+
+    def idle_step(self, timing: bubbles.StepTiming) -> None:
+        """A rank the plan gave no samples this step still joins the step's collectives."""
+        empty = torch.zeros(0, dtype=torch.int64, device=self.env.device)
+        negatives = self.module.sample_negatives(self.config.loss.num_negatives, self.env.device, self.generator)
+        start = time.perf_counter()
+        items, negative_embeddings = self.module.lookup(empty, empty, negatives)
+        timing.sparse_forward_s = time.perf_counter() - start
+        start = time.perf_counter()
+        (items.sum() * 0.0 + negative_embeddings.sum() * 0.0).backward()
+        timing.sparse_backward_s = time.perf_counter() - start
+        self._finish_step(timing)
+
+    def _finish_step(self, timing: bubbles.StepTiming) -> None:
+        t = time.perf_counter()
+        self.sync_dense_grads()
+        timing.allreduce_s = time.perf_counter() - t
+        t = time.perf_counter()
+        self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        timing.optimizer_s = time.perf_counter() - t
+
+    def train(self) -> TrainResult:
+        self.module.train()
+        iterator = iter(self.loader)
+        log_every = max(1, self.config.training.log_every)
+        every = self.config.checkpoint.every_steps
+        while self.step < self.max_steps:
+            timing = bubbles.StepTiming()
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:  # past one pass over the shards: next epoch, same plan
+                iterator = iter(self.loader)
+                batch = next(iterator)
+            timing.data_wait_s = time.perf_counter() - start
+            timing.samples, timing.cost = float(batch.batch_size), float(batch.cost)
+            self.train_step(batch.to(self.env.device), timing)
+            timing.step_s = time.perf_counter() - start
+            gathered = self.meter.record(self.step, timing)
+            self.step += 1
+            if gathered is not None and self.env.rank == 0:
+                self._log_steps(gathered, self.meter.steps[-len(gathered):], log_every)
+            if self.checkpointer.enabled and every and self.step % every == 0 and self.step < self.max_steps:
+                self.save()
+        tail = self.meter.flush()
+        if tail is not None and self.env.rank == 0:
+            self._log_steps(tail, self.meter.steps[-len(tail):], log_every)
+        if self.checkpointer.enabled:
+            self.save()
+        table = self.meter.table()
+        summary = bubbles.summarize(table, skip_steps=min(WARMUP_STEPS, max(0, len(table) - 1)))
+        losses = step_losses(table)
+        summary["loss"] = float(np.mean(losses[-max(1, len(losses) // 10):])) if len(losses) else float("nan")
+        total_time = float(bubbles.column(table, "step_s").max(axis=1).sum())
+        summary["samples_per_s"] = float(bubbles.column(table, "samples").sum()) / total_time if total_time else 0.0
+        summary.update(self.evaluate())
+        return TrainResult(summary, table, list(self.meter.steps), list(losses), self.manifest)
+
+    def _log_steps(self, gathered: np.ndarray, steps: list[int], log_every: int) -> None:
+        losses = step_losses(gathered)
+        compute = bubbles.column(gathered, "dense_compute_s")
+        step_time = bubbles.column(gathered, "step_s").max(axis=1)
+        fractions = bubbles.step_bubble_fractions(compute, step_time)
+        for i, step in enumerate(steps):
+            metrics = {"loss": float(losses[i]), "step_time_s": float(step_time[i]),
+                       "bubble_fraction": float(fractions[i])}
+            if self.env.world_size <= 16:
+                for r in range(self.env.world_size):
+                    metrics[f"compute_s.rank{r}"] = float(compute[i, r])
+            self.sink.log_step(step, metrics)
+            if step % log_every == 0 or step == self.max_steps - 1:
+                print(f"step {step:5d}  loss {losses[i]:.4f}  step {step_time[i] * 1e3:7.1f} ms  "
+                      f"bubble {fractions[i]:6.1%}", flush=True)
+
+    # ------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """HR@10, NDCG@10, MRR on the leave-one-out test targets, full catalog, all ranks' samples.
+
+        The whole table is gathered once (a collective lookup); scoring then reads it
+        locally, so ranks may hold different numbers of samples. Under the mirror
+        control every rank holds the same samples: rank r scores steps r, r+K, ...
+        """
+        self.module.eval()
+        raw = self.module.all_item_embeddings(normalize=False)
+        table = F.normalize(raw, dim=-1)
+        loader = build_loader(self.config.data.shards, self.env.rank, self.env.world_size, prefetch=0)
+        mirror = self.manifest.get("control") == "mirror"
+        limit = self.config.training.eval_max_samples or None
+        model_sums, counts, targets = RetrievalMetrics(k=10), torch.zeros(int(self.manifest["num_items"]) + 1,
+                                                                           dtype=torch.float64), []
+        seen = 0
+        for batch in loader:
+            if batch.batch_size == 0 or (mirror and batch.step % self.env.world_size != self.env.rank):
+                continue
+            counts += torch.bincount(batch.item_ids, minlength=counts.numel()).to(torch.float64)
+            if limit is not None and seen >= limit:
+                continue
+            batch = batch.to(self.env.device)
+            model_sums = model_sums + self.module.evaluate(batch, table, use="test", item_table=raw)
+            targets.append(batch.test_item.cpu())
+            seen += batch.batch_size
+        self.module.train()
+        sums = model_sums.to_tensor()
+        if self.env.world_size > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(counts)
+        result = {name.replace("@", "_at_"): value for name, value in
+                  RetrievalMetrics.from_tensor(sums, k=10).means().items()}
+        popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
+        baseline = most_popular_baseline(popular_ids, int(self.manifest["num_items"]),
+                                         torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64))
+        base_sums = baseline.to_tensor()
+        if self.env.world_size > 1:
+            dist.all_reduce(base_sums)
+        for name, value in RetrievalMetrics.from_tensor(base_sums, k=10).means().items():
+            if name != "count":
+                result[f"popular_{name.replace('@', '_at_')}"] = value
+        result["eval_samples"] = result.pop("count")
+        return result
+
+
+def step_losses(table: np.ndarray) -> np.ndarray:
+    """Global loss per step: the sum of target losses over all ranks / all targets."""
+    if len(table) == 0:
+        return np.zeros(0)
+    loss_sum = bubbles.column(table, "loss_sum").sum(axis=1)
+    targets = bubbles.column(table, "targets").sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.nan_to_num(loss_sum / targets)
+
+
+def run(config: TrainConfig, sink: MetricsSink | None = None) -> TrainResult:
+    trainer = Trainer(config, sink)
+    return trainer.train()
