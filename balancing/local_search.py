@@ -1,7 +1,7 @@
 """Local search on a rank assignment: token-cap repair, then makespan descent.
 
-Both work on whole-array numpy views of the assignment; one iteration considers every single-item
-move and every pairwise swap between one rank and a set of partner ranks, and applies the best.
+Both consider single-item moves and pairwise swaps, evaluated as numpy arrays over candidate
+items; descent also runs whole rounds of disjoint rank pairs in one vectorised pass.
 """
 from __future__ import annotations
 
@@ -10,11 +10,18 @@ import numpy as np
 from balancing.inputs import Problem
 from balancing.types import InfeasibleError
 
-# Partner ranks tried first in each descent step (the least loaded). If none of them admits an
-# improving move, all ranks are tried once before giving up.
-NEAR_PARTNERS = 8
+# Partner ranks tried in each busiest-rank step: the 8 least loaded, then 64, then all ranks.
+PARTNER_TIERS = (8, 64, 1 << 62)
+# Items scanned, over a whole descent, by steps that try every rank as a partner.
+WIDE_SEARCH_ITEMS = 1 << 20
+# Under a token cap, candidate items this far either side of the ideal cost are checked.
+TOKEN_NEIGHBOURS = 4
 # Rounds of pairwise balancing before the busiest-rank polish (stops early when nothing changes).
 PAIR_ROUNDS = 24
+# Token-cap repair swaps items of the worst rank with items of this many roomiest ranks.
+REPAIR_PARTNERS = 32
+# Vectorised repair rounds before the one-rank-at-a-time finish.
+REPAIR_ROUNDS = 64
 
 
 class _State:
@@ -116,17 +123,53 @@ class _State:
         self.rank[i] = dst
 
 
+class _SortedRows:
+    """The items of several ranks as rows sorted by a per-item value, with one searchsorted
+    answering a binary search in every row (row i is offset by i * stride above row i-1)."""
+
+    def __init__(self, s: _State, ranks: np.ndarray, value: np.ndarray) -> None:
+        width = s.members.shape[1]
+        self.n = s.counts[ranks]
+        mask = np.arange(width)[None, :] < self.n[:, None]
+        items = np.where(mask, s.members[ranks], 0)
+        vals = np.where(mask, value[items], np.inf)
+        order = np.argsort(vals, axis=1, kind="stable")
+        self.items = np.take_along_axis(items, order, axis=1)
+        self.vals = np.take_along_axis(vals, order, axis=1)
+        self.width = width
+        self.top = max(float(value.max(initial=0.0)), 1e-300)
+        self.stride = 4.0 * self.top
+        pad = 2.0 * self.top
+        self.flat = (np.where(np.isfinite(self.vals), self.vals, pad) + self._offset(np.arange(ranks.size))[:, None]).ravel()
+
+    def _offset(self, rows: np.ndarray) -> np.ndarray:
+        return rows * self.stride
+
+    def nearest(self, rows: np.ndarray, targets: np.ndarray, reach: int) -> list[np.ndarray]:
+        """Positions of the ``reach`` entries below and above each target in its row (clipped)."""
+        shape = targets.shape
+        rows_b = np.broadcast_to(rows.reshape(rows.shape + (1,) * (len(shape) - rows.ndim)), shape)
+        t = np.clip(targets, -self.top, 1.5 * self.top) + self._offset(rows_b)
+        pos = np.searchsorted(self.flat, t) - rows_b * self.width
+        last = self.n[rows_b] - 1
+        return [np.clip(pos + d, 0, last) for d in range(-reach, reach)]
+
+
 def repair_token_cap(p: Problem, rank: np.ndarray, max_iters: int | None = None) -> np.ndarray | None:
     """Move/swap samples off ranks above ``token_cap`` until none is; None if stuck.
 
-    Each step strictly lowers the total excess (an integer) and never pushes another rank over the
-    cap, so it terminates. Among steps with the same remaining excess, the one giving the smaller
-    pair makespan wins, so repair disturbs the balance as little as it can.
+    Every step strictly lowers the total excess (an integer) and never pushes another rank over
+    the cap, so it terminates. Among steps leaving the same excess, the one giving the smaller
+    pair makespan wins, so repair disturbs the balance as little as it can. Whole rounds of
+    (over-cap rank, roomiest rank) pairs go first, vectorised; one rank at a time finishes.
     """
     if p.token_cap is None or p.n == 0:
         return rank
     assert p.lengths is not None
     s = _State(p, rank)
+    for _ in range(REPAIR_ROUNDS):
+        if _repair_round(s) == 0:
+            break
     tcap = p.token_cap
     lengths, costs = p.lengths, p.costs
     limit = max_iters if max_iters is not None else 4 * p.n + 16
@@ -136,12 +179,18 @@ def repair_token_cap(p: Problem, rank: np.ndarray, max_iters: int | None = None)
         if excess[v] <= 0:
             return s.rank
         iv = s.items(v)
-        others = np.flatnonzero((s.rank != v) & (s.tokens[s.rank] < tcap))  # type: ignore[index]
+        # Partners: the ranks with the most token room (all ranks with room would make the
+        # candidate matrix |items of v| x N).
+        slack = np.where(np.arange(p.world_size) == v, 0, tcap - s.tokens)  # type: ignore[operator]
+        roomy = np.flatnonzero(slack > 0)
+        if roomy.size > REPAIR_PARTNERS:
+            roomy = roomy[np.argsort(-slack[roomy], kind="stable")[:REPAIR_PARTNERS]]
+        others = s.items_of(roomy)
         best: tuple[float, float, int, int, int] | None = None  # (new excess, pair span, kind, a, b)
 
-        # Moves of an item of v to a rank with token and count room.
+        # Moves of an item of v to one of those ranks with count room.
         if s.counts[v] > p.count_lo:
-            dst = np.flatnonzero((s.counts < p.count_hi) & (np.arange(p.world_size) != v))
+            dst = roomy[s.counts[roomy] < p.count_hi]
             if dst.size and iv.size:
                 li = lengths[iv][:, None]
                 ok = s.tokens[dst][None, :] + li <= tcap  # type: ignore[index]
@@ -172,6 +221,76 @@ def repair_token_cap(p: Problem, rank: np.ndarray, max_iters: int | None = None)
         else:
             s.swap(a, b)
     return None
+
+
+def _repair_round(s: _State) -> int:
+    """Pair the i-th most over-cap rank with the i-th roomiest; each pair applies its best move or
+    swap by (remaining excess, pair makespan). Returns how many pairs changed."""
+    p = s.p
+    tcap = p.token_cap
+    assert tcap is not None and s.tokens is not None and p.lengths is not None
+    excess = s.tokens - tcap
+    over = np.argsort(-excess, kind="stable")
+    over = over[excess[over] > 0]
+    roomy = np.argsort(excess, kind="stable")
+    roomy = roomy[excess[roomy] < 0]
+    h = min(over.size, roomy.size)
+    if h == 0:
+        return 0
+    v, r = over[:h], roomy[:h]
+    lengths = p.lengths.astype(np.float64)
+    rows_v = _SortedRows(s, v, lengths)
+    rows = np.arange(h)
+    need, room = excess[v].astype(np.float64), (-excess[r]).astype(np.float64)
+    want = np.minimum(need, room)
+    lv, lr, iv, ir = s.loads[v], s.loads[r], s.inv_cap[v], s.inv_cap[r]
+    # Lexicographic (excess left, pair makespan) as one number: excess is an integer and the
+    # makespan term is scaled into [0, 0.5).
+    norm = 2.0 * float(p.costs.sum()) * float(s.inv_cap.max()) + 1e-300
+    best = np.full(h, np.inf)
+    best_i = np.zeros(h, dtype=np.int64)
+    best_j = np.full(h, -1, dtype=np.int64)  # -1 marks a move
+
+    can_move = (s.counts[v] > p.count_lo) & (s.counts[r] < p.count_hi)
+    for pos in rows_v.nearest(rows, want, 2):
+        li = rows_v.vals[rows, pos]
+        item = rows_v.items[rows, pos]
+        ci = p.costs[item]
+        ok = can_move & np.isfinite(li) & (li <= room)
+        span = np.maximum((lv - ci) * iv, (lr + ci) * ir)
+        score = np.where(ok, np.maximum(need - li, 0.0) + span / norm, np.inf)
+        better = score < best
+        best = np.where(better, score, best)
+        best_i = np.where(better, item, best_i)
+
+    width = s.members.shape[1]
+    mask_r = np.arange(width)[None, :] < s.counts[r][:, None]
+    mem_r = np.where(mask_r, s.members[r], 0)
+    len_r = lengths[mem_r]
+    cost_r = p.costs[mem_r]
+    for pos in rows_v.nearest(rows, len_r + want[:, None], 2):
+        li = rows_v.vals[rows[:, None], pos]
+        item = rows_v.items[rows[:, None], pos]
+        dl = li - len_r
+        ok = mask_r & np.isfinite(li) & (dl > 0) & (dl <= room[:, None])
+        dc = p.costs[item] - cost_r
+        span = np.maximum((lv[:, None] - dc) * iv[:, None], (lr[:, None] + dc) * ir[:, None])
+        score = np.where(ok, np.maximum(need[:, None] - dl, 0.0) + span / norm, np.inf)
+        j = np.argmin(score, axis=1)
+        sc = score[rows, j]
+        better = sc < best
+        best = np.where(better, sc, best)
+        best_i = np.where(better, item[rows, j], best_i)
+        best_j = np.where(better, mem_r[rows, j], best_j)
+
+    progress = np.floor(best) < need  # the excess left is the integer part of the score
+    swaps = progress & (best_j >= 0)
+    moves = progress & (best_j < 0)
+    if swaps.any():
+        s.swap_many(best_i[swaps], best_j[swaps])
+    if moves.any():
+        s.move_many(best_i[moves], r[moves])
+    return int(progress.sum())
 
 
 def _better(
@@ -215,6 +334,7 @@ def descend(p: Problem, rank: np.ndarray, max_iters: int, pair_rounds: int = PAI
     s = _State(p, rank)
     k = p.world_size
     lb = p.lower_bound()
+    wide_left = WIDE_SEARCH_ITEMS
     for _ in range(pair_rounds if k >= 4 else 0):
         if float((s.loads * s.inv_cap).max()) <= lb * (1.0 + 1e-12) or _pair_round(s) == 0:
             break
@@ -226,8 +346,14 @@ def descend(p: Problem, rank: np.ndarray, max_iters: int, pair_rounds: int = PAI
             break
         tol = cur * 1e-12
         step = None
-        for n_partners in (NEAR_PARTNERS, k - 1):
-            partners = _least_loaded(key, m, n_partners)
+        for n_partners in PARTNER_TIERS:
+            if n_partners >= k - 1 and n_partners > PARTNER_TIERS[0]:
+                # Trying every rank costs O(N) per step: rationed so a hard instance (e.g. a
+                # tight token cap) cannot stall the caller. The ration is a count, not a clock.
+                if wide_left < p.n:
+                    break
+                wide_left -= p.n
+            partners = _least_loaded(key, m, min(n_partners, k - 1))
             step = _best_step(s, m, partners)
             if step is not None and step[0] < cur - tol:
                 break
@@ -257,27 +383,11 @@ def _pair_round(s: _State) -> int:
     if n_pairs == 0:
         return 0
     costs = p.costs
-    width = s.members.shape[1]
-    col = np.arange(width)
+    rows_h = _SortedRows(s, hi, costs)
+    ch, mem_h = rows_h.vals, rows_h.items
     nh, nl = s.counts[hi], s.counts[lo]
-    mh = col[None, :] < nh[:, None]
-    mem_h = np.where(mh, s.members[hi], 0)
-    ch = np.where(mh, costs[mem_h], np.inf)
-    srt = np.argsort(ch, axis=1, kind="stable")
-    ch = np.take_along_axis(ch, srt, axis=1)
-    mem_h = np.take_along_axis(mem_h, srt, axis=1)
-
-    # Row-wise binary search as one searchsorted: row r's values are offset by r * stride.
-    top = max(float(costs.max()), 1e-300)
-    stride = 4.0 * top
-    pad = 2.0 * top
-    flat = (np.where(np.isfinite(ch), ch, pad) + (np.arange(n_pairs) * stride)[:, None]).ravel()
     rows_all = np.arange(n_pairs)
-
-    def nearest(rows: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        pos = np.searchsorted(flat, np.clip(targets, 0.0, 1.5 * top) + rows * stride) - rows * width
-        last = nh[rows] - 1
-        return np.clip(pos - 1, 0, last), np.clip(pos, 0, last)
+    reach = TOKEN_NEIGHBOURS if p.token_cap is not None else 1
 
     lh, ll = s.loads[hi], s.loads[lo]
     ih, il = s.inv_cap[hi], s.inv_cap[lo]
@@ -291,7 +401,7 @@ def _pair_round(s: _State) -> int:
 
     # Moves: the item of hi nearest to d*.
     can_move = (nh > p.count_lo) & (nl < p.count_hi)
-    for cand in nearest(rows_all, dstar):
+    for cand in rows_h.nearest(rows_all, dstar, reach):
         ci = ch[rows_all, cand]
         span = np.maximum((lh - ci) * ih, (ll + ci) * il)
         ok = can_move & np.isfinite(ci)
@@ -304,12 +414,11 @@ def _pair_round(s: _State) -> int:
         best_i = np.where(better, items, best_i)
 
     # Swaps: for each item j of lo, the item of hi nearest to c_j + d*.
-    ml = col[None, :] < nl[:, None]
+    width = s.members.shape[1]
+    ml = np.arange(width)[None, :] < nl[:, None]
     mem_l = np.where(ml, s.members[lo], 0)
     cl = costs[mem_l]
-    rows = np.broadcast_to(rows_all[:, None], cl.shape).ravel()
-    for cand in nearest(rows, (cl + dstar[:, None]).ravel()):
-        cand = cand.reshape(cl.shape)
+    for cand in rows_h.nearest(rows_all, cl + dstar[:, None], reach):
         ci = ch[rows_all[:, None], cand]
         d = ci - cl
         span = np.maximum((lh[:, None] - d) * ih[:, None], (ll[:, None] + d) * il[:, None])
@@ -349,7 +458,12 @@ def _least_loaded(key: np.ndarray, m: int, n: int) -> np.ndarray:
 def _best_step(
     s: _State, m: int, partners: np.ndarray
 ) -> tuple[float, int, int, int] | None:
-    """(pair span, kind 0=move/1=swap, a, b) of the best step between m and ``partners``."""
+    """(pair span, kind 0=move/1=swap, a, b) of the best step between m and ``partners``.
+
+    The pair span max((L_m - d)/cap_m, (L_r + d)/cap_r) is V-shaped in the transferred cost d, so
+    the best item of m for a given partner lies next to the ideal d*: a binary search finds it.
+    Under a token cap the nearest item may not fit, so a few neighbours on each side are checked.
+    """
     p = s.p
     costs = p.costs
     im = s.items(m)
@@ -360,24 +474,19 @@ def _best_step(
     im, cm = im[srt], cm[srt]
     lm, inv_m = s.loads[m], s.inv_cap[m]
     best: tuple[float, int, int, int] | None = None
-    exact = p.token_cap is not None
+    capped = p.token_cap is not None
+    reach = TOKEN_NEIGHBOURS if capped else 1
 
     # Moves: for partner r the ideal cost d* equalises (lm - d)/cap_m and (lr + d)/cap_r.
     if s.counts[m] > p.count_lo:
         dst = partners[s.counts[partners] < p.count_hi]
         if dst.size:
             lr, inv_r = s.loads[dst], s.inv_cap[dst]
-            if exact:
-                ci = np.broadcast_to(cm[:, None], (cm.size, dst.size))
-                rows = np.broadcast_to(np.arange(cm.size)[:, None], ci.shape)
-                cols = np.broadcast_to(np.arange(dst.size)[None, :], ci.shape)
-            else:
-                ideal = (lm * inv_m - lr * inv_r) / (inv_m + inv_r)
-                rows = _nearest_two(cm, ideal)
-                cols = np.broadcast_to(np.arange(dst.size)[None, :], rows.shape)
-                ci = cm[rows]
+            rows = _nearest(cm, (lm * inv_m - lr * inv_r) / (inv_m + inv_r), reach)
+            cols = np.broadcast_to(np.arange(dst.size)[None, :], rows.shape)
+            ci = cm[rows]
             span = np.maximum((lm - ci) * inv_m, (lr[cols] + ci) * inv_r[cols])
-            if exact:
+            if capped:
                 span = np.where(s.tokens[dst][cols] + p.lengths[im][rows] <= p.token_cap, span, np.inf)  # type: ignore[index]
             f = int(np.argmin(span))
             if np.isfinite(span.flat[f]):
@@ -389,20 +498,14 @@ def _best_step(
         cj = costs[ij]
         rj = s.rank[ij]
         lr, inv_r = s.loads[rj], s.inv_cap[rj]
-        if exact:
-            rows = np.broadcast_to(np.arange(cm.size)[:, None], (cm.size, ij.size))
-            cols = np.broadcast_to(np.arange(ij.size)[None, :], rows.shape)
-        else:
-            ideal = cj + (lm * inv_m - lr * inv_r) / (inv_m + inv_r)
-            rows = _nearest_two(cm, ideal)
-            cols = np.broadcast_to(np.arange(ij.size)[None, :], rows.shape)
+        rows = _nearest(cm, cj + (lm * inv_m - lr * inv_r) / (inv_m + inv_r), reach)
+        cols = np.broadcast_to(np.arange(ij.size)[None, :], rows.shape)
         d = cm[rows] - cj[cols]
         span = np.maximum((lm - d) * inv_m, (lr[cols] + d) * inv_r[cols])
         span = np.where(d > 0, span, np.inf)
-        if exact:
-            lm_t = s.tokens[m]  # type: ignore[index]
+        if capped:
             dl = p.lengths[im][rows] - p.lengths[ij][cols]  # type: ignore[index]
-            ok = (lm_t - dl <= p.token_cap) & (s.tokens[rj][cols] + dl <= p.token_cap)  # type: ignore[index]
+            ok = (s.tokens[m] - dl <= p.token_cap) & (s.tokens[rj][cols] + dl <= p.token_cap)  # type: ignore[index]
             span = np.where(ok, span, np.inf)
         f = int(np.argmin(span))
         if np.isfinite(span.flat[f]) and (best is None or span.flat[f] < best[0]):
@@ -410,12 +513,11 @@ def _best_step(
     return best
 
 
-def _nearest_two(sorted_vals: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """[2, len(targets)] indices of the values just below and just above each target."""
-    hi = np.searchsorted(sorted_vals, targets)
-    hi = np.minimum(hi, sorted_vals.size - 1)
-    lo = np.maximum(hi - 1, 0)
-    return np.stack([lo, hi])
+def _nearest(sorted_vals: np.ndarray, targets: np.ndarray, reach: int) -> np.ndarray:
+    """[2*reach, len(targets)] indices of the ``reach`` values below and above each target."""
+    pos = np.searchsorted(sorted_vals, targets)
+    offsets = np.arange(-reach, reach)[:, None]
+    return np.clip(pos[None, :] + offsets, 0, sorted_vals.size - 1)
 
 
 def refine(p: Problem, rank: np.ndarray, max_iters: int, strategy: str) -> np.ndarray:

@@ -30,27 +30,46 @@ def _count_limits(p: Problem) -> tuple[int, int, int]:
 
 
 def _lpt_heap(p: Problem, order: np.ndarray) -> np.ndarray:
-    # Equal capacities and no token cap: the best rank is simply the least loaded one, so a heap
-    # keyed by (load, rank) gives the same choice as a scan in O(log K).
+    # Equal capacities: the best rank is simply the least loaded eligible one, so a heap keyed by
+    # (load, rank) gives the same choice as a scan. Ranks without token room for this sample are
+    # set aside and pushed back (a later, shorter sample may fit); count-full ranks are dropped.
+    # Under a tight token cap most ranks end up set aside for every sample, which is slower than
+    # the numpy scan, so lpt_ranks only uses the heap without a cap.
     k = p.world_size
     lo, hi, n_hi = _count_limits(p)
     heap = [(0.0, r) for r in range(k)]
-    counts = np.zeros(k, dtype=np.int64)
+    counts = [0] * k
+    tokens = [0] * k
+    tcap = p.token_cap
+    lengths = p.lengths.tolist() if p.lengths is not None else None
     at_hi = 0
     rank = np.empty(p.n, dtype=np.int32)
-    costs = p.costs
+    costs = p.costs.tolist()
     for i in order.tolist():
+        aside = []
         while True:
+            if not heap:
+                raise InfeasibleError(
+                    f"lpt found no rank with room for sample {i} (length {lengths[i]}) under "  # type: ignore[index]
+                    f"token_cap={tcap}; fullest rank holds {max(tokens)} tokens"
+                )
             load, r = heapq.heappop(heap)
             limit = hi if at_hi < n_hi else lo
-            if counts[r] < limit:
-                break
-            # A full rank never becomes eligible again, so it is dropped from the heap.
+            if counts[r] >= limit:
+                continue  # a full rank never becomes eligible again
+            if tcap is not None and tokens[r] + lengths[i] > tcap:  # type: ignore[index]
+                aside.append((load, r))
+                continue
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
         rank[i] = r
         counts[r] += 1
+        if lengths is not None:
+            tokens[r] += lengths[i]
         if counts[r] == hi and hi > lo:
             at_hi += 1
-        heapq.heappush(heap, (load + float(costs[i]), r))
+        heapq.heappush(heap, (load + costs[i], r))
     return rank
 
 

@@ -89,15 +89,17 @@ def _solve(p: Problem, strategy: str, seed: int, time_limit_s: float | None) -> 
 
 
 def _kk(p: Problem) -> np.ndarray:
-    rank = kk_ranks(p)
     try:
-        return refine(p, rank, descent_budget(p), "kk")
+        return refine(p, kk_ranks(p), descent_budget(p), "kk")
     except InfeasibleError:
         if p.token_cap is None:
             raise
-    # Repair from LDM got stuck under the token cap: greedy LPT respects the cap while it builds.
+    # Repair of the LDM start got stuck under the token cap: greedy LPT builds within the cap.
     try:
         start = lpt_ranks(p)
-    except InfeasibleError as err:
-        raise InfeasibleError(f"kk found no assignment under token_cap={p.token_cap}: {err}") from None
+    except InfeasibleError:
+        raise InfeasibleError(
+            f"kk found no assignment under token_cap={p.token_cap}: neither repair of the LDM start "
+            f"nor greedy LPT fits {int(p.lengths.sum())} tokens on {p.world_size} ranks"  # type: ignore[union-attr]
+        ) from None
     return refine(p, start, descent_budget(p), "kk")

@@ -80,7 +80,13 @@ def plan(
             lo, hi = first * g, min(n, (first + w) * g)
             local = original[lo:hi] - first
             step[lo:hi] = first + rebalance_steps(
-                c[lo:hi], local, k, float(cap.max()), None if lens is None else lens[lo:hi], tcap_total
+                c[lo:hi],
+                local,
+                k,
+                float(cap.max()),
+                None if lens is None else lens[lo:hi],
+                tcap_total,
+                equal_counts=equal_counts,
             )
 
     rank = np.empty(n, dtype=np.int32)
@@ -137,6 +143,8 @@ def rebalance_steps(
     max_cap: float,
     lengths: np.ndarray | None,
     step_token_cap: float | None,
+    *,
+    equal_counts: bool = False,
 ) -> np.ndarray:
     """New step (0..S-1) for each sample of one window; every step keeps its sample count.
 
@@ -157,11 +165,17 @@ def rebalance_steps(
     binary search: the smallest, those near the kinks of f, and a geometric ladder below x).
     A step with no improving swap is skipped until another swap changes the state. With a token
     cap, a swap must keep both steps' token totals within K * token_cap.
+
+    With equal counts the rank holding a large sample must also take n_s // K - 1 others, so a
+    sample only fits if c_i + filler_s <= max_cap * total_s / K, where filler_s is n_s // K - 1
+    times the mean of the smallest tenth of the step's costs (held fixed while a swap is scored).
     """
     k = float(world_size)
     cm = max_cap
     n_steps = int(step.max()) + 1
-    w = _Window(costs, step, n_steps, lengths if step_token_cap is not None else None)
+    w = _Window(
+        costs, step, n_steps, lengths if step_token_cap is not None else None, world_size if equal_counts else 0
+    )
     new_step = step.astype(np.int32, copy=True)
     scale = float(costs.sum()) / k / max(n_steps, 1)
     tol = 1e-9 * max(scale, 1e-300)
@@ -191,8 +205,12 @@ class _Window:
     searchsorted on its flat view answers a binary search in every step at once.
     """
 
-    def __init__(self, costs: np.ndarray, step: np.ndarray, n_steps: int, lengths: np.ndarray | None) -> None:
+    def __init__(
+        self, costs: np.ndarray, step: np.ndarray, n_steps: int, lengths: np.ndarray | None, count_ranks: int
+    ) -> None:
         self.costs = costs
+        self.count_ranks = count_ranks  # K when counts are equal (filler matters), else 0
+        self.filler = np.zeros(n_steps)
         self.lengths = lengths
         order = np.lexsort((costs, step))
         sizes = np.bincount(step, minlength=n_steps)
@@ -218,13 +236,16 @@ class _Window:
         n = self.n[s]
         self.prefix[s, 1:] = np.cumsum(np.where(np.arange(self.width) < n, self.vals[s], 0.0))
         self.search[s] = self.vals[s] + self.offset[s]
+        if self.count_ranks:
+            small = max(1, -(-n // 10))
+            self.filler[s] = max(n // self.count_ranks - 1, 0) * self.prefix[s, small] / small
 
     def overshoot(self, s: int, k: float, cm: float) -> float:
         n = int(self.n[s])
         v, pre = self.vals[s, :n], self.prefix[s]
-        share = pre[n] / k
-        le = int(np.searchsorted(v, share * cm, side="right"))
-        return float((pre[n] - pre[le]) / cm - (n - le) * share)
+        limit = pre[n] / k * cm - self.filler[s]  # largest cost that fits the step's share
+        le = int(np.searchsorted(v, limit, side="right"))
+        return float((pre[n] - pre[le] - (n - le) * limit) / cm)
 
     def find(self, rows: np.ndarray, targets: np.ndarray, side: str) -> np.ndarray:
         """Per-row searchsorted of ``targets`` (broadcast against ``rows[:, None]``)."""
@@ -284,20 +305,20 @@ def _best_swap(
         return None
 
     # Step s without x, with y.
-    share_s = (rest + y) / k
-    le = np.minimum(np.searchsorted(vs, share_s * cm, side="right"), ns - 1)
-    y_over = y > share_s * cm
-    phi_s = (ps[ns - 1] - ps[le] + np.where(y_over, y, 0.0)) / cm - ((ns - 1) - le + y_over) * share_s
+    limit_s = (rest + y) / k * cm - w.filler[s]
+    le = np.minimum(np.searchsorted(vs, limit_s, side="right"), ns - 1)
+    y_over = y > limit_s
+    phi_s = (ps[ns - 1] - ps[le] + np.where(y_over, y, 0.0) - ((ns - 1) - le + y_over) * limit_s) / cm
 
     # Step t without y, with x.
-    share_t = (tt[:, None] + x - y) / k
-    le = np.clip(w.find(rows, share_t * cm, "right"), 0, nt[:, None])
+    limit_t = (tt[:, None] + x - y) / k * cm - w.filler[:, None]
+    le = np.clip(w.find(rows, limit_t, "right"), 0, nt[:, None])
     y_was_over = pos >= le
-    x_over = x > share_t * cm
+    x_over = x > limit_t
     top = w.prefix[rows[:, None], nt[:, None]] - w.prefix[rows[:, None], le]
     top = top - np.where(y_was_over, y, 0.0) + np.where(x_over, x, 0.0)
     count = nt[:, None] - le - y_was_over + x_over
-    phi_t = top / cm - count * share_t
+    phi_t = (top - count * limit_t) / cm
 
     delta = phi_s + phi_t - phi[s] - phi[:, None]
     if w.tokens is not None and w.lengths is not None and step_token_cap is not None:

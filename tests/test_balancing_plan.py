@@ -61,6 +61,16 @@ def test_window_lowers_the_bubble_on_heavy_tails() -> None:
     assert 0 < window.moved < costs.size // 4
 
 
+def test_window_with_equal_counts_keeps_the_bubble_low() -> None:
+    k, b, w = 64, 16, 16
+    costs, _ = heavy_tailed(k * b * w, seed=8)
+    pl = plan(costs, k, b, window_steps=w, equal_counts=True)
+    counts = np.zeros((pl.num_steps, k), dtype=int)
+    np.add.at(counts, (pl.step, pl.rank), 1)
+    assert (counts == b).all()
+    assert pl.bubble < 0.02
+
+
 def test_windows_are_planned_independently_when_n_exceeds_one_window() -> None:
     k, b, w = 8, 4, 3
     costs, _ = heavy_tailed(k * b * 7 + 3, seed=4)
