@@ -16,7 +16,6 @@ several times the budget guards against pathological solves; only if it fires ca
 from __future__ import annotations
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from balancing.inputs import Problem
 from balancing.metrics import makespan
@@ -86,6 +85,10 @@ def _solve_subset(
     Returns (rank per item of the whole problem, deterministic time used), or None when CP-SAT
     found no solution. Raises InfeasibleError when ``proof`` and CP-SAT proves infeasibility.
     """
+    # Imported here: ortools' CP-SAT module pulls in pandas (~0.3 s), which the other strategies
+    # should not pay for.
+    from ortools.sat.python import cp_model
+
     bucket, n_b, b_cost, b_len = _buckets(p, items)
     n_r = ranks.size
     b_count = np.bincount(bucket, minlength=n_b)
