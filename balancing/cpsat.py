@@ -23,6 +23,8 @@ from balancing.types import InfeasibleError
 
 DEFAULT_TIME_LIMIT_S = 2.0
 FULL_MODEL_MAX_VARS = 6000
+# Without a warm start (kk found nothing under a token cap) only models up to this size are tried.
+COLD_MODEL_MAX_VARS = 100_000
 LNS_BUSIEST, LNS_IDLEST, LNS_RANDOM = 3, 3, 2
 # LNS stops after this many rounds in a row without improvement.
 LNS_PATIENCE = 8
@@ -42,7 +44,13 @@ def cpsat_ranks(p: Problem, warm: np.ndarray | None, seed: int, time_limit_s: fl
     if p.n == 0:
         return np.zeros(0, dtype=np.int32)
     n_buckets = _buckets(p, np.arange(p.n))[1]
-    if p.world_size * n_buckets <= FULL_MODEL_MAX_VARS or warm is None:
+    n_vars = p.world_size * n_buckets
+    if warm is None and n_vars > COLD_MODEL_MAX_VARS:
+        raise InfeasibleError(
+            f"ortools: kk found no assignment under token_cap={p.token_cap} and the instance "
+            f"({n_vars} variables) is too large to search from scratch"
+        )
+    if n_vars <= FULL_MODEL_MAX_VARS or warm is None:
         det = max(budget - BUILD_CHARGE_S_PER_VAR * p.world_size * n_buckets, 0.05 * budget)
         result = _solve_subset(p, np.arange(p.n), np.arange(p.world_size), warm, seed, det, proof=True)
         if result is None:

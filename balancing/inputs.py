@@ -42,10 +42,10 @@ class Problem:
         return float(max(self.costs.sum() / self.cap.sum(), self.costs.max() / self.cap.max()))
 
 
-def check_world_size(world_size: object, name: str = "world_size") -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, Integral) or int(world_size) < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {world_size!r}")
-    return int(world_size)
+def check_positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or int(value) < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
 
 
 def check_costs(costs: object) -> np.ndarray:
@@ -128,7 +128,7 @@ def build_problem(
 ) -> Problem:
     """Validate inputs (ValueError) and reject provably infeasible token caps (InfeasibleError)."""
     c = check_costs(costs)
-    k = check_world_size(world_size)
+    k = check_positive_int(world_size, "world_size")
     n = c.shape[0]
     lens = None if lengths is None else check_lengths(lengths, n)
     cap = check_capacities(capacities, k)

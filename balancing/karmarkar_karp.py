@@ -12,7 +12,16 @@ Run on costs in decreasing order, it does two different things:
   and run balanced LDM (BLDM) on those tuples plus the head's rank sums as one pinned tuple.
 
 Running BLDM on everything instead fails on heavy tails: it gives each rank exactly one item per
-chunk, so the rank holding the largest item must also take one item from every other chunk.
+chunk, so the rank holding the largest item must also take one item from every other chunk
+(measured: 20-60% above the lower bound at K=256..1024 on log-normal lengths, against <0.4%).
+
+Two adjustments make the result fit the constraints:
+
+* Free counts: an item that alone exceeds the remaining average load first gets a rank of its
+  own (it sets the makespan anyway).
+* Equal counts: the head is a count-limited greedy over all but the last TAIL_ROUNDS*K items
+  (every rank takes exactly that many), so a rank holding a large item is filled up with the
+  head's smallest items; the tail then adds one item per rank per chunk, keeping counts +-1.
 
 Membership is not tracked per slot during merging; each merge records only the slot permutation,
 and the merge tree is resolved top-down at the end with one numpy scatter per node.
@@ -79,9 +88,8 @@ def _greedy_head(
     than the spread of the rank sums. Returns how many items were placed.
 
     The first K items always go one per rank (that is LDM's first tuple). With equal counts the
-    head stops only at whole rounds of K items and no rank takes a second item of a round before
-    all have one, so the BLDM tail (one item per rank per chunk) keeps counts within +-1.
-    With unequal capacities the heap is keyed by load/cap.
+    head has a fixed length instead (see the module docstring). With unequal capacities the heap
+    is keyed by load/cap.
     """
     k = ranks_left.size
     n = order.size

@@ -22,9 +22,9 @@ from balancing.types import InfeasibleError, Partition
 
 
 def descent_budget(p: Problem) -> int:
-    """Iteration cap for the local search after KK: enough to empty the few ranks that BLDM
-    overfills, small enough to keep N=16384, K=1024 well under 200 ms. A count, not a clock,
-    so results do not depend on machine speed."""
+    """Cap on busiest-rank polish iterations after the pair rounds: the pair rounds do the bulk,
+    the polish fixes the last few ranks; N=16384, K=1024 stays well under 200 ms. A count, not a
+    clock, so results do not depend on machine speed."""
     return 64 + 2 * p.world_size
 
 

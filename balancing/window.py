@@ -19,13 +19,13 @@ from balancing.inputs import (
     check_seed,
     check_strategy,
     check_time_limit,
-    check_world_size,
+    check_positive_int,
 )
 from balancing.partition import partition
 from balancing.types import Plan
 
 # Swaps per window at most, per step in the window; the search usually stops far earlier, when no
-# swap lowers the summed step lower bounds.
+# swap lowers the total overshoot.
 MAX_SWAPS_PER_STEP = 4096
 
 
@@ -55,9 +55,9 @@ def plan(
     Raises ValueError on malformed input and InfeasibleError when a step's token cap cannot be met.
     """
     c = check_costs(costs)
-    k = check_world_size(world_size)
-    b = check_world_size(local_batch_size, "local_batch_size")
-    w = check_world_size(window_steps, "window_steps")
+    k = check_positive_int(world_size, "world_size")
+    b = check_positive_int(local_batch_size, "local_batch_size")
+    w = check_positive_int(window_steps, "window_steps")
     strategy = check_strategy(strategy)
     seed = check_seed(seed)
     time_limit_s = check_time_limit(time_limit_s)
