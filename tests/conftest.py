@@ -26,3 +26,25 @@ def movielens_dir() -> Path:
     if not (MOVIELENS_DIR / "ratings.parquet").exists():
         pytest.fail(f"MovieLens-100K not found at {MOVIELENS_DIR} (expected ../shared/data/movielens-100k)")
     return MOVIELENS_DIR
+
+
+@pytest.fixture(scope="session")
+def movielens_prepared(spark, movielens_dir, tmp_path_factory) -> Path:
+    """MovieLens-100K through the real prepare job (shared by the job and trainer tests)."""
+    from jobs import prepare
+
+    out = tmp_path_factory.mktemp("ml") / "prepared"
+    assert prepare.main(["--input", str(movielens_dir / "ratings.parquet"), "--output", str(out),
+                         "--tracking-uri", "none"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
+    """2-rank balanced shards of MovieLens-100K (kk, 16 samples per rank per step)."""
+    from jobs import balance
+
+    out = tmp_path_factory.mktemp("ml-shards") / "kk"
+    assert balance.main(["--input", str(movielens_prepared), "--output", str(out), "--world-size", "2",
+                         "--local-batch-size", "16", "--tracking-uri", "none"]) == 0
+    return out

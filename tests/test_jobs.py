@@ -17,11 +17,8 @@ NO_TRACKING = ["--tracking-uri", "none"]
 
 
 @pytest.fixture(scope="module")
-def prepared_ml(spark, movielens_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ml") / "prepared"
-    assert prepare.main(["--input", str(movielens_dir / "ratings.parquet"), "--output", str(out),
-                         *NO_TRACKING]) == 0
-    return out
+def prepared_ml(movielens_prepared) -> Path:
+    return movielens_prepared
 
 
 @pytest.fixture(scope="module")

@@ -59,3 +59,22 @@ class Checkpointer:
             raise FileNotFoundError(f"checkpoint {source} has no state for rank {self.rank} "
                                     "(saved with a different world size?)")
         return torch.load(own_path, weights_only=False)
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an optimizer's lazily built state (Adam's moments) so DCP has tensors to load into.
+
+    One step with zero gradients and learning rate 0 allocates the state without
+    moving any parameter; the checkpoint then overwrites it.
+    """
+    if optimizer.state:
+        return
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, saved_lrs):
+        group["lr"] = lr

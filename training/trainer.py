@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from training import bubbles
 from training.batch import SequenceBatch
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
 from training.manifest_check import ShardError, load_manifest
@@ -137,6 +137,7 @@ class Trainer:
         step = self.checkpointer.latest_step()
         if step is None:
             return
+        materialize_optimizer_state(self.dense_optimizer)
         shared = self._shared_state()
         own = self.checkpointer.load(step, shared)
         self.model.load_state_dict(shared["model"])
@@ -238,11 +239,12 @@ class Trainer:
         step_time = bubbles.column(gathered, "step_s").max(axis=1)
         fractions = bubbles.step_bubble_fractions(compute, step_time)
         for i, step in enumerate(steps):
-            metrics = {"loss": float(losses[i]), "step_time_s": float(step_time[i]),
-                       "bubble_fraction": float(fractions[i])}
+            # "step/" keeps per-step series apart from the run summary's fixed names.
+            metrics = {"step/loss": float(losses[i]), "step/time_s": float(step_time[i]),
+                       "step/bubble_fraction": float(fractions[i])}
             if self.env.world_size <= 16:
                 for r in range(self.env.world_size):
-                    metrics[f"compute_s.rank{r}"] = float(compute[i, r])
+                    metrics[f"step/compute_s.rank{r}"] = float(compute[i, r])
             self.sink.log_step(step, metrics)
             if step % log_every == 0 or step == self.max_steps - 1:
                 print(f"step {step:5d}  loss {losses[i]:.4f}  step {step_time[i] * 1e3:7.1f} ms  "

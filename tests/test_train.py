@@ -1,0 +1,175 @@
+"""The trainer on 2 gloo ranks, launched through torch's elastic launcher, end to end."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+
+
+def freescale_train(shards: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", str(nproc),
+           *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def error_lines(run: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (run.stdout + run.stderr).splitlines() if "freescale train (rank" in line]
+
+
+def small_run_args(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return ["--tracking-uri", "none", "--summary-json", str(tmp_path / f"{name}.json"),
+            "--model.hstu.num_layers", "1", "--loss.num_negatives", "32", *extra]
+
+
+@pytest.mark.slow
+def test_exact_resume_matches_uninterrupted_run(movielens_shards, tmp_path):
+    whole = freescale_train(movielens_shards, "--max-steps", "6", *small_run_args(tmp_path, "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    first = freescale_train(movielens_shards, "--max-steps", "3", "--checkpoint.folder", str(ckpt),
+                            *small_run_args(tmp_path, "first"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (ckpt / "step_3" / "COMPLETE").exists()
+    second = freescale_train(movielens_shards, "--max-steps", "6", "--checkpoint.folder", str(ckpt),
+                             *small_run_args(tmp_path, "second"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    whole_log = json.loads((tmp_path / "whole.json").read_text())
+    first_log = json.loads((tmp_path / "first.json").read_text())
+    second_log = json.loads((tmp_path / "second.json").read_text())
+    assert second_log["steps"] == [3, 4, 5]
+    assert first_log["losses"] + second_log["losses"] == whole_log["losses"]
+    # the model learned: later losses below the first
+    assert whole_log["losses"][-1] < whole_log["losses"][0]
+
+
+@pytest.mark.slow
+def test_world_size_mismatch_names_both_numbers(movielens_shards, tmp_path):
+    run = freescale_train(movielens_shards, "--max-steps", "2", *small_run_args(tmp_path, "x"), nproc=1)
+    assert run.returncode != 0
+    lines = error_lines(run)
+    assert lines and "2" in lines[0] and "1" in lines[0], (run.stdout + run.stderr)[-2000:]
+
+
+def copy_shards(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_missing_manifest_is_one_line_on_every_rank(movielens_shards, tmp_path):
+    shards = copy_shards(movielens_shards, tmp_path / "s")
+    (shards / "manifest.json").unlink()
+    run = freescale_train(shards, "--max-steps", "2", *small_run_args(tmp_path, "x"))
+    assert run.returncode != 0
+    lines = error_lines(run)
+    assert len(lines) == 2 and all("manifest" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_corrupt_parquet_stops_every_rank_without_hanging(movielens_shards, tmp_path):
+    shards = copy_shards(movielens_shards, tmp_path / "s")
+    victim = sorted((shards / "rank=1").glob("*.parquet"))[0]
+    victim.write_bytes(b"\x00" * victim.stat().st_size)
+    started = time.monotonic()
+    run = freescale_train(shards, "--max-steps", "2", *small_run_args(tmp_path, "x"), timeout=120)
+    assert run.returncode != 0
+    assert time.monotonic() - started < 120
+    lines = error_lines(run)
+    assert any(victim.name in line for line in lines), lines
+    assert any("rank 0" in line for line in lines), lines  # the healthy rank stopped too
+
+
+@pytest.mark.slow
+def test_item_id_beyond_table_names_the_id(movielens_shards, tmp_path):
+    shards = copy_shards(movielens_shards, tmp_path / "s")
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["num_items"] = 50
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    run = freescale_train(shards, "--max-steps", "2", *small_run_args(tmp_path, "x"), timeout=120)
+    assert run.returncode != 0
+    output = run.stdout + run.stderr
+    assert "50" in output and "item" in output.lower()
+
+
+@pytest.mark.slow
+def test_empty_rank_shard_is_refused(movielens_shards, tmp_path):
+    shards = copy_shards(movielens_shards, tmp_path / "s")
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["ranks"][1]["rows"] = 0
+    manifest["ranks"][1]["files"] = []
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    run = freescale_train(shards, "--max-steps", "2", *small_run_args(tmp_path, "x"), timeout=120)
+    assert run.returncode != 0
+    lines = error_lines(run)
+    assert lines and all("rank 1" in line or "rank=1" in line for line in lines), lines
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = free_port()
+    mlflow = Path(sys.executable).parent / "mlflow"
+    server = subprocess.Popen(
+        [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        server.kill()
+        pytest.fail("mlflow server did not come up on 127.0.0.1")
+    yield uri
+    server.terminate()
+    server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_two_rank_run_logs_to_mlflow_server(movielens_shards, tmp_path, mlflow_server):
+    run = freescale_train(movielens_shards, "--max-steps", "8", "--tracking-uri", mlflow_server,
+                          "--run-name", "e2e", "--summary-json", str(tmp_path / "s.json"),
+                          "--model.hstu.num_layers", "1", "--loss.num_negatives", "32")
+    assert run.returncode == 0, run.stderr[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("freescale").experiment_id])
+    assert len(runs) == 1
+    logged = runs[0]
+    for name in ("loss", "step_time_s", "samples_per_s", "bubble_fraction", "imbalance",
+                 "hr_at_10", "ndcg_at_10", "mrr"):
+        assert name in logged.data.metrics, name
+    assert logged.data.tags["freescale.strategy"] == "kk" and logged.data.tags["freescale.world_size"] == "2"
+    assert "freescale.code_version" in logged.data.tags
+    assert logged.data.params["training.max_steps"] == "8" and logged.data.params["model.hstu.num_layers"] == "1"
+    history = client.get_metric_history(logged.info.run_id, "step/loss")
+    assert sorted(m.step for m in history) == list(range(8))
+    artifacts = [a.path for a in client.list_artifacts(logged.info.run_id)]
+    assert "rank_timelines.png" in artifacts
+    summary = json.loads((tmp_path / "s.json").read_text())["summary"]
+    assert summary["eval_samples"] == 943 - 943 % 32
+    assert 0.0 <= summary["bubble_fraction"] < 1.0
