@@ -7,8 +7,8 @@ Prints markdown tables:
    makespan to the lower bound max(total/K, max cost), and the wall time per global batch
    (medians over --repeats global batches).
 2. Windowed planning (strategy kk): plan bubble with window_steps=1 and 32 over 32 global batches,
-   the lower-bound bubble, the share of samples moved between steps and the planning time per
-   global batch.
+   the lower-bound bubble, the share of samples moved between steps, the planning time per
+   global batch, and the W=32 bubble again with equal_counts=True.
 
 Lengths come from (a) MovieLens-100K: history length per user = ratings per user - 2 (the
 leave-one-out split removes the last two), read from ../shared/data/movielens-100k (never copied
@@ -119,9 +119,9 @@ def window_table(
     print(f"\n### Windowed planning (kk, {WINDOW} global batches), {name}\n")
     print(
         "| K | B | bubble W=1 | bubble W=32 | lower-bound bubble W=32 | moved W=32 "
-        "| plan time / batch W=1 | plan time / batch W=32 |"
+        "| plan time / batch W=1 | plan time / batch W=32 | bubble W=32 equal_counts |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k, b in grid:
         rng = np.random.default_rng(7000 * k + b)
         rows = []
@@ -129,16 +129,16 @@ def window_table(
             lengths = sample(rng, WINDOW * k * b)
             c = cost(lengths)
             row = []
-            for w in (1, WINDOW):
+            for w, equal in ((1, False), (WINDOW, False), (WINDOW, True)):
                 start = time.perf_counter()
-                pl = plan(c, k, b, window_steps=w, strategy="kk", lengths=lengths)
+                pl = plan(c, k, b, window_steps=w, strategy="kk", lengths=lengths, equal_counts=equal)
                 elapsed = time.perf_counter() - start
                 row.append((pl.bubble, pl.lower_bound_bubble, pl.moved / c.size, elapsed / pl.num_steps))
             rows.append(row)
         med = np.median(np.array(rows), axis=0)  # [window, metric]
         print(
             f"| {k} | {b} | {pct(med[0, 0])} | {pct(med[1, 0])} | {pct(med[1, 1])} | {pct(med[1, 2])} "
-            f"| {ms(med[0, 3])} | {ms(med[1, 3])} |",
+            f"| {ms(med[0, 3])} | {ms(med[1, 3])} | {pct(med[2, 0])} |",
             flush=True,
         )
 
@@ -147,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run (K<=64, 2 repeats, short limits)")
     parser.add_argument("--repeats", type=int, default=5, help="global batches per cell (median)")
-    parser.add_argument("--window-repeats", type=int, default=1, help="32-batch windows per cell (median)")
+    parser.add_argument("--window-repeats", type=int, default=3, help="32-batch windows per cell (median)")
     parser.add_argument("--time-limit", type=float, default=2.0, help="ortools budget per global batch, s")
     parser.add_argument(
         "--ortools-repeats-k1024",
