@@ -193,7 +193,7 @@ def _decode(bucket: np.ndarray, counts: np.ndarray, ranks: np.ndarray) -> np.nda
 
 
 def _lns(p: Problem, warm: np.ndarray, seed: int, budget: float) -> np.ndarray:
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed % (2**63))  # any int seed; numpy wants a non-negative one
     rank = warm.astype(np.int32, copy=True)
     k = p.world_size
     lb = p.lower_bound()

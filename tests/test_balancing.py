@@ -245,6 +245,7 @@ def test_ortools_lns_improves_a_poor_warm_start() -> None:
     improved = cpsat_ranks(p, warm, seed=0, time_limit_s=0.3)
     assert makespan(p, improved) < 0.9 * makespan(p, warm)
     np.testing.assert_array_equal(improved, cpsat_ranks(p, warm, seed=0, time_limit_s=0.3))
+    assert makespan(p, cpsat_ranks(p, warm, seed=-5, time_limit_s=0.1)) <= makespan(p, warm)
 
 
 def test_ortools_never_worse_than_kk() -> None:
