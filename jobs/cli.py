@@ -15,9 +15,13 @@ SUBCOMMANDS = ("prepare", "balance", "train", "demo")
 
 
 def demo(argv: list[str]) -> int:
-    """Embedded default: synthetic data, local Spark, sqlite MLflow. Stages already done are kept."""
+    """Embedded default: synthetic data, local Spark, sqlite MLflow, 2 local gloo ranks.
+
+    Stages whose output is complete are kept, so a rerun resumes where it stopped.
+    """
     from jobs import balance, prepare
     from jobs.manifest import MANIFEST_NAME
+    from jobs.train import launch
 
     p = argparse.ArgumentParser(prog="freescale demo", description=demo.__doc__)
     p.add_argument("--workdir", default="out/demo", help="where the stages write (default out/demo)")
@@ -26,20 +30,28 @@ def demo(argv: list[str]) -> int:
     p.add_argument("--fresh", action="store_true", help="rerun every stage even if its output exists")
     args = p.parse_args(argv)
     work = Path(args.workdir)
-    prepared, shards = work / "prepared", work / "shards"
+    prepared, shards, summary = work / "prepared", work / "shards", work / "train_summary.json"
+    config = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
     stages = [
-        (prepared / "prepare.json", prepare.main, ["--output", str(prepared)]),
+        (prepared / "prepare.json", prepare.main, ["--output", str(prepared), "--overwrite"]),
         (shards / MANIFEST_NAME, balance.main,
          ["--input", str(prepared), "--output", str(shards), "--world-size", str(args.world_size),
-          "--local-batch-size", str(args.local_batch_size), "--strategy", "kk", "--window-steps", "32"]),
+          "--local-batch-size", str(args.local_batch_size), "--strategy", "kk", "--window-steps", "32",
+          "--overwrite"]),
+        (summary, launch,
+         ["--shards", str(shards), "--nproc-per-node", str(args.world_size), "--config", str(config),
+          "--run-name", "demo", "--summary-json", str(summary),
+          "--checkpoint.folder", str(work / "checkpoints")]),
     ]
     for done_marker, stage, stage_argv in stages:
         if done_marker.exists() and not args.fresh:
-            print(f"freescale demo: {done_marker.parent} is complete, skipping (--fresh reruns it)")
+            print(f"freescale demo: {done_marker} exists, stage skipped (--fresh reruns it)")
             continue
-        rc = stage(stage_argv + ["--overwrite"])
+        rc = stage(stage_argv)
         if rc:
             return rc
+    print(f"freescale demo: done; shards in {shards}, run summary in {summary}; "
+          "browse the runs with: .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db")
     return 0
 
 
