@@ -173,3 +173,65 @@ def test_two_rank_run_logs_to_mlflow_server(movielens_shards, tmp_path, mlflow_s
     summary = json.loads((tmp_path / "s.json").read_text())["summary"]
     assert summary["eval_samples"] == 943 - 943 % 32
     assert 0.0 <= summary["bubble_fraction"] < 1.0
+
+
+def rank_process(rank: int, marker: str, timeout: float = 120) -> int:
+    """PID of the training worker with RANK=`rank` whose command line holds `marker`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                environ = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if "jobs.train" in cmdline and marker in cmdline and f"RANK={rank}".encode() in environ:
+                return int(proc.name)
+        time.sleep(0.2)
+    raise AssertionError(f"no rank {rank} worker found")
+
+
+def start_long_run(shards: Path, tmp_path: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "2",
+           "--max-steps", "100000", *small_run_args(tmp_path, "long"), *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_training(proc: subprocess.Popen) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step "):
+            return lines
+    raise AssertionError("training never started:\n" + "".join(lines[-30:]))
+
+
+@pytest.mark.slow
+def test_a_dead_rank_stops_the_others(movielens_shards, tmp_path):
+    proc = start_long_run(movielens_shards, tmp_path, "--training.log_every", "1")
+    try:
+        wait_for_training(proc)
+        os.kill(rank_process(1, str(movielens_shards)), 9)
+        started = time.monotonic()
+        proc.wait(timeout=120)
+        assert proc.returncode != 0
+        assert time.monotonic() - started < 120
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_a_hung_rank_hits_the_collective_timeout(movielens_shards, tmp_path):
+    proc = start_long_run(movielens_shards, tmp_path, "--training.log_every", "1",
+                          "--parallel.collective_timeout_s", "10")
+    try:
+        wait_for_training(proc)
+        os.kill(rank_process(1, str(movielens_shards)), 19)  # SIGSTOP: alive but silent
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert "freescale train (rank 0): error:" in output or "Timed out" in output or "timeout" in output.lower()
+    finally:
+        proc.kill()
