@@ -181,14 +181,18 @@ def test_balance_rejects_too_few_samples(prepared_ml, tmp_path, capsys):
     assert_one_line_error(capsys, rc, "943", "1000")
 
 
-@pytest.mark.parametrize("case", ["missing_column", "null_user", "null_item", "empty", "no_such_path"])
+@pytest.mark.parametrize("case", ["missing_column", "mistyped_timestamp", "null_user", "null_item", "empty",
+                                  "no_such_path"])
 def test_prepare_bad_input(spark, tmp_path, capsys, case):
     src = tmp_path / "in.parquet"
     table = {"user_id": ["u1", "u2"], "item_id": ["i1", "i2"], "timestamp": [1, 2]}
-    expected = {"missing_column": "timestamp", "null_user": "user_id", "null_item": "item_id",
-                "empty": "in.parquet", "no_such_path": "nowhere"}[case]
+    expected = {"missing_column": "timestamp", "mistyped_timestamp": "timestamp", "null_user": "user_id",
+                "null_item": "item_id", "empty": "in.parquet", "no_such_path": "nowhere"}[case]
+    types = {"user_id": pa.string(), "item_id": pa.string(), "timestamp": pa.int64()}
     if case == "missing_column":
         del table["timestamp"]
+    elif case == "mistyped_timestamp":
+        table["timestamp"], types["timestamp"] = ["yesterday", "today"], pa.string()
     elif case == "null_user":
         table["user_id"][1] = None
     elif case == "null_item":
@@ -198,8 +202,7 @@ def test_prepare_bad_input(spark, tmp_path, capsys, case):
     if case == "no_such_path":
         src = tmp_path / "nowhere.parquet"
     else:
-        pq.write_table(pa.table(table, schema=pa.schema([(k, pa.int64() if k == "timestamp" else pa.string())
-                                                           for k in table])), src)
+        pq.write_table(pa.table(table, schema=pa.schema([(k, types[k]) for k in table])), src)
     rc = prepare.main(["--input", str(src), "--output", str(tmp_path / "out"), *NO_TRACKING])
     assert_one_line_error(capsys, rc, expected)
     assert not (tmp_path / "out").exists()
