@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", help="cost-model JSON (default: the built-in analytic model)")
     p.add_argument("--token-cap", type=int, help="per-rank cap on the sum of history lengths per step")
     p.add_argument("--equal-counts", action="store_true", help="every rank gets B samples (+-1) per step")
-    p.add_argument("--capacities", help="relative rank speeds, comma separated, one per rank")
+    p.add_argument("--capacities", help="relative rank speeds, comma separated, one per rank, or @FILE: "
+                                        "a rank-speeds JSON written by `freescale calibrate`")
     p.add_argument("--seed", type=int, default=0, help="shuffle and tie-break seed (default 0)")
     p.add_argument("--time-limit", type=float, help="seconds per step for the ortools strategy")
     p.add_argument("--leftover", choices=("drop", "keep"), default="drop",
@@ -60,8 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_capacities(text: str | None, world_size: int) -> tuple[float, ...] | None:
+    """``--capacities``: ``1.0,0.9`` or ``@rank_speeds.json`` (written by `freescale calibrate`)."""
     if text is None:
         return None
+    if text.startswith("@"):
+        from jobs.calibrate import read_rank_speeds
+
+        path = text[1:]
+        values = read_rank_speeds(path)  # InputError naming the file when it is bad
+        if len(values) != world_size:
+            raise InputError(f"--capacities file {path} has {len(values)} capacities, --world-size is {world_size}")
+        return values
     try:
         values = tuple(float(v) for v in text.split(","))
     except ValueError:

@@ -3,6 +3,7 @@
     freescale prepare ...   raw logs -> sequences          (jobs/prepare.py)
     freescale balance ...   sequences -> balanced shards   (jobs/balance.py)
     freescale train ...     shards -> trained model, measured bubbles (jobs/train.py, torchrun)
+    freescale calibrate ... this machine -> cost model and rank speeds for balance (jobs/calibrate.py)
     freescale demo          all three on the embedded synthetic default
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("prepare", "balance", "train", "demo")
+SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "demo")
 
 
 def demo(argv: list[str]) -> int:
@@ -67,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         from jobs.balance import main as run
     elif command == "train":
         from jobs.train import launch as run
+    elif command == "calibrate":
+        from jobs.calibrate import main as run
     else:
         run = demo
     return run(rest)
