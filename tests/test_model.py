@@ -536,6 +536,9 @@ def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: 
             sums = result.to_tensor()
             dist.all_reduce(sums)
         assert sums[3].item() == 4  # every rank's users counted once
+        # Tearing gloo down while the peer is still closing its side aborts the
+        # process ("terminate called without an active exception"): leave together.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
