@@ -57,26 +57,7 @@ class _State:
         return rows[np.arange(rows.shape[1])[None, :] < self.counts[ranks][:, None]]
 
     def move(self, i: int, dst: int) -> None:
-        src = int(self.rank[i])
-        c = self.p.costs[i]
-        self.loads[src] -= c
-        self.loads[dst] += c
-        if self.tokens is not None:
-            ln = self.p.lengths[i]  # type: ignore[index]
-            self.tokens[src] -= ln
-            self.tokens[dst] += ln
-        last = self.members[src, self.counts[src] - 1]
-        self.members[src, self.slot[i]] = last
-        self.slot[last] = self.slot[i]
-        self.counts[src] -= 1
-        if self.counts[dst] == self.members.shape[1]:
-            grown = np.full((self.members.shape[0], 2 * self.members.shape[1]), -1, dtype=np.int64)
-            grown[:, : self.members.shape[1]] = self.members
-            self.members = grown
-        self.members[dst, self.counts[dst]] = i
-        self.slot[i] = self.counts[dst]
-        self.counts[dst] += 1
-        self.rank[i] = dst
+        self.move_many(np.array([i]), np.array([dst]))
 
     def swap(self, i: int, j: int) -> None:
         ri, rj = int(self.rank[i]), int(self.rank[j])
