@@ -231,6 +231,8 @@ def format_calibration_report(result: Any, output: str) -> str:
             rows.append([clock, kind, *coef, f"{final.form.step_constant:.3e}", f"{final.r2:.4f}",
                          f"{cv.cv_rms:.2%}"])
     out.append(_table(["clock", "form", "a s/L^2", "b s/L", "c s", "d s/step", "R^2", "held-out RMS err"], rows))
+    out.append("(a coefficient of 0 sits on the non-negativity bound; d is the per-step constant, not in the cost "
+               "model; R^2 over calibration batch times, held-out error over the held-out-length batches)")
     out += ["", f"chosen (thread CPU clock): {fit.choice.chosen} -- {fit.choice.reason}; written to {output}"]
 
     v = result.validation

@@ -102,6 +102,19 @@ def test_table_weights_reproduce_cost_model_predictions() -> None:
     np.testing.assert_allclose(hat_weights(lengths, knots) @ np.array(costs), model.predict(lengths))
 
 
+def test_table_fit_recovers_knot_costs_and_never_decreases() -> None:
+    knots = [16, 40, 100, 256, 1024]
+    true_costs = np.array([1e-3, 1.5e-3, 4e-3, 1.2e-2, 9e-2])
+    batches = [x.lengths for x in calibration_batches(knots, 16, 1024, replicates=3, seed=4)]
+    exact = synthetic_times(batches, lambda L: hat_weights(L, knots) @ true_costs, step_constant=2e-3)
+    form = fit_form("table", batches, exact, knots)
+    np.testing.assert_allclose(form.model.costs, true_costs, rtol=1e-6)
+    assert form.step_constant == pytest.approx(2e-3, rel=1e-6)
+    # 5% noise on every batch: the knots may move, but never downwards with length.
+    noisy = exact * np.random.default_rng(0).lognormal(0, 0.05, len(exact))
+    assert np.all(np.diff(fit_form("table", batches, noisy, knots).model.costs) >= 0)
+
+
 def test_chooser_picks_quadratic_on_quadratic_data() -> None:
     batches = calibration_batches(sorted(GRID + held_out_lengths(GRID)), 16, 1024, replicates=2, seed=2)
     fit, held = split_by_grid(batches, GRID)
