@@ -20,6 +20,10 @@
 
 Bad input (unparseable or non-positive --lengths, an existing output without
 --overwrite, ...) ends the job with one line on stderr and exit status 2.
+
+Timing is on this machine's CPU with one intra-op thread (the trainer's setting
+when ranks fill the cores, as on a 2-core machine with 2 ranks). CUDA ranks would
+need CUDA-event timing, which this command does not do yet.
 """
 from __future__ import annotations
 
