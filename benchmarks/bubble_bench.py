@@ -54,17 +54,18 @@ def build_shards(work: Path, args: argparse.Namespace) -> dict[str, Path]:
         run(freescale("prepare", "--input", str(MOVIELENS), "--output", str(prepared), "--overwrite",
                       "--tracking-uri", "none"), work / "prepare.log")
     balance_extra: list[str] = []
+    cost_model_args: list[str] = []
     if args.calibrate:
         cost_model, speeds = work / "cost_model.json", work / "rank_speeds.json"
         if not cost_model.exists():
             run(freescale("calibrate", "--output", str(cost_model), "--rank-speeds-output", str(speeds),
                           "--nproc-per-node", "2", "--overwrite", "--tracking-uri", "none"),
                 work / "calibrate.log")
-        balance_extra += ["--cost-model", str(cost_model)]
+        cost_model_args = ["--cost-model", str(cost_model)]  # every variant: comparable predicted bubbles
         if speeds.exists() and json.loads(speeds.read_text()).get("significant"):
             balance_extra += ["--capacities", f"@{speeds}"]
     common = ["--input", str(prepared), "--world-size", "2", "--local-batch-size", str(args.local_batch_size),
-              "--seed", "0", "--overwrite", "--tracking-uri", "none"]
+              "--seed", "0", "--overwrite", "--tracking-uri", "none", *cost_model_args]
     shards = {
         "contiguous": (["--strategy", "contiguous"], work / "shards-contiguous"),
         "balanced": (["--strategy", args.strategy, *balance_extra], work / f"shards-{args.strategy}"),
@@ -95,20 +96,28 @@ def main() -> None:
     parser.add_argument("--calibrate", action="store_true", help="cost model and rank speeds from freescale calibrate")
     parser.add_argument("--workdir", default="out/bubble-bench")
     parser.add_argument("--tracking-uri", default="none", help="MLflow URI for the runs (default: none)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="print the tables from the summaries a finished run left in --workdir")
     args = parser.parse_args()
     work = (REPO / args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    shards = build_shards(work, args)
-    steps = args.epochs * json.loads((shards["balanced"] / "manifest.json").read_text())["num_steps"]
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for rep in range(args.repeats):
-        for variant in VARIANTS:
-            summary = train(shards[variant], steps, rep, work / f"{variant}-{rep}.json", args)
-            results[variant].append(summary)
-            print(f"repeat {rep} {variant:10s} bubble {summary['bubble_fraction']:.4f} "
-                  f"(cpu {summary['bubble_fraction_cpu']:.4f})  step {summary['step_time_s'] * 1e3:.1f} ms  "
-                  f"hr@10 {summary['hr_at_10']:.4f}", flush=True)
+    if args.report_only:
+        for rep in range(args.repeats):
+            for variant in VARIANTS:
+                results[variant].append(json.loads((work / f"{variant}-{rep}.json").read_text())["summary"])
+        steps = int(results["balanced"][0]["measured_steps"]) + 2
+    else:
+        shards = build_shards(work, args)
+        steps = args.epochs * json.loads((shards["balanced"] / "manifest.json").read_text())["num_steps"]
+        for rep in range(args.repeats):
+            for variant in VARIANTS:
+                summary = train(shards[variant], steps, rep, work / f"{variant}-{rep}.json", args)
+                results[variant].append(summary)
+                print(f"repeat {rep} {variant:10s} bubble {summary['bubble_fraction']:.4f} "
+                      f"(cpu {summary['bubble_fraction_cpu']:.4f})  step {summary['step_time_s'] * 1e3:.1f} ms  "
+                      f"hr@10 {summary['hr_at_10']:.4f}", flush=True)
 
     print(f"\n## Measured bubbles: MovieLens-100K, 2 gloo ranks x {args.local_batch_size} samples, "
           f"{steps} steps, {args.repeats} repeats (median [min, max])\n")
@@ -140,6 +149,18 @@ def main() -> None:
         print(f"| {variant} | {spread([r['hr_at_10'] for r in rows])} | {spread([r['ndcg_at_10'] for r in rows])} | "
               f"{spread([r['mrr'] for r in rows])} | {rows[0]['popular_hr_at_10']:.4f} | "
               f"{rows[0]['popular_ndcg_at_10']:.4f} |")
+    print("\n| metric | contiguous - balanced (medians) | spread across seeds (max - min, larger of the two) "
+          "| agree | both beat most-popular |")
+    print("| --- | --- | --- | --- | --- |")
+    for key in ("hr_at_10", "ndcg_at_10", "mrr"):
+        values = {v: [r[key] for r in results[v]] for v in ("contiguous", "balanced")}
+        difference = statistics.median(values["contiguous"]) - statistics.median(values["balanced"])
+        seed_spread = max(max(v) - min(v) for v in values.values())
+        popular = results["contiguous"][0][f"popular_{key}"]
+        beats = min(min(v) for v in values.values()) > popular
+        print(f"| {key} | {difference:+.4f} | {seed_spread:.4f} | {'yes' if abs(difference) <= seed_spread else 'NO'} "
+              f"| {'yes' if beats else 'NO'} (worst run {min(min(v) for v in values.values()):.4f} "
+              f"vs {popular:.4f}) |")
     print(f"\n(total {time.time() - started:.0f} s; per-run logs and summaries in {work})")
 
 
