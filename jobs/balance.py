@@ -29,7 +29,8 @@ STRATEGIES = ("contiguous", "lpt", "kk", "ortools")
 CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")
 SHARD_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length", "cost",
-                 "valid_item", "valid_timestamp", "test_item", "test_timestamp", "origin_step", "step_targets")
+                 "valid_item", "valid_timestamp", "valid_rating", "test_item", "test_timestamp", "origin_step",
+                 "step_targets")
 ROW_GROUP_BYTES = 4 << 20  # small row groups: the trainer streams a shard one row group at a time
 
 

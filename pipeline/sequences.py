@@ -12,7 +12,8 @@ Output schema (``SEQUENCE_COLUMNS`` order)::
 
     user_id: string, items: array<int>, timestamps: array<long>,
     ratings: array<float>, length: int (= size(items)),
-    valid_item: int, valid_timestamp: long, test_item: int, test_timestamp: long,
+    valid_item: int, valid_timestamp: long, valid_rating: float (null when unknown),
+    test_item: int, test_timestamp: long,
     num_interactions: int (before the split and truncation)
 
 ``ratings`` is always aligned with ``items`` (same length); where the source had
@@ -29,7 +30,7 @@ MIN_INTERACTIONS = 3  # train >= 1 item, plus the validation and test targets
 
 SEQUENCE_COLUMNS = (
     "user_id", "items", "timestamps", "ratings", "length",
-    "valid_item", "valid_timestamp", "test_item", "test_timestamp", "num_interactions",
+    "valid_item", "valid_timestamp", "valid_rating", "test_item", "test_timestamp", "num_interactions",
 )
 
 # Vocabulary ranks are computed per (count, item-name prefix) bucket. A prefix
@@ -112,6 +113,8 @@ def build_sequences(interactions: DataFrame, max_seq_len: int) -> DataFrame:
                 F.size("_train").cast("int").alias("length"),
                 F.col("_valid.item_id").alias("valid_item"),
                 F.col("_valid.timestamp").alias("valid_timestamp"),
+                # The test query's history ends with the validation item: scoring needs its rating too.
+                F.col("_valid.rating").alias("valid_rating"),
                 F.col("_test.item_id").alias("test_item"),
                 F.col("_test.timestamp").alias("test_timestamp"),
                 F.col("_n").cast("int").alias("num_interactions"),

@@ -25,7 +25,7 @@ TINY = [
     ("d", "y", 7, 3.0),  # 1 interaction: dropped
 ]
 SEQUENCE_SCHEMA = ("user_id string, items array<int>, timestamps array<bigint>, ratings array<float>, "
-                   "length int, valid_item int, valid_timestamp bigint, test_item int, test_timestamp bigint, "
+                   "length int, valid_item int, valid_timestamp bigint, valid_rating float, test_item int, test_timestamp bigint, "
                    "num_interactions int")
 
 
@@ -60,9 +60,9 @@ def test_tiny_sequences_exact(spark, tiny, via_vocab):
     assert tuple(got.columns) == SEQUENCE_COLUMNS
     expected = spark.createDataFrame([
         # a: z5@5, y2@10, w3@10, x1@20, x1@30 -> history [z, y, w] truncated to the last 2.
-        ("a", [2, 3], [10, 10], [2.0, 1.0], 2, 1, 20, 1, 30, 5),
+        ("a", [2, 3], [10, 10], [2.0, 1.0], 2, 1, 20, 3.0, 1, 30, 5),
         # b: x1@50 (no rating), w3@70, y2@100.
-        ("b", [1], [50], [None], 1, 3, 70, 2, 100, 3),
+        ("b", [1], [50], [None], 1, 3, 70, 4.0, 2, 100, 3),
     ], SEQUENCE_SCHEMA)
     assertDataFrameEqual(got, expected, checkRowOrder=False)
 

@@ -34,7 +34,7 @@ SCHEMA = pa.schema([
     ("step", pa.int64()), ("slot", pa.int32()), ("user_id", pa.string()),
     ("items", pa.list_(pa.int32())), ("timestamps", pa.list_(pa.int64())), ("ratings", pa.list_(pa.float32())),
     ("length", pa.int32()), ("cost", pa.float64()),
-    ("valid_item", pa.int32()), ("valid_timestamp", pa.int64()),
+    ("valid_item", pa.int32()), ("valid_timestamp", pa.int64()), ("valid_rating", pa.float32()),
     ("test_item", pa.int32()), ("test_timestamp", pa.int64()), ("origin_step", pa.int64()),
     ("step_targets", pa.int64()),
 ])
@@ -64,7 +64,7 @@ def make_rows(rank: int, num_steps: int, local_batch: int, num_items: int, rng: 
                 "step": step, "slot": slot, "user_id": f"u{rank}-{step}-{slot}",
                 "items": rng.integers(1, num_items + 1, n).tolist(), "timestamps": ts, "ratings": ratings,
                 "length": n, "cost": float(n * n), "valid_item": int(rng.integers(1, num_items + 1)),
-                "valid_timestamp": ts[-1] + 1, "test_item": int(rng.integers(1, num_items + 1)),
+                "valid_timestamp": ts[-1] + 1, "valid_rating": None if kind == 0 else 4.5, "test_item": int(rng.integers(1, num_items + 1)),
                 "test_timestamp": ts[-1] + 2, "origin_step": step, "step_targets": 1000 + step,
             })
     return rows
@@ -132,6 +132,7 @@ def reference_batches(root: Path, rank: int) -> list[SequenceBatch]:
             ratings=ints(ratings),
             valid_item=ints([r["valid_item"] for r in rs]), test_item=ints([r["test_item"] for r in rs]),
             valid_timestamp=ints([r["valid_timestamp"] for r in rs]),
+            valid_rating=ints([0 if r["valid_rating"] is None else 5 for r in rs]),
             test_timestamp=ints([r["test_timestamp"] for r in rs]),
             user_ids=[r["user_id"] for r in rs], step=step))
     return out
@@ -142,7 +143,7 @@ def assert_batches_equal(actual: list[SequenceBatch], expected: list[SequenceBat
     for a, e in zip(actual, expected):
         assert a.user_ids == e.user_ids, a.step
         for name in ("lengths", "item_ids", "timestamps", "ratings", "valid_item", "test_item",
-                     "valid_timestamp", "test_timestamp"):
+                     "valid_timestamp", "valid_rating", "test_timestamp"):
             got, want = getattr(a, name), getattr(e, name)
             assert got.dtype == torch.int64, name
             assert torch.equal(got, want), (a.step, name)
@@ -239,17 +240,18 @@ def test_empty_step_yields_empty_batch(shards: Path) -> None:
 def test_collate_is_flat_and_rounds_ratings() -> None:
     rows = pa.Table.from_pylist([
         {"step": 4, "slot": 0, "user_id": "a", "items": [3, 1], "timestamps": [10, 11], "ratings": [4.5, None],
-         "length": 2, "cost": 4.0, "valid_item": 7, "valid_timestamp": 12, "test_item": 8, "test_timestamp": 13,
+         "length": 2, "cost": 4.0, "valid_item": 7, "valid_timestamp": 12, "valid_rating": 2.5, "test_item": 8, "test_timestamp": 13,
          "origin_step": 4, "step_targets": 3},
         {"step": 4, "slot": 1, "user_id": "b", "items": [9, 9, 2], "timestamps": [1, 2, 3],
-         "ratings": [None, None, None], "length": 3, "cost": 9.0, "valid_item": 1, "valid_timestamp": 4,
+         "ratings": [None, None, None], "length": 3, "cost": 9.0, "valid_item": 1, "valid_timestamp": 4, "valid_rating": None,
          "test_item": 2, "test_timestamp": 5, "origin_step": 4, "step_targets": 3},
         {"step": 4, "slot": 2, "user_id": "c", "items": [5], "timestamps": [7], "ratings": [0.5],
-         "length": 1, "cost": 1.0, "valid_item": 6, "valid_timestamp": 8, "test_item": 6, "test_timestamp": 9,
+         "length": 1, "cost": 1.0, "valid_item": 6, "valid_timestamp": 8, "valid_rating": 5.0, "test_item": 6, "test_timestamp": 9,
          "origin_step": 4, "step_targets": 3},
     ], schema=SCHEMA)
     batch = collate_step(StepRows(4, rows.slice(0)))
     assert batch.step_targets == 3
+    assert batch.valid_rating.tolist() == [3, 0, 5]  # half-up rounding, unknown -> 0
     assert batch.step == 4 and batch.user_ids == ["a", "b", "c"]
     assert batch.lengths.tolist() == [2, 3, 1]
     assert batch.item_ids.tolist() == [3, 1, 9, 9, 2, 5]

@@ -52,7 +52,7 @@ from training.manifest_check import ShardError, load_manifest, one_line, rank_fi
 # Columns the reader needs; the shard's remaining columns (cost, origin_step) are
 # planning diagnostics and are not read, so they cost no memory.
 READ_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length",
-                "valid_item", "valid_timestamp", "test_item", "test_timestamp", "step_targets", "cost")
+                "valid_item", "valid_timestamp", "valid_rating", "test_item", "test_timestamp", "step_targets", "cost")
 LIST_COLUMNS = ("items", "timestamps", "ratings")
 # Everything except the ratings may not be null: a null there is a job bug, and
 # letting it through would turn into NaN or garbage ids after collation.
@@ -85,6 +85,12 @@ def _numpy(column: pa.ChunkedArray | pa.Array, dtype: type[np.generic] = np.int6
     return np.array(column.to_numpy(zero_copy_only=False), dtype=dtype, copy=True)
 
 
+def _rating_ids(ratings: np.ndarray) -> np.ndarray:
+    """Ratings (NaN = unknown) -> embedding ids: rounded half-up into 1..5, 0 when unknown."""
+    rounded = np.clip(np.floor(ratings + 0.5), MIN_RATING, MAX_RATING)
+    return np.where(np.isnan(ratings), 0, rounded).astype(np.int64)
+
+
 def collate_step(step_rows: StepRows) -> SequenceBatch:
     """Arrow rows of one step -> :class:`SequenceBatch`, vectorised (no per-item Python loop).
 
@@ -93,13 +99,13 @@ def collate_step(step_rows: StepRows) -> SequenceBatch:
     length) carries them instead.
     """
     table = step_rows.rows
-    ratings = _numpy(pc.list_flatten(table["ratings"]), np.float64)  # nulls -> NaN
-    rounded = np.clip(np.floor(ratings + 0.5), MIN_RATING, MAX_RATING)
+    ratings = _rating_ids(_numpy(pc.list_flatten(table["ratings"]), np.float64))
     return SequenceBatch(
         lengths=torch.from_numpy(_numpy(table["length"])),
         item_ids=torch.from_numpy(_numpy(pc.list_flatten(table["items"]))),
         timestamps=torch.from_numpy(_numpy(pc.list_flatten(table["timestamps"]))),
-        ratings=torch.from_numpy(np.where(np.isnan(ratings), 0, rounded).astype(np.int64)),
+        ratings=torch.from_numpy(ratings),
+        valid_rating=torch.from_numpy(_rating_ids(_numpy(table["valid_rating"], np.float64))),
         valid_item=torch.from_numpy(_numpy(table["valid_item"])),
         test_item=torch.from_numpy(_numpy(table["test_item"])),
         valid_timestamp=torch.from_numpy(_numpy(table["valid_timestamp"])),
