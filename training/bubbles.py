@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import time
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -43,6 +45,30 @@ class StepTiming:
     """Sum of this rank's per-target losses (the global loss is sum over ranks / targets)."""
     targets: float = 0.0
     """Next-item targets in this rank's batch."""
+
+
+class DenseSpanProbe:
+    """Marks the dense span of one step: lookup returned -> gradient back at the lookup's outputs.
+
+    Passed to the model's forward as ``probe``: the trainer's ``dense_compute_s`` and
+    the calibration's timings are this span, on the wall and thread CPU clocks.
+    """
+
+    def __init__(self) -> None:
+        self.start_cpu = self.start_wall = 0.0
+        self.end_cpu: float | None = None
+        self.end_wall: float | None = None
+
+    def __call__(self, item_embeddings: torch.Tensor, negative_embeddings: torch.Tensor) -> None:
+        self.start_wall, self.start_cpu = time.perf_counter(), time.thread_time()
+        for tensor in (item_embeddings, negative_embeddings):
+            if tensor.requires_grad:
+                tensor.register_hook(self._grad_arrived)
+
+    def _grad_arrived(self, grad: torch.Tensor) -> torch.Tensor:
+        # Both outputs are reached by backward; the later one ends the dense part.
+        self.end_wall, self.end_cpu = time.perf_counter(), time.thread_time()
+        return grad
 
 
 TIMING_FIELDS = tuple(f.name for f in fields(StepTiming))

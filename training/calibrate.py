@@ -84,6 +84,7 @@ import torch
 from pipeline.cost_model import CostModel, default_cost_model
 from pipeline.errors import InputError
 from training.batch import SequenceBatch
+from training.bubbles import DenseSpanProbe
 from training.model import ModelConfig, SequentialRecommender, build_local_model
 
 CLOCKS = ("cpu", "wall")
@@ -149,30 +150,6 @@ class StepTime:
 
     cpu_s: float
     wall_s: float
-
-
-class DenseSpanProbe:
-    """Marks the dense span of one step: lookup returned -> gradient back at the lookup's outputs.
-
-    The same span as the trainer's ``dense_compute_s`` (its ``StepProbe``), kept
-    here so calibration does not depend on the trainer's internals.
-    """
-
-    def __init__(self) -> None:
-        self.start_cpu = self.start_wall = 0.0
-        self.end_cpu: float | None = None
-        self.end_wall: float | None = None
-
-    def __call__(self, item_embeddings: torch.Tensor, negative_embeddings: torch.Tensor) -> None:
-        self.start_wall, self.start_cpu = time.perf_counter(), time.thread_time()
-        for tensor in (item_embeddings, negative_embeddings):
-            if tensor.requires_grad:
-                tensor.register_hook(self._grad_arrived)
-
-    def _grad_arrived(self, grad: torch.Tensor) -> torch.Tensor:
-        # Both outputs are reached by backward; the later one ends the dense part.
-        self.end_wall, self.end_cpu = time.perf_counter(), time.thread_time()
-        return grad
 
 
 def synthetic_batch(lengths: Sequence[int], num_items: int, seed: int) -> SequenceBatch:

@@ -57,25 +57,6 @@ class TrainResult:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
-class StepProbe:
-    """Marks the end of the sparse forward and, via gradient hooks, the end of the dense backward."""
-
-    def __init__(self) -> None:
-        self.lookup_done_wall = self.lookup_done_cpu = 0.0
-        self.dense_done_wall = self.dense_done_cpu = 0.0
-
-    def __call__(self, item_embeddings: torch.Tensor, negative_embeddings: torch.Tensor) -> None:
-        self.lookup_done_wall, self.lookup_done_cpu = time.perf_counter(), time.thread_time()
-        for tensor in (item_embeddings, negative_embeddings):
-            if tensor.requires_grad:
-                tensor.register_hook(self._grad_arrived)
-
-    def _grad_arrived(self, grad: torch.Tensor) -> torch.Tensor:
-        # Both outputs feed one backward all-to-all; the later of the two ends the dense part.
-        self.dense_done_wall, self.dense_done_cpu = time.perf_counter(), time.thread_time()
-        return grad
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, sink: MetricsSink | None = None, env: DistEnv | None = None):
         self.config = config
@@ -153,7 +134,7 @@ class Trainer:
     def train_step(self, batch: SequenceBatch, timing: bubbles.StepTiming) -> None:
         if batch.batch_size == 0:
             return self.idle_step(timing)
-        probe = StepProbe()
+        probe = bubbles.DenseSpanProbe()
         start_wall = time.perf_counter()
         loss, stats = self.module(batch, self.config.loss.num_negatives,
                                   full_softmax=self.config.loss.full_softmax, generator=self.generator,
@@ -167,10 +148,11 @@ class Trainer:
         loss.backward()
         backward_end = time.perf_counter()
         self._finish_step(timing)
-        timing.sparse_forward_s = probe.lookup_done_wall - start_wall
-        dense_end_wall = probe.dense_done_wall or backward_end
-        timing.dense_compute_s = dense_end_wall - probe.lookup_done_wall
-        timing.dense_compute_cpu_s = (probe.dense_done_cpu or time.thread_time()) - probe.lookup_done_cpu
+        timing.sparse_forward_s = probe.start_wall - start_wall
+        dense_end_wall = probe.end_wall if probe.end_wall is not None else backward_end
+        dense_end_cpu = probe.end_cpu if probe.end_cpu is not None else time.thread_time()
+        timing.dense_compute_s = dense_end_wall - probe.start_wall
+        timing.dense_compute_cpu_s = dense_end_cpu - probe.start_cpu
         timing.sparse_backward_s = backward_end - max(dense_end_wall, backward_start)
         timing.loss_sum = float(stats["loss"]) * local_targets
         timing.targets = local_targets
