@@ -4,7 +4,8 @@
     freescale balance ...   sequences -> balanced shards   (jobs/balance.py)
     freescale train ...     shards -> trained model, measured bubbles (jobs/train.py, torchrun)
     freescale calibrate ... this machine -> cost model and rank speeds for balance (jobs/calibrate.py)
-    freescale demo          all three on the embedded synthetic default
+    freescale calibrate ... fit the cost model and rank speeds to this machine (jobs/calibrate.py)
+    freescale demo          calibrate, prepare, balance, train on the embedded synthetic default
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "demo")
 
 
 def demo(argv: list[str]) -> int:
-    """Embedded default: synthetic data, local Spark, sqlite MLflow, 2 local gloo ranks.
+    """Embedded default: calibrate, prepare, balance, train on synthetic data (local Spark, sqlite MLflow, 2 gloo ranks).
 
     Stages whose output is complete are kept, so a rerun resumes where it stopped.
     """
-    from jobs import balance, prepare
+    from jobs import balance, calibrate, prepare
     from jobs.manifest import MANIFEST_NAME
     from jobs.train import launch
 
@@ -32,13 +33,17 @@ def demo(argv: list[str]) -> int:
     args = p.parse_args(argv)
     work = Path(args.workdir)
     prepared, shards, summary = work / "prepared", work / "shards", work / "train_summary.json"
+    cost_model = work / "cost_model.json"
     config = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
     stages = [
+        # The balancer is only as good as its cost model: fit it to this machine and the demo's model.
+        (cost_model, calibrate.main, ["--output", str(cost_model), "--config", str(config), "--repeats", "3",
+                                      "--held-out-batches", "8", "--overwrite"]),
         (prepared / "prepare.json", prepare.main, ["--output", str(prepared), "--overwrite"]),
         (shards / MANIFEST_NAME, balance.main,
          ["--input", str(prepared), "--output", str(shards), "--world-size", str(args.world_size),
           "--local-batch-size", str(args.local_batch_size), "--strategy", "kk", "--window-steps", "32",
-          "--overwrite"]),
+          "--cost-model", str(cost_model), "--overwrite"]),
         (summary, launch,
          ["--shards", str(shards), "--nproc-per-node", str(args.world_size), "--config", str(config),
           "--run-name", "demo", "--summary-json", str(summary),

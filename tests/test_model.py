@@ -275,6 +275,17 @@ def test_batch_to_moves_every_tensor() -> None:
     assert batch.user_ids == ["u0", "u1"]
 
 
+def test_in_batch_negatives_are_capped() -> None:
+    batch = random_batch([30, 30, 30])  # far more unique targets than the cap
+    capped = small_model(max_in_batch_negatives=5)
+    _, stats = capped(batch, num_negatives=16, generator=torch.Generator().manual_seed(0))
+    assert stats["num_negatives"].item() == 16 + 5
+    uncapped = small_model(max_in_batch_negatives=0)
+    _, stats = uncapped(batch, num_negatives=16, generator=torch.Generator().manual_seed(0))
+    unique_targets = torch.unique(torch.cat([batch.item_ids[1:30], batch.item_ids[31:60], batch.item_ids[61:90]]))
+    assert stats["num_negatives"].item() == 16 + unique_targets.numel()
+
+
 def test_forward_shapes_and_finite_loss() -> None:
     model = small_model()
     batch = random_batch([5, 1, 7, 3])

@@ -50,6 +50,11 @@ class ModelConfig:
     """Softmax temperature over cosine similarities (both sides are L2-normalised)."""
     in_batch_negatives: bool = True
     """Also use the batch's (unique) target items as negatives for every query."""
+    max_in_batch_negatives: int = 128
+    """At most this many in-batch negatives (a random subset of the unique targets; 0 = all).
+    Uncapped, the logits cost tokens x unique targets per rank, which grows with the
+    square of a rank's batch rather than per sample, so no per-sample cost model (and
+    no balancer) could follow it; capped, a rank's cost stays the sum of its samples'."""
     embedding_init_scale: float = 0.05
     """Item table rows start uniform in ``[-scale, scale]``. Set explicitly because
     TorchRec's default, ``sqrt(1 / num_embeddings)``, shrinks with the catalog and
@@ -216,6 +221,10 @@ class SequentialRecommender(nn.Module):
         if self.config.in_batch_negatives and not full_softmax:
             # Unique, so a popular item is not counted several times in each partition function.
             unique_ids, first = _unique_with_first_index(target_ids)
+            cap = self.config.max_in_batch_negatives
+            if cap and unique_ids.numel() > cap:
+                keep = torch.randperm(unique_ids.numel(), generator=generator)[:cap].to(device)
+                unique_ids, first = unique_ids[keep], first[keep]
             negatives = torch.cat([negatives, positive[first]])
             negative_ids = torch.cat([negative_ids, unique_ids])
 
