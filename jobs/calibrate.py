@@ -462,6 +462,10 @@ if __name__ == "__main__":
     if arguments[:1] == [WORKER_FLAG]:
         from jobs.job_errors import run_job
 
-        sys.exit(run_job(f"calibrate (rank {os.environ.get('RANK', '0')})",
-                         lambda: rank_speeds_worker(arguments[1:])))
+        status = run_job(f"calibrate (rank {os.environ.get('RANK', '0')})",
+                         lambda: rank_speeds_worker(arguments[1:]))
+        # As in jobs/train.py: skip native teardown, which can abort a finished gloo rank.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     sys.exit(main(arguments))

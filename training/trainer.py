@@ -29,7 +29,7 @@ from training.distributed import DistEnv, all_ranks_ok, init_distributed
 from training.manifest_check import ShardError, load_manifest
 from training.metrics import RetrievalMetrics, most_popular_baseline
 from training.model import build_model
-from training.shard_reader import build_loader
+from training.shard_reader import build_loader, stop_prefetch
 from training.sharding import DenseGradSync, broadcast_dense, dense_parameters, shard_model
 
 WARMUP_STEPS = 2  # first steps pay allocator and first-touch costs no plan controls
@@ -201,6 +201,7 @@ class Trainer:
                 self._log_steps(gathered, self.meter.steps[-len(gathered):], log_every)
             if self.checkpointer.enabled and every and self.step % every == 0 and self.step < self.max_steps:
                 self.save()
+        stop_prefetch(self.loader)
         tail = self.meter.flush()
         if tail is not None and self.env.rank == 0:
             self._log_steps(tail, self.meter.steps[-len(tail):], log_every)
