@@ -80,6 +80,16 @@ class _State:
         self.slot[i], self.slot[j] = sj, si
         self.rank[i], self.rank[j] = rj, ri
 
+    def apply_choices(self, chosen: np.ndarray, i: np.ndarray, j: np.ndarray, dst: np.ndarray) -> int:
+        """Carry out the chosen row-wise decisions: swap i with j where j >= 0, else move i to dst."""
+        swaps = chosen & (j >= 0)
+        moves = chosen & (j < 0)
+        if swaps.any():
+            self.swap_many(i[swaps], j[swaps])
+        if moves.any():
+            self.move_many(i[moves], dst[moves])
+        return int(chosen.sum())
+
     def move_many(self, i: np.ndarray, dst: np.ndarray) -> None:
         """Move item i[t] to rank dst[t] for all t; all ranks involved must be distinct."""
         src = self.rank[i]
@@ -265,13 +275,7 @@ def _repair_round(s: _State) -> int:
         best_j = np.where(better, mem_r[rows, j], best_j)
 
     progress = np.floor(best) < need  # the excess left is the integer part of the score
-    swaps = progress & (best_j >= 0)
-    moves = progress & (best_j < 0)
-    if swaps.any():
-        s.swap_many(best_i[swaps], best_j[swaps])
-    if moves.any():
-        s.move_many(best_i[moves], r[moves])
-    return int(progress.sum())
+    return s.apply_choices(progress, best_i, best_j, r)
 
 
 def _better(
@@ -417,13 +421,7 @@ def _pair_round(s: _State) -> int:
         best_j = np.where(better, mem_l[rows_all, j], best_j)
 
     improve = best_span < key[hi] * (1.0 - 1e-12)
-    swaps = improve & (best_j >= 0)
-    moves = improve & (best_j < 0)
-    if swaps.any():
-        s.swap_many(best_i[swaps], best_j[swaps])
-    if moves.any():
-        s.move_many(best_i[moves], lo[moves])
-    return int(improve.sum())
+    return s.apply_choices(improve, best_i, best_j, lo)
 
 
 def _least_loaded(key: np.ndarray, m: int, n: int) -> np.ndarray:
