@@ -464,8 +464,7 @@ if __name__ == "__main__":
 
         status = run_job(f"calibrate (rank {os.environ.get('RANK', '0')})",
                          lambda: rank_speeds_worker(arguments[1:]))
-        # As in jobs/train.py: skip native teardown, which can abort a finished gloo rank.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        from training.distributed import exit_without_finalization
+
+        exit_without_finalization(status)
     sys.exit(main(arguments))

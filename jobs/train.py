@@ -162,10 +162,6 @@ def launch(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # Leave without the interpreter's teardown: gloo's and Arrow's native destructors
-    # racing at exit have aborted ranks (SIGABRT) after a finished, fully recorded run,
-    # which the launcher then reports as a failed job. Everything is flushed first.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    from training.distributed import exit_without_finalization
+
+    exit_without_finalization(main())

@@ -506,6 +506,8 @@ def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: 
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+    from training.distributed import exit_without_finalization
+
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
@@ -547,11 +549,12 @@ def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: 
             sums = result.to_tensor()
             dist.all_reduce(sums)
         assert sums[3].item() == 4  # every rank's users counted once
-        # Tearing gloo down while the peer is still closing its side aborts the
-        # process ("terminate called without an active exception"): leave together.
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Gloo's worker threads may still be freeing finished collectives: interpreter
+    # finalization now would abort this rank (see exit_without_finalization).
+    exit_without_finalization(0)
 
 
 @pytest.mark.slow

@@ -68,3 +68,24 @@ def all_ranks_ok(ok: bool) -> bool:
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
     dist.all_reduce(flag)
     return int(flag.item()) == 0
+
+
+def exit_without_finalization(status: int) -> None:
+    """End a rank's process with `status`, skipping the interpreter's finalization.
+
+    A gloo worker thread frees each finished collective after the caller has
+    already seen it complete; the freed work can hold the last reference to a
+    tensor owned by a Python object, whose release needs the GIL. If the main
+    thread is finalizing the interpreter by then, the worker thread is forced to
+    exit while inside a noexcept destructor and the process aborts with
+    "terminate called without an active exception" (SIGABRT) after a finished,
+    fully recorded run (core backtrace: ~AsyncBarrierWork -> decref_pyobject ->
+    take_gil -> pthread_exit). destroy_process_group does not join those threads
+    while other objects (DMP, the sharded modules) still hold the group.
+    Everything buffered is flushed first.
+    """
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
