@@ -52,5 +52,8 @@ def run_job(job: str, body: Callable[[], int | None]) -> int:
     except _expected_errors() as exc:
         if os.environ.get("FREESCALE_DEBUG"):
             raise
-        print(f"freescale {job}: error: {first_line(exc)}", file=sys.stderr)
+        # One write, newline included: ranks share the launcher's stderr, and print()'s
+        # separate write of the newline let two ranks' lines run together.
+        sys.stderr.write(f"freescale {job}: error: {first_line(exc)}\n")
+        sys.stderr.flush()
         return EXIT_BAD_INPUT

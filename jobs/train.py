@@ -162,6 +162,9 @@ def launch(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from training.distributed import exit_without_finalization
+    from training.distributed import exit_without_finalization, wait_for_peers_to_report
 
-    exit_without_finalization(main())
+    status = main()
+    if status != 0:
+        wait_for_peers_to_report()
+    exit_without_finalization(status)

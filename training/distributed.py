@@ -61,13 +61,27 @@ def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
 
 
+_stopping_together = False
+
+
 def all_ranks_ok(ok: bool) -> bool:
     """Agree before the first collective that could hang: False on every rank if any rank failed."""
+    global _stopping_together
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ok
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
     dist.all_reduce(flag)
-    return int(flag.item()) == 0
+    agreed_ok = int(flag.item()) == 0
+    _stopping_together = not agreed_ok
+    return agreed_ok
+
+
+def wait_for_peers_to_report() -> None:
+    """After a failure every rank agreed on (``all_ranks_ok`` was False), wait until all
+    ranks have printed their error. The elastic launcher stops the remaining ranks as
+    soon as one exits, which would otherwise cut a peer off before its line is out."""
+    if _stopping_together and dist.is_initialized():
+        dist.barrier()
 
 
 def exit_without_finalization(status: int) -> None:
