@@ -30,7 +30,7 @@ CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")
 SHARD_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length", "cost",
                  "valid_item", "valid_timestamp", "valid_rating", "test_item", "test_timestamp", "origin_step",
-                 "step_targets")
+                 "step_targets", "user_features")
 ROW_GROUP_BYTES = 4 << 20  # small row groups: the trainer streams a shard one row group at a time
 
 
@@ -138,6 +138,10 @@ def balance(args: argparse.Namespace) -> int:
     input_uri, output_uri = fs.qualify(args.input), fs.qualify(args.output)
     check_output_free(fs, output_uri, args.overwrite)
     sequences_path, sequences = read_sequences(spark, fs, input_uri)
+    prepared = prepared_metadata(fs, input_uri)
+    if "user_features" in sequences.columns and not prepared.get("user_features"):
+        raise InputError(f"input {sequences_path} has a user_features column but {input_uri}/prepare.json "
+                         "does not list the features; rerun `freescale prepare`")
     spec = shard_plan.PlanSpec(world_size=args.world_size, local_batch_size=args.local_batch_size,
                                window_steps=args.window_steps, strategy=args.strategy, seed=args.seed,
                                token_cap=args.token_cap, equal_counts=args.equal_counts,
@@ -222,7 +226,7 @@ def balance(args: argparse.Namespace) -> int:
             num_steps=num_steps, window_steps=spec.window_steps, strategy=spec.strategy,
             control=args.control, seed=args.seed, equal_counts=spec.equal_counts, token_cap=spec.token_cap,
             capacities=list(capacities) if capacities else None, cost_model=model.to_json(),
-            num_items=prepared_metadata(fs, input_uri).get("num_items"),
+            num_items=prepared.get("num_items"), user_features=prepared.get("user_features", []),
             input={"uri": input_uri, "samples": num_samples},
             num_samples=planned_samples, num_rows=summary["rows"],
             leftover={"policy": args.leftover, "samples": leftover},

@@ -6,6 +6,9 @@
 Writes <output>/sequences (one row per user: chronological item ids, leave-one-out
 valid/test targets), <output>/item_vocab (raw item -> contiguous id) and
 <output>/prepare.json (parameters and counts, including every user dropped and why).
+With --user-features (a user table, e.g. MovieLens users.parquet) the sequences also
+carry one categorical id per user feature, <output>/user_feature_vocab maps values to
+ids, and prepare.json lists each feature's table size.
 The output appears atomically.
 """
 from __future__ import annotations
@@ -36,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--item-col", help="item column (default: item_id/movie_id/movieId/item/iid)")
     p.add_argument("--time-col", help="timestamp column (default: timestamp/ts/time/event_time)")
     p.add_argument("--rating-col", help="optional rating/action column (default: rating/action/score)")
+    p.add_argument("--user-features", help="user table (Parquet or CSV): a user column plus categorical "
+                                           "feature columns, e.g. MovieLens users.parquet")
+    p.add_argument("--user-feature-cols", help="comma-separated feature columns of --user-features "
+                                               "(default: every column but the user column)")
     p.add_argument("--max-seq-len", type=int, default=1024,
                    help="keep the most recent N training items per user (default 1024)")
     g = p.add_argument_group("synthetic data (when --input is omitted)")
@@ -68,6 +75,13 @@ def prepare(args: argparse.Namespace) -> int:
     from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences, sequence_stats
     from pipeline.session import build_spark_session
     from pipeline.synthetic import synthetic_interactions
+    from pipeline.user_features import (
+        build_user_feature_vocab,
+        count_users_without_features,
+        encode_user_features,
+        feature_cardinalities,
+        read_user_table,
+    )
 
     validate_args(args)
     started = time.perf_counter()
@@ -86,6 +100,15 @@ def prepare(args: argparse.Namespace) -> int:
                                          item_col=args.item_col, time_col=args.time_col,
                                          rating_col=args.rating_col)
     interactions = interactions.localCheckpoint(eager=True)  # read the raw input once
+    users, feature_names = None, []
+    if args.user_features is not None:
+        columns = [c.strip() for c in args.user_feature_cols.split(",") if c.strip()] \
+            if args.user_feature_cols else None
+        # The user table's user column is recognised by name (user_id, userId, ...):
+        # --user-col names the interaction log's, which may differ.
+        users, feature_names = read_user_table(spark, args.user_features, feature_cols=columns)
+        users = users.localCheckpoint(eager=True)
+        source["user_features"] = fs.qualify(args.user_features)
     counts = interactions.agg(F.count(F.lit(1)).alias("interactions"),
                               F.countDistinct("user_id").alias("users")).first()
 
@@ -93,15 +116,24 @@ def prepare(args: argparse.Namespace) -> int:
         vocab = build_item_vocab(interactions)
         vocab.write.parquet(f"{staging}/item_vocab")
         vocab = spark.read.parquet(f"{staging}/item_vocab")
-        build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len) \
-            .write.parquet(f"{staging}/sequences")
+        sequences = build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len)
+        feature_stats: dict = {}
+        if users is not None:
+            build_user_feature_vocab(users, feature_names).write.parquet(f"{staging}/user_feature_vocab")
+            feature_vocab = spark.read.parquet(f"{staging}/user_feature_vocab")
+            sequences = encode_user_features(sequences, users, feature_vocab, feature_names)
+        sequences.write.parquet(f"{staging}/sequences")
         sequences = spark.read.parquet(f"{staging}/sequences")
+        if users is not None:
+            feature_stats = {"users_without_features": count_users_without_features(sequences, users)}
         stats = {"input_interactions": counts["interactions"], "input_users": counts["users"],
-                 "num_items": vocab.count(), **sequence_stats(sequences, interactions)}
+                 "num_items": vocab.count(), **sequence_stats(sequences, interactions), **feature_stats}
         if stats["users"] == 0:
             raise InputError(f"input {source.get('uri', 'synthetic')}: no user has the 3 interactions "
                              "a leave-one-out split needs")
         meta = {"format": PREPARE_FORMAT, "source": source, "max_seq_len": args.max_seq_len, **stats}
+        if users is not None:
+            meta["user_features"] = feature_cardinalities(feature_vocab, feature_names)
         fs.write_text(f"{staging}/prepare.json", json.dumps(meta, indent=2) + "\n")
 
     log_job_run(
@@ -113,7 +145,9 @@ def prepare(args: argparse.Namespace) -> int:
         artifacts={"prepare.json": json.dumps(meta, indent=2)})
     print(f"freescale prepare: {stats['users']} sequences over {stats['num_items']} items to {output_uri}; "
           f"{stats['users_dropped_short']} users dropped (fewer than 3 interactions), "
-          f"{stats['users_truncated']} truncated to {args.max_seq_len} items")
+          f"{stats['users_truncated']} truncated to {args.max_seq_len} items"
+          + (f"; user features {', '.join(feature_names)} ({stats['users_without_features']} users "
+             "without a row: unknown ids)" if users is not None else ""))
     return 0
 
 

@@ -30,12 +30,13 @@ def movielens_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def movielens_prepared(spark, movielens_dir, tmp_path_factory) -> Path:
-    """MovieLens-100K through the real prepare job (shared by the job and trainer tests)."""
+    """MovieLens-100K with its user features through the real prepare job (shared by the job
+    and trainer tests)."""
     from jobs import prepare
 
     out = tmp_path_factory.mktemp("ml") / "prepared"
     assert prepare.main(["--input", str(movielens_dir / "ratings.parquet"), "--output", str(out),
-                         "--tracking-uri", "none"]) == 0
+                         "--user-features", str(movielens_dir / "users.parquet"), "--tracking-uri", "none"]) == 0
     return out
 
 

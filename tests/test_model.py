@@ -6,6 +6,7 @@ All single-process on CPU: the item table is built on CPU with
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,7 +52,11 @@ def single_thread():
     torch.set_num_threads(previous)
 
 
-def random_batch(lengths: list[int], num_items: int = NUM_ITEMS, seed: int = 0) -> SequenceBatch:
+USER_FEATURES = [("age", 5), ("gender", 3), ("zip", 11)]
+
+
+def random_batch(lengths: list[int], num_items: int = NUM_ITEMS, seed: int = 0,
+                 user_features: list[tuple[str, int]] | None = None) -> SequenceBatch:
     g = torch.Generator().manual_seed(seed)
     lengths_t = torch.tensor(lengths, dtype=torch.int64)
     total = int(lengths_t.sum())
@@ -68,6 +73,8 @@ def random_batch(lengths: list[int], num_items: int = NUM_ITEMS, seed: int = 0) 
         test_timestamp=torch.full((batch_size,), 2_000_000_100),
         user_ids=[f"u{i}" for i in range(batch_size)],
         step=0,
+        user_features=(torch.stack([torch.randint(0, size, (batch_size,), generator=g) for _, size in user_features],
+                                   dim=1) if user_features else None),
     )
 
 
@@ -499,53 +506,59 @@ def test_same_seed_same_model_and_loss() -> None:
 
 
 def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: str) -> None:
-    """One rank: shard the table, train a step, and compare with an unsharded copy."""
+    """One rank: shard the tables with the trainer's shard_model, train a step, and
+    compare with an unsharded copy."""
     import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embedding import EmbeddingCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from training.distributed import exit_without_finalization
+    from training.config import OptimizerConfig, ParallelConfig
+    from training.distributed import DistEnv, exit_without_finalization
+    from training.model import USER_TABLE
+    from training.sharding import shard_model
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
         torch.manual_seed(0)
         config = ModelConfig(hstu=SMALL)
-        model = build_model(NUM_ITEMS, config, device="cpu")
-        apply_optimizer_in_backward(torch.optim.SGD, model.embedding_collection.parameters(), {"lr": 0.1})
-        sharders = [EmbeddingCollectionSharder()]
-        planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=world_size, compute_device="cpu"),
-            constraints={ITEM_TABLE: ParameterConstraints(sharding_types=[sharding_type])},
-        )
-        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-        sharded = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+        model = build_model(NUM_ITEMS, config, device="cpu", user_features=USER_FEATURES)
+        env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
+        sharded = shard_model(model, OptimizerConfig(sparse_optimizer="sgd", sparse_lr=0.1),
+                              ParallelConfig(sharding=sharding_type), env)
         # Cost-balanced shards give ranks different batch sizes.
-        batch = random_batch([5, 3, 7] if rank == 0 else [12], seed=rank)
+        batch = random_batch([5, 3, 7] if rank == 0 else [12], seed=rank, user_features=USER_FEATURES)
 
         # An unsharded copy with the same weights must compute the same loss.
         full_table = sharded.module.all_item_embeddings(normalize=False)
-        local = build_local_model(NUM_ITEMS, config)
-        dense_state = {k: v for k, v in sharded.module.state_dict().items() if not k.startswith("embedding_collection")}
+        user_tables = sharded.module.all_user_feature_tables()
+        local = build_local_model(NUM_ITEMS, config, user_features=USER_FEATURES)
+        dense_state = {k: v for k, v in sharded.module.state_dict().items() if "embedding_collection" not in k}
         missing, unexpected = local.load_state_dict(dense_state, strict=False)
-        assert not unexpected and all(k.startswith("embedding_collection") for k in missing)
+        assert not unexpected and all("embedding_collection" in k for k in missing)
         with torch.no_grad():
             local.embedding_collection.embeddings[ITEM_TABLE].weight[1:] = full_table[1:]
+            for i, table in enumerate(user_tables):
+                local.user_embedding_collection.embedding_bags[USER_TABLE.format(index=i)].weight.copy_(table)
         loss, _ = sharded(batch, num_negatives=7, generator=torch.Generator().manual_seed(5))
         expected, _ = local(batch, num_negatives=7, generator=torch.Generator().manual_seed(5))
         torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
 
-        # The fused optimizer updates the looked-up rows during backward.
+        # The fused optimizer updates the looked-up rows of every table during backward.
         loss.backward()
         updated = sharded.module.all_item_embeddings(normalize=False)
         touched = torch.unique(batch.item_ids)
         assert not torch.allclose(updated[touched], full_table[touched])
+        updated_users = sharded.module.all_user_feature_tables()
+        assert all(not torch.equal(a, b) for a, b in zip(updated_users, user_tables))
 
         sharded.module.eval()
         with torch.no_grad():
+            tables = sharded.module.all_user_feature_tables()
             result = sharded.module.evaluate(batch, sharded.module.all_item_embeddings(), use="test")
+            # Scoring from the gathered tables (no collective) gives the same metrics.
+            local_result = sharded.module.evaluate(batch, sharded.module.all_item_embeddings(), use="test",
+                                                   item_table=sharded.module.all_item_embeddings(normalize=False),
+                                                   user_tables=tables)
+            torch.testing.assert_close(result.to_tensor(), local_result.to_tensor())
             sums = result.to_tensor()
             dist.all_reduce(sums)
         assert sums[3].item() == 4  # every rank's users counted once
@@ -560,8 +573,33 @@ def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
 def test_sharded_model_matches_local_model(tmp_path, sharding_type: str) -> None:
-    """build_model + DistributedModelParallel on CPU/gloo: negatives and full-catalog
-    lookups go through the sharded table, and the loss equals an unsharded copy's."""
+    """build_model + shard_model on CPU/gloo: negatives, user features and full-catalog
+    lookups go through the sharded tables, and the loss equals an unsharded copy's."""
     import torch.multiprocessing as mp
 
     mp.spawn(_sharded_worker, args=(2, str(tmp_path / "store"), sharding_type), nprocs=2, join=True)
+
+
+def test_user_features_reach_every_position_and_their_tables() -> None:
+    torch.manual_seed(0)
+    model = build_local_model(NUM_ITEMS, ModelConfig(hstu=SMALL), user_features=USER_FEATURES)
+    model.eval()
+    batch = random_batch([4, 6, 3], seed=2, user_features=USER_FEATURES)
+    other = replace(batch, user_features=batch.user_features.roll(1, dims=0))
+    with torch.no_grad():
+        query = model.score_queries(batch)
+        # Other users' features give other queries for the same histories.
+        moved = model.score_queries(other)
+        assert not torch.allclose(query, moved, atol=1e-4)
+        # Reading rows from the gathered tables equals the bag-collection lookup.
+        tables = model.all_user_feature_tables(chunk_size=4)
+        assert [tuple(t.shape) for t in tables] == [(size, 16) for _, size in USER_FEATURES]
+        torch.testing.assert_close(model.score_queries(batch, user_tables=tables), query)
+    model.train()
+    loss, _ = model(batch, num_negatives=8)
+    loss.backward()
+    grads = [model.user_embedding_collection.embedding_bags[f"user_feature_{i}"].weight.grad
+             for i in range(len(USER_FEATURES))]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    with pytest.raises(ValueError, match="has user features .* but the batch has none"):
+        model(replace(batch, user_features=None), num_negatives=8)

@@ -73,13 +73,23 @@ def make_rows(rank: int, num_steps: int, local_batch: int, num_items: int, rng: 
 def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_steps: int = 7,
                  num_items: int = 40, rows_per_file: int = 7, row_group_size: int = 3, max_len: int = 6,
                  empty_steps: dict[int, set[int]] | None = None, seed: int = 0,
-                 alter: Callable[[int, list[Row]], None] | None = None) -> Path:
-    """Write a shard directory like the balance job's; returns it."""
+                 alter: Callable[[int, list[Row]], None] | None = None,
+                 user_features: list[tuple[str, int]] | None = None) -> Path:
+    """Write a shard directory like the balance job's; returns it.
+
+    ``user_features`` (name, table size) adds a ``user_features`` column of random
+    ids and lists the features in the manifest, as a prepare run with a user table does.
+    """
     rng = np.random.default_rng(seed)
+    schema = SCHEMA
+    if user_features:
+        schema = SCHEMA.append(pa.field("user_features", pa.list_(pa.int32())))
     root.mkdir(parents=True, exist_ok=True)
     ranks = []
     for rank in range(world_size):
         rows = make_rows(rank, num_steps, local_batch, num_items, rng, (empty_steps or {}).get(rank, set()), max_len)
+        for row in rows if user_features else ():
+            row["user_features"] = [int(rng.integers(0, size)) for _, size in user_features]
         if alter is not None:
             alter(rank, rows)
         rank_dir = root / f"rank={rank}"
@@ -88,7 +98,7 @@ def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_s
         for part, start in enumerate(range(0, len(rows), rows_per_file)):
             chunk = rows[start:start + rows_per_file]
             rel = f"rank={rank}/part-{part:05d}-c000.snappy.parquet"
-            pq.write_table(pa.Table.from_pylist(chunk, schema=SCHEMA), root / rel,
+            pq.write_table(pa.Table.from_pylist(chunk, schema=schema), root / rel,
                            row_group_size=row_group_size, write_page_checksum=True)
             data = (root / rel).read_bytes()
             files.append({"path": rel, "rows": len(chunk), "bytes": len(data),
@@ -101,6 +111,7 @@ def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_s
         "strategy": "kk", "control": None, "seed": seed, "num_items": num_items,
         "num_samples": sum(r["rows"] for r in ranks), "leftover": {"policy": "drop", "samples": 0},
         "cost_model": {"kind": "quadratic"}, "stats": {}, "ranks": ranks,
+        "user_features": [{"name": name, "num_ids": size} for name, size in user_features or []],
     }
     (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return root
@@ -497,4 +508,60 @@ def test_format_and_checksum_helpers(shards: Path) -> None:
         load_manifest(shards, 2)
     (shards / "manifest.json").write_text("{not json")
     with pytest.raises(ShardError, match=f"cannot parse {shards / 'manifest.json'}"):
+        load_manifest(shards, 2)
+
+
+# ------------------------------------------------------------- user features
+
+USER_FEATURES = [("age", 7), ("gender", 3)]
+
+
+def test_user_features_are_collated_per_sample(tmp_path: Path) -> None:
+    root = write_shards(tmp_path / "s", user_features=USER_FEATURES, empty_steps={0: {2}})
+    manifest = json.loads((root / "manifest.json").read_text())
+    expected = pa.concat_tables([pq.read_table(root / f["path"]) for f in manifest["ranks"][0]["files"]])
+    batches = list(build_loader(root, 0, 2, prefetch=0))
+    assert batches[2].batch_size == 0 and tuple(batches[2].user_features.shape) == (0, 2)
+    collated = torch.cat([b.user_features for b in batches])
+    assert collated.dtype == torch.int64
+    assert collated.tolist() == expected["user_features"].to_pylist()
+
+
+def test_shards_without_user_features_give_none(shards: Path) -> None:
+    assert all(b.user_features is None for b in build_loader(shards, 1, 2, prefetch=0))
+
+
+def test_user_feature_id_outside_table(tmp_path: Path) -> None:
+    def alter(rank: int, rows: list[Row]) -> None:
+        if rank == 1:
+            next(r for r in rows if r["step"] == 3)["user_features"][1] = 3
+
+    root = write_shards(tmp_path / "s", user_features=USER_FEATURES, alter=alter)
+    with pytest.raises(ShardError, match=r"step 3: user feature gender id 3 of user u1-3-\d+ is outside 0..2"):
+        list(reader_for(root, 1))
+
+
+def test_user_features_of_wrong_width(tmp_path: Path) -> None:
+    def alter(rank: int, rows: list[Row]) -> None:
+        if rank == 0:
+            rows[0]["user_features"] = [1]
+
+    root = write_shards(tmp_path / "s", user_features=USER_FEATURES, alter=alter)
+    with pytest.raises(ShardError, match="user_features of user u0-0-0 has 1 ids but the manifest lists 2"):
+        list(reader_for(root, 0))
+
+
+def test_manifest_lists_user_features_the_files_lack(shards: Path) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["user_features"] = [{"name": "age", "num_ids": 7}]
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match=r"lacks columns \['user_features'\]"):
+        reader_for(shards, 0).reset()
+
+
+def test_manifest_user_feature_entry_is_checked(shards: Path) -> None:
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["user_features"] = [{"name": "age"}]
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match="user_features entry .* needs a name and num_ids"):
         load_manifest(shards, 2)

@@ -49,6 +49,9 @@ class SequenceBatch:
     valid_rating: torch.Tensor | None = None
     """Optional ``[B]`` int64 rating of the validation item; used as the rating of the
     appended position in test scoring. ``None`` means unknown (0)."""
+    user_features: torch.Tensor | None = None
+    """Optional ``[B, F]`` int64 id of each of the ``F`` user features (0 = unknown), in
+    the manifest's ``user_features`` order. ``None`` when the data has none."""
 
     @property
     def batch_size(self) -> int:
@@ -79,6 +82,7 @@ class SequenceBatch:
             valid_timestamp=move(self.valid_timestamp),
             test_timestamp=move(self.test_timestamp),
             valid_rating=move(self.valid_rating),
+            user_features=move(self.user_features),
         )
 
     def features(self, negatives: torch.Tensor) -> KeyedJaggedTensor:
@@ -87,6 +91,21 @@ class SequenceBatch:
         ``item`` holds the histories; ``negative`` the sampled negative ids.
         """
         return item_features(self.lengths, self.item_ids, negatives)
+
+
+def user_feature_kjt(names: list[str], user_features: torch.Tensor) -> KeyedJaggedTensor:
+    """KJT with one id per sample for each user feature (keys ``names``), for the
+    user ``EmbeddingBagCollection``. An empty batch keeps one empty slot, as in
+    :func:`item_features`, so every rank still joins the sharded lookup."""
+    batch_size, width = user_features.shape
+    if width != len(names):
+        raise ValueError(f"user_features has {width} columns for {len(names)} features {names}")
+    slots = max(batch_size, 1)
+    lengths = torch.ones(width, slots, dtype=torch.int64, device=user_features.device)
+    if batch_size == 0:
+        lengths.zero_()
+    return KeyedJaggedTensor(keys=list(names), values=user_features.to(torch.int64).t().reshape(-1),
+                             lengths=lengths.reshape(-1))
 
 
 def item_features(lengths: torch.Tensor, item_ids: torch.Tensor, negatives: torch.Tensor) -> KeyedJaggedTensor:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -53,7 +54,10 @@ class Checkpointer:
     def load(self, step: int, shared: dict[str, Any]) -> dict[str, Any]:
         """Load DCP state in place into `shared`; return this rank's private state."""
         source = self.step_dir(step)
-        dcp.load(shared, checkpoint_id=str(source))
+        # flatten_sharded_tensors (for FSDP 2D nesting) drops a ShardedTensor that has
+        # no shard on this rank -- a table-wise table placed on another rank -- which
+        # DCP then takes for a checkpoint from torch <= 2.3 and fails on every key.
+        dcp.load(shared, checkpoint_id=str(source), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
         own_path = source / f"rank_{self.rank}.pt"
         if not own_path.exists():
             raise FileNotFoundError(f"checkpoint {source} has no state for rank {self.rank} "

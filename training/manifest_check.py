@@ -64,6 +64,23 @@ def _check_rank_entry(entry: Any, index: int, manifest_path: Path) -> None:
         raise ShardError(f"{manifest_path}: rank {index} has rows={entry['rows']} but its files hold {total} rows")
 
 
+def user_feature_sizes(manifest: dict[str, Any], manifest_path: str | os.PathLike[str] = MANIFEST_NAME
+                       ) -> list[tuple[str, int]]:
+    """``[(feature name, table size)]`` from the manifest's ``user_features`` (empty when absent)."""
+    entries = manifest.get("user_features") or []
+    if not isinstance(entries, list):
+        raise ShardError(f"{manifest_path}: user_features should be a list, found {entries!r}")
+    sizes = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
+                or not _is_int(entry.get("num_ids")) or entry["num_ids"] < 1:
+            raise ShardError(f"{manifest_path}: user_features entry {entry!r} needs a name and num_ids >= 1")
+        sizes.append((entry["name"], entry["num_ids"]))
+    if len({name for name, _ in sizes}) != len(sizes):
+        raise ShardError(f"{manifest_path}: user_features repeats a name: {[n for n, _ in sizes]}")
+    return sizes
+
+
 def rank_files(manifest: dict[str, Any], shards_dir: str | os.PathLike[str], rank: int) -> list[dict[str, Any]]:
     """The manifest's file entries of ``rank``, with ``abspath`` added, in streaming order."""
     root = Path(shards_dir)
@@ -100,6 +117,7 @@ def load_manifest(shards_dir: str | os.PathLike[str], world_size: int, rank: int
     if rank is not None and not 0 <= rank < world_size:
         raise ShardError(f"rank {rank} is outside world size {world_size} for shard directory {root}")
 
+    user_feature_sizes(manifest, manifest_path)
     ranks = manifest.get("ranks")
     if not isinstance(ranks, list) or len(ranks) != world_size:
         raise ShardError(f"{manifest_path}: 'ranks' should list {world_size} ranks, "

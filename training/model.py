@@ -4,8 +4,12 @@ The item table is a TorchRec ``EmbeddingCollection`` so ``DistributedModelParall
 can shard it (table-wise / row-wise, optimizer fused into backward); every
 lookup of item vectors -- history items, sampled negatives, and the whole
 catalog at evaluation -- goes through it, so all of them keep working once the
-table is sharded. Everything else (HSTU layers, rating embedding) is dense and
-replicated with data parallelism.
+table is sharded. When the data carries user-level features (one categorical id
+per feature per user), they are looked up in a TorchRec ``EmbeddingBagCollection``
+(one table per feature, sharded the same way), projected to the model width and
+added to every input position of that user's history. Everything else (HSTU
+layers, rating embedding, the user projection) is dense and replicated with data
+parallelism.
 
 Single-process use (tests, cost calibration)::
 
@@ -26,9 +30,23 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+    PoolingType,
+)
 
-from training.batch import FEATURE_KEYS, ITEM_FEATURE, NEGATIVE_FEATURE, SequenceBatch, item_features
+from training.batch import (
+    FEATURE_KEYS,
+    ITEM_FEATURE,
+    NEGATIVE_FEATURE,
+    SequenceBatch,
+    item_features,
+    user_feature_kjt,
+)
 from training.hstu import HSTUConfig, HSTUEncoder
 from training.jagged import jagged_concat_last, last_positions, next_item_positions
 from training.losses import sampled_softmax_loss
@@ -36,6 +54,9 @@ from training.metrics import ExcludeIds, RetrievalMetrics, retrieval_metrics
 
 # Not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow.
 ITEM_TABLE = "item_embedding"
+# User feature tables are named by position: feature names come from data and may
+# hold characters a module name cannot.
+USER_TABLE = "user_feature_{index}"
 NUM_RATINGS = 6  # 0 = unknown, 1..5
 PADDING_ID = 0
 
@@ -78,6 +99,8 @@ class SequentialRecommender(nn.Module):
         device: device of the dense part (encoder, rating embedding).
         embedding_device: device the item table is created on; ``meta`` when
             ``DistributedModelParallel`` will shard and materialise it.
+        user_features: ``(name, table size)`` of each user feature, as listed in
+            the shard manifest; empty for data without user features.
     """
 
     def __init__(
@@ -86,6 +109,7 @@ class SequentialRecommender(nn.Module):
         config: ModelConfig,
         device: torch.device | str = "cpu",
         embedding_device: torch.device | str | None = None,
+        user_features: list[tuple[str, int]] | tuple = (),
     ) -> None:
         super().__init__()
         if num_items < 1:
@@ -115,6 +139,19 @@ class SequentialRecommender(nn.Module):
             with torch.no_grad():
                 nn.init.normal_(self.rating_embedding.weight, std=scale / math.sqrt(3.0))
                 self.rating_embedding.weight[0].zero_()
+        self.user_feature_names = [name for name, _ in user_features]
+        self.user_feature_sizes = [int(size) for _, size in user_features]
+        self.user_embedding_collection: EmbeddingBagCollection | None = None
+        self.user_projection: nn.Linear | None = None
+        if user_features:
+            self.user_embedding_collection = EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(name=USER_TABLE.format(index=i), num_embeddings=size,
+                                           embedding_dim=dim, feature_names=[name], pooling=PoolingType.SUM,
+                                           weight_init_min=-scale, weight_init_max=scale)
+                        for i, (name, size) in enumerate(user_features)],
+                device=torch.device(embedding_device if embedding_device is not None else device),
+            )
+            self.user_projection = nn.Linear(len(user_features) * dim, dim, device=device)
         self.encoder = HSTUEncoder(config.hstu).to(device)
 
     # ------------------------------------------------------------------ lookups
@@ -126,8 +163,55 @@ class SequentialRecommender(nn.Module):
         embeddings = self.embedding_collection(item_features(lengths, item_ids, negatives))
         return embeddings[ITEM_FEATURE].values(), embeddings[NEGATIVE_FEATURE].values()
 
-    def _input_embeddings(self, item_embeddings: torch.Tensor, ratings: torch.Tensor) -> torch.Tensor:
+    def user_vectors(self, user_features: torch.Tensor | None,
+                     user_tables: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """``[B, D]`` projected user-feature embedding per sample, or None without user features.
+
+        Looks ids up through the (possibly sharded) bag collection, a collective
+        under DMP; with ``user_tables`` (from ``all_user_feature_tables()``) it
+        reads the rows from them instead, with no collective.
+        """
+        if self.user_projection is None:
+            return None
+        if user_features is None:
+            raise ValueError(f"the model has user features {self.user_feature_names} but the batch has none")
+        if user_tables is None:
+            pooled = self.user_embedding_collection(user_feature_kjt(self.user_feature_names, user_features))
+            per_feature = pooled.to_dict()
+            vectors = torch.cat([per_feature[name] for name in self.user_feature_names], dim=1)
+            vectors = vectors[: user_features.shape[0]]  # an empty batch kept one empty slot
+        else:
+            vectors = torch.cat([table[user_features[:, i]] for i, table in enumerate(user_tables)], dim=1)
+        return self.user_projection(vectors)
+
+    @torch.no_grad()
+    def all_user_feature_tables(self, chunk_size: int = 65536) -> list[torch.Tensor] | None:
+        """Every row of every user feature table, ``[size, D]`` each (None without user features).
+
+        Looked up through the bag collection in chunks, so it works sharded; under
+        DMP all ranks must call it together.
+        """
+        if self.user_embedding_collection is None:
+            return None
+        device = self._dense_device()
+        pieces: list[list[torch.Tensor]] = [[] for _ in self.user_feature_names]
+        for start in range(0, max(self.user_feature_sizes), chunk_size):
+            # One id per slot; a feature whose table is shorter gets empty slots.
+            ids = torch.arange(start, start + chunk_size, device=device)
+            valid = torch.stack([ids < size for size in self.user_feature_sizes])
+            kjt = KeyedJaggedTensor(keys=self.user_feature_names, values=ids.expand_as(valid)[valid],
+                                    lengths=valid.to(torch.int64).reshape(-1))
+            pooled = self.user_embedding_collection(kjt).to_dict()
+            for i, name in enumerate(self.user_feature_names):
+                pieces[i].append(pooled[name][valid[i]])
+        return [torch.cat(rows) for rows in pieces]
+
+    def _input_embeddings(self, item_embeddings: torch.Tensor, ratings: torch.Tensor,
+                          user_vectors: torch.Tensor | None = None, lengths: torch.Tensor | None = None
+                          ) -> torch.Tensor:
         x = item_embeddings
+        if user_vectors is not None:
+            x = x + torch.repeat_interleave(user_vectors, lengths, dim=0, output_size=item_embeddings.shape[0])
         if self.rating_embedding is not None:
             x = x + self.rating_embedding(ratings.clamp(0, NUM_RATINGS - 1).to(torch.int64))
         # sqrt(D) as in the reference HSTU preprocessor: puts inputs at unit-ish
@@ -135,15 +219,19 @@ class SequentialRecommender(nn.Module):
         return x * math.sqrt(self.config.hstu.embedding_dim)
 
     def _encode(
-        self, item_embeddings: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, ratings: torch.Tensor
+        self, item_embeddings: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, ratings: torch.Tensor,
+        user_vectors: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.encoder(self._input_embeddings(item_embeddings, ratings), offsets, timestamps)
+        lengths = offsets[1:] - offsets[:-1]
+        return self.encoder(self._input_embeddings(item_embeddings, ratings, user_vectors, lengths), offsets,
+                            timestamps)
 
     def encode(self, batch: SequenceBatch) -> torch.Tensor:
         """``[T, D]`` L2-normalised encoder output at every history position."""
         empty = torch.zeros(0, dtype=torch.int64, device=batch.item_ids.device)
         item_embeddings, _ = self.lookup(batch.lengths, batch.item_ids, empty)
-        return self._encode(item_embeddings, batch.offsets, batch.timestamps, batch.ratings)
+        return self._encode(item_embeddings, batch.offsets, batch.timestamps, batch.ratings,
+                            self.user_vectors(batch.user_features))
 
     def sample_negatives(
         self, num_negatives: int, device: torch.device, generator: torch.Generator | None = None
@@ -209,11 +297,12 @@ class SequentialRecommender(nn.Module):
         else:
             negative_ids = self.sample_negatives(num_negatives, device, generator)
         item_embeddings, negative_embeddings = self.lookup(batch.lengths, batch.item_ids, negative_ids)
+        user_vectors = self.user_vectors(batch.user_features)
         if probe is not None:
             probe(item_embeddings, negative_embeddings)
 
         offsets = batch.offsets
-        hidden = self._encode(item_embeddings, offsets, batch.timestamps, batch.ratings)
+        hidden = self._encode(item_embeddings, offsets, batch.timestamps, batch.ratings, user_vectors)
         query_rows, target_rows = next_item_positions(offsets)
         target_ids = batch.item_ids[target_rows]
         positive = F.normalize(item_embeddings[target_rows], dim=-1)
@@ -242,7 +331,8 @@ class SequentialRecommender(nn.Module):
     # --------------------------------------------------------------- evaluation
 
     def score_queries(self, batch: SequenceBatch, use: Literal["valid", "test"] = "test",
-                      item_table: torch.Tensor | None = None) -> torch.Tensor:
+                      item_table: torch.Tensor | None = None,
+                      user_tables: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``[B, D]`` query embedding per sample: the encoder's last position.
 
         ``"valid"`` encodes the history; ``"test"`` encodes the history followed
@@ -250,7 +340,8 @@ class SequentialRecommender(nn.Module):
         whose rating is ``batch.valid_rating`` or unknown. Call under
         ``torch.no_grad()`` and ``eval()``. With ``item_table`` (the raw rows from
         ``all_item_embeddings(normalize=False)``) history items are read from it
-        instead of the table: no collective, so ranks may score different counts.
+        instead of the table, and with ``user_tables`` (``all_user_feature_tables()``)
+        user features likewise: no collective, so ranks may score different counts.
         """
         if use not in ("valid", "test"):
             raise ValueError(f"use must be 'valid' or 'test', got {use!r}")
@@ -269,7 +360,8 @@ class SequentialRecommender(nn.Module):
             item_embeddings, _ = self.lookup(lengths, item_ids, empty)
         else:
             item_embeddings = item_table[item_ids]
-        hidden = self._encode(item_embeddings, offsets, timestamps, ratings)
+        user_vectors = self.user_vectors(batch.user_features, user_tables)
+        hidden = self._encode(item_embeddings, offsets, timestamps, ratings, user_vectors)
         return hidden[last_positions(offsets)]
 
     @torch.no_grad()
@@ -281,6 +373,7 @@ class SequentialRecommender(nn.Module):
         k: int = 10,
         exclude_history: bool = False,
         item_table: torch.Tensor | None = None,
+        user_tables: list[torch.Tensor] | None = None,
     ) -> RetrievalMetrics:
         """Full-catalog HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets.
 
@@ -289,7 +382,7 @@ class SequentialRecommender(nn.Module):
         the user already interacted with (for "test", including the validation
         item) from the ranking.
         """
-        query = self.score_queries(batch, use, item_table)
+        query = self.score_queries(batch, use, item_table, user_tables)
         targets = batch.valid_item if use == "valid" else batch.test_item
         exclude: ExcludeIds | None = None
         if exclude_history:
@@ -301,18 +394,22 @@ class SequentialRecommender(nn.Module):
         return retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=exclude)
 
 
-def build_model(num_items: int, config: ModelConfig, device: torch.device | str) -> SequentialRecommender:
+def build_model(num_items: int, config: ModelConfig, device: torch.device | str,
+                user_features: list[tuple[str, int]] | tuple = ()) -> SequentialRecommender:
     """Model for ``DistributedModelParallel``: item table on ``meta``, dense part on ``device``.
 
     DMP shards the table and materialises its shards (initialised from the
     table's ``weight_init_min/max``). The unsharded result cannot run forward
     by itself; for single-process use call ``build_local_model``.
     """
-    return SequentialRecommender(num_items, config, device=device, embedding_device=torch.device("meta"))
+    return SequentialRecommender(num_items, config, device=device, embedding_device=torch.device("meta"),
+                                 user_features=user_features)
 
 
 def build_local_model(
-    num_items: int, config: ModelConfig, device: torch.device | str = "cpu"
+    num_items: int, config: ModelConfig, device: torch.device | str = "cpu",
+    user_features: list[tuple[str, int]] | tuple = (),
 ) -> SequentialRecommender:
-    """Single-process model (tests, cost calibration): everything, table included, on ``device``."""
-    return SequentialRecommender(num_items, config, device=device, embedding_device=device)
+    """Single-process model (tests, cost calibration): everything, tables included, on ``device``."""
+    return SequentialRecommender(num_items, config, device=device, embedding_device=device,
+                                 user_features=user_features)

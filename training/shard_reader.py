@@ -47,13 +47,22 @@ import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 
 from training.batch import SequenceBatch
-from training.manifest_check import ShardError, load_manifest, one_line, rank_files, verify_checksums
+from training.manifest_check import (
+    ShardError,
+    load_manifest,
+    one_line,
+    rank_files,
+    user_feature_sizes,
+    verify_checksums,
+)
 
 # Columns the reader needs; the shard's remaining columns (cost, origin_step) are
 # planning diagnostics and are not read, so they cost no memory.
 READ_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length",
                 "valid_item", "valid_timestamp", "valid_rating", "test_item", "test_timestamp", "step_targets", "cost")
 LIST_COLUMNS = ("items", "timestamps", "ratings")
+# Read, and required, when the manifest lists user features.
+USER_FEATURES_COLUMN = "user_features"
 # Everything except the ratings may not be null: a null there is a job bug, and
 # letting it through would turn into NaN or garbage ids after collation.
 NON_NULL_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length",
@@ -76,6 +85,8 @@ class StepRows:
 
     step: int
     rows: pa.Table
+    num_user_features: int = 0
+    """Width of the ``user_features`` column (0: the shards carry none)."""
 
 
 def _numpy(column: pa.ChunkedArray | pa.Array, dtype: type[np.generic] = np.int64) -> np.ndarray:
@@ -114,6 +125,9 @@ def collate_step(step_rows: StepRows) -> SequenceBatch:
         step=int(step_rows.step),
         step_targets=int(table["step_targets"][0].as_py()) if table.num_rows else 0,
         cost=float(pc.sum(table["cost"]).as_py() or 0.0),
+        user_features=(torch.from_numpy(_numpy(pc.list_flatten(table[USER_FEATURES_COLUMN])))
+                       .reshape(table.num_rows, step_rows.num_user_features)
+                       if step_rows.num_user_features else None),
     )
 
 
@@ -147,6 +161,8 @@ class ShardReader(BaseNode[StepRows]):
             raise ShardError(f"rank {rank} has an empty shard (no files) in {self._root}")
         self._num_steps = int(manifest["num_steps"])
         self._num_items = int(manifest["num_items"])
+        self._user_features = user_feature_sizes(manifest)
+        self._columns = READ_COLUMNS + ((USER_FEATURES_COLUMN,) if self._user_features else ())
         # Set up by reset(); None until then.
         self._metadata: list[pq.FileMetaData | None] = []
         self._parquet: pq.ParquetFile | None = None
@@ -175,7 +191,7 @@ class ShardReader(BaseNode[StepRows]):
         if schema_source is None:  # resumed at the very end: still need a schema for empty steps
             schema_source = self._read_footer(len(self._files) - 1)
         arrow_schema = schema_source.schema.to_arrow_schema()
-        self._schema = pa.schema([arrow_schema.field(name) for name in READ_COLUMNS])
+        self._schema = pa.schema([arrow_schema.field(name) for name in self._columns])
         if initial_state is not None:
             self._check_position()
         if self._file_index < len(self._files):
@@ -205,8 +221,8 @@ class ShardReader(BaseNode[StepRows]):
         self._next_step = step + 1
         if not pieces:
             assert self._schema is not None
-            return StepRows(step, self._schema.empty_table())
-        return StepRows(step, pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces))
+            return StepRows(step, self._schema.empty_table(), len(self._user_features))
+        return StepRows(step, pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces), len(self._user_features))
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -291,7 +307,7 @@ class ShardReader(BaseNode[StepRows]):
         except (pa.ArrowException, OSError) as exc:
             raise ShardError(f"corrupt Parquet file {path}: {one_line(exc)}") from exc
         names = set(metadata.schema.to_arrow_schema().names)
-        absent = [c for c in READ_COLUMNS if c not in names]
+        absent = [c for c in self._columns if c not in names]
         if absent:
             raise ShardError(f"shard file {path} lacks columns {absent}")
         if metadata.num_rows != entry["rows"]:
@@ -317,7 +333,7 @@ class ShardReader(BaseNode[StepRows]):
         assert self._parquet is not None
         path = self._current_path()
         try:
-            table = self._parquet.read_row_group(self._row_group, columns=list(READ_COLUMNS))
+            table = self._parquet.read_row_group(self._row_group, columns=list(self._columns))
         except (pa.ArrowException, OSError) as exc:
             raise ShardError(f"corrupt Parquet file {path}: row group {self._row_group}: {one_line(exc)}") from exc
         self._steps = self._validate(table, path)
@@ -366,7 +382,27 @@ class ShardReader(BaseNode[StepRows]):
                 row = int(np.argmax(bad))
                 raise ShardError(f"{path}: step {steps[row]}: {name} id {targets[row]} of user "
                                  f"{table['user_id'][row]} is outside 1..{self._num_items} (manifest num_items)")
+        if self._user_features:
+            self._validate_user_features(table, steps, path)
         return steps
+
+    def _validate_user_features(self, table: pa.Table, steps: np.ndarray, path: Path) -> None:
+        column = table[USER_FEATURES_COLUMN]
+        if column.null_count or pc.list_flatten(column).null_count:
+            raise ShardError(f"{path} row group {self._row_group}: column {USER_FEATURES_COLUMN} has null values")
+        width = len(self._user_features)
+        counts = _numpy(pc.list_value_length(column))
+        if np.any(counts != width):
+            row = int(np.argmax(counts != width))
+            raise ShardError(f"{path}: step {steps[row]}: {USER_FEATURES_COLUMN} of user {table['user_id'][row]} "
+                             f"has {counts[row]} ids but the manifest lists {width} user features")
+        ids = _numpy(pc.list_flatten(column)).reshape(-1, width)
+        for index, (name, num_ids) in enumerate(self._user_features):
+            bad = (ids[:, index] < 0) | (ids[:, index] >= num_ids)
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise ShardError(f"{path}: step {steps[row]}: user feature {name} id {ids[row, index]} of user "
+                                 f"{table['user_id'][row]} is outside 0..{num_ids - 1} (manifest user_features)")
 
 
 def build_loader(shards_dir: str | os.PathLike[str], rank: int, world_size: int, *,

@@ -1,4 +1,4 @@
-"""Sharding the item table with TorchRec and keeping the dense part replicated."""
+"""Sharding the embedding tables with TorchRec and keeping the dense part replicated."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 from torchrec.optim import RowWiseAdagrad
@@ -13,24 +14,27 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from training.config import OptimizerConfig, ParallelConfig
 from training.distributed import DistEnv
-from training.model import ITEM_TABLE, SequentialRecommender
+from training.model import ITEM_TABLE, USER_TABLE, SequentialRecommender
 
 SPARSE_OPTIMIZERS = {"adagrad": RowWiseAdagrad, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 SHARDING_TYPES = {"row_wise": ShardingType.ROW_WISE, "table_wise": ShardingType.TABLE_WISE}
 
 
 def apply_fused_sparse_optimizer(model: SequentialRecommender, config: OptimizerConfig) -> None:
-    """The table's optimizer runs inside its backward (fbgemm), so no sparse gradient is materialised."""
+    """The tables' optimizer runs inside their backward (fbgemm), so no sparse gradient is materialised."""
     if config.sparse_optimizer not in SPARSE_OPTIMIZERS:
         raise ValueError(f"optimizer.sparse_optimizer {config.sparse_optimizer!r}: "
                          f"expected one of {', '.join(SPARSE_OPTIMIZERS)}")
-    apply_optimizer_in_backward(SPARSE_OPTIMIZERS[config.sparse_optimizer],
-                                model.embedding_collection.parameters(), {"lr": config.sparse_lr})
+    tables = list(model.embedding_collection.parameters())
+    if model.user_embedding_collection is not None:
+        tables += list(model.user_embedding_collection.parameters())
+    apply_optimizer_in_backward(SPARSE_OPTIMIZERS[config.sparse_optimizer], tables, {"lr": config.sparse_lr})
 
 
 def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parallel: ParallelConfig,
                 env: DistEnv) -> DistributedModelParallel:
-    """Plan and shard the item table; leave data parallelism of the dense part to the trainer.
+    """Plan and shard the item table (row- or table-wise) and user feature tables (table-wise);
+    leave data parallelism of the dense part to the trainer.
 
     DDP is not used (init_data_parallel=False): the trainer all-reduces dense
     gradients itself after backward, so the time ranks spend waiting for each other
@@ -39,13 +43,17 @@ def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parall
     if parallel.sharding not in SHARDING_TYPES:
         raise ValueError(f"parallel.sharding {parallel.sharding!r}: expected one of {', '.join(SHARDING_TYPES)}")
     apply_fused_sparse_optimizer(model, optimizer)
-    sharder = EmbeddingCollectionSharder()
+    sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
+    constraints = {ITEM_TABLE: ParameterConstraints(sharding_types=[SHARDING_TYPES[parallel.sharding].value])}
+    # User feature tables are small (a category per row), so each lives whole on one
+    # rank; TorchRec's bag sharder also offers no row-wise kernel on CPU.
+    for i in range(len(model.user_feature_names)):
+        constraints[USER_TABLE.format(index=i)] = ParameterConstraints(
+            sharding_types=[ShardingType.TABLE_WISE.value])
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=env.world_size, compute_device=env.device.type),
-        constraints={ITEM_TABLE: ParameterConstraints(
-            sharding_types=[SHARDING_TYPES[parallel.sharding].value])})
-    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=env.device, plan=plan, sharders=[sharder],
+        topology=Topology(world_size=env.world_size, compute_device=env.device.type), constraints=constraints)
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=env.device, plan=plan, sharders=sharders,
                                     init_data_parallel=False)
 
 

@@ -26,9 +26,12 @@ from training.batch import SequenceBatch
 from training.checkpoint import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
-from training.manifest_check import ShardError, load_manifest
+from training.manifest_check import ShardError, load_manifest, user_feature_sizes
 from training.metrics import RetrievalMetrics, most_popular_baseline
 from training.model import build_model
+
+# Fused-optimizer state keys of the user feature tables (attribute name of the bag collection).
+USER_TABLES_PREFIX = "user_embedding_collection."
 from training.shard_reader import build_loader, stop_prefetch
 from training.sharding import DenseGradSync, broadcast_dense, dense_parameters, shard_model
 
@@ -64,7 +67,8 @@ class Trainer:
         self.env = env or init_distributed(config.parallel, config.training.threads)
         self.manifest, self.loader = self._open_shards()
         torch.manual_seed(config.training.seed)
-        model = build_model(int(self.manifest["num_items"]), config.model, self.env.device)
+        model = build_model(int(self.manifest["num_items"]), config.model, self.env.device,
+                            user_features=user_feature_sizes(self.manifest))
         self.model = shard_model(model, config.optimizer, config.parallel, self.env)
         self.module = self.model.module
         dense = dense_parameters(self.model)
@@ -105,13 +109,28 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def _shared_state(self) -> dict[str, Any]:
+        sparse = self.model.fused_optimizer.state_dict()
+        sparse["state"] = {k: v for k, v in sparse["state"].items() if not k.startswith(USER_TABLES_PREFIX)}
         return {"model": self.model.state_dict(),
-                "sparse_optimizer": self.model.fused_optimizer.state_dict(),
+                "sparse_optimizer": sparse,
                 "dense_optimizer": self.dense_optimizer.state_dict()}
+
+    def _user_table_optimizer_state(self) -> dict[str, Any]:
+        """Optimizer state of the user feature tables this rank holds.
+
+        The tables are sharded table-wise, and TorchRec's fused optimizer for bag
+        collections lists only the tables a rank holds (unlike the item table's,
+        whose state is a ShardedTensor on every rank), so DCP would find keys that
+        only some ranks have. The state goes into each rank's own file instead: the
+        same world size and plan put the same tables on the same rank on resume.
+        """
+        state = self.model.fused_optimizer.state_dict()["state"]
+        return {k: v for k, v in state.items() if k.startswith(USER_TABLES_PREFIX)}
 
     def save(self) -> None:
         own = {"step": self.step, "loader": self.loader.state_dict(),
-               "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+               "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+               "user_table_optimizer": self._user_table_optimizer_state()}
         self.checkpointer.save(self.step, self._shared_state(), own)
 
     def resume(self) -> None:
@@ -122,6 +141,7 @@ class Trainer:
         shared = self._shared_state()
         own = self.checkpointer.load(step, shared)
         self.model.load_state_dict(shared["model"])
+        shared["sparse_optimizer"]["state"].update(own.get("user_table_optimizer", {}))
         self.model.fused_optimizer.load_state_dict(shared["sparse_optimizer"])
         self.dense_optimizer.load_state_dict(shared["dense_optimizer"])
         self.loader.load_state_dict(own["loader"])
@@ -245,6 +265,7 @@ class Trainer:
         """
         self.module.eval()
         raw = self.module.all_item_embeddings(normalize=False)
+        user_tables = self.module.all_user_feature_tables()
         table = F.normalize(raw, dim=-1)
         loader = build_loader(self.config.data.shards, self.env.rank, self.env.world_size, prefetch=0)
         mirror = self.manifest.get("control") == "mirror"
@@ -259,7 +280,8 @@ class Trainer:
             if limit is not None and seen >= limit:
                 continue
             batch = batch.to(self.env.device)
-            model_sums = model_sums + self.module.evaluate(batch, table, use="test", item_table=raw)
+            model_sums = model_sums + self.module.evaluate(batch, table, use="test", item_table=raw,
+                                                             user_tables=user_tables)
             targets.append(batch.test_item.cpu())
             seen += batch.batch_size
         self.module.train()
