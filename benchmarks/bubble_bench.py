@@ -15,7 +15,8 @@ NDCG@10 of contiguous and balanced agree within the spread across seeds and beat
 the most-popular baseline.
 
 Usage: python benchmarks/bubble_bench.py [--repeats 3] [--epochs 4] [--local-batch-size 16]
-                                        [--calibrate] [--strategy kk] [--workdir out/bubble-bench]
+                                        [--calibrate] [--strategy kk] [--no-user-features]
+                                        [--workdir out/bubble-bench]
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 MOVIELENS = (REPO / ".." / "shared" / "data" / "movielens-100k" / "ratings.parquet").resolve()
+MOVIELENS_USERS = MOVIELENS.with_name("users.parquet")
 VARIANTS = ("contiguous", "balanced", "control")
 
 
@@ -51,7 +53,9 @@ def freescale(*args: str) -> list[str]:
 def build_shards(work: Path, args: argparse.Namespace) -> dict[str, Path]:
     prepared = work / "prepared"
     if not (prepared / "prepare.json").exists():
-        run(freescale("prepare", "--input", str(MOVIELENS), "--output", str(prepared), "--overwrite",
+        users = ["--user-features", str(MOVIELENS_USERS), "--user-feature-cols", args.user_feature_cols] \
+            if args.user_features else []
+        run(freescale("prepare", "--input", str(MOVIELENS), *users, "--output", str(prepared), "--overwrite",
                       "--tracking-uri", "none"), work / "prepare.log")
     balance_extra: list[str] = []
     cost_model_args: list[str] = []
@@ -94,6 +98,10 @@ def main() -> None:
     parser.add_argument("--local-batch-size", type=int, default=16)
     parser.add_argument("--strategy", default="kk")
     parser.add_argument("--calibrate", action="store_true", help="cost model and rank speeds from freescale calibrate")
+    parser.add_argument("--user-features", action=argparse.BooleanOptionalAction, default=True,
+                        help="train with MovieLens user features (default on)")
+    parser.add_argument("--user-feature-cols", default="age,gender,occupation,zip_code",
+                        help="which columns of users.parquet (default: all four)")
     parser.add_argument("--workdir", default="out/bubble-bench")
     parser.add_argument("--tracking-uri", default="none", help="MLflow URI for the runs (default: none)")
     parser.add_argument("--report-only", action="store_true",
@@ -122,7 +130,8 @@ def main() -> None:
     print(f"\n## Measured bubbles: MovieLens-100K, 2 gloo ranks x {args.local_batch_size} samples, "
           f"{steps} steps, {args.repeats} repeats (median [min, max])\n")
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; strategy {args.strategy}"
-          f"{', calibrated cost model + rank capacities' if args.calibrate else ', default cost model'}\n")
+          f"{', calibrated cost model + rank capacities' if args.calibrate else ', default cost model'}"
+          f"; user features: {args.user_feature_cols if args.user_features else 'none'}\n")
     print("| shards | bubble (wall) | bubble (thread CPU) | step time (ms) | samples/s | predicted bubble |")
     print("| --- | --- | --- | --- | --- | --- |")
     for variant in VARIANTS:

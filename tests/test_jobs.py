@@ -41,6 +41,29 @@ def test_prepare_movielens_counts(prepared_ml):
     assert meta["train_interactions"] + 2 * meta["users"] == meta["input_interactions"]
 
 
+def test_prepare_movielens_user_features(prepared_ml, movielens_dir):
+    meta = json.loads((prepared_ml / "prepare.json").read_text())
+    users = pq.read_table(movielens_dir / "users.parquet").to_pandas()
+    names = ["age", "gender", "occupation", "zip_code"]
+    assert meta["user_features"] == [{"name": n, "num_ids": users[n].nunique() + 1} for n in names]
+    assert meta["users_without_features"] == 0
+    sequences = pq.read_table(prepared_ml / "sequences", columns=["user_id", "user_features"]).to_pandas()
+    vocab = pq.read_table(prepared_ml / "user_feature_vocab").to_pandas()
+    ids = {(r.feature, r.value): r.id for r in vocab.itertuples()}
+    # a sequence's ids decode back to its user's row of the user table
+    expected = {str(r.user_id): [ids[(n, str(getattr(r, n)))] for n in names] for r in users.itertuples()}
+    assert all(list(f) == expected[u] for u, f in zip(sequences["user_id"], sequences["user_features"]))
+
+
+def test_prepare_bad_user_table_leaves_nothing(spark, movielens_dir, tmp_path, capsys):
+    bad = tmp_path / "users.parquet"
+    pq.write_table(pa.table({"user_id": [1, 1], "age": [20, 30]}), bad)
+    rc = prepare.main(["--input", str(movielens_dir / "ratings.parquet"), "--user-features", str(bad),
+                       "--output", str(tmp_path / "out"), *NO_TRACKING])
+    assert_one_line_error(capsys, rc, "user '1' appears 2 times")
+    assert not (tmp_path / "out").exists()
+
+
 def test_balance_movielens_every_sample_once(prepared_ml, tmp_path):
     out = tmp_path / "shards"
     assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
@@ -63,6 +86,8 @@ def test_balance_movielens_every_sample_once(prepared_ml, tmp_path):
     merged = rows.merge(sequences, on="user_id", suffixes=("", "_src"))
     assert all(np.array_equal(a, b) for a, b in zip(merged["items"], merged["items_src"]))
     assert (merged["test_item"] == merged["test_item_src"]).all()
+    assert all(np.array_equal(a, b) for a, b in zip(merged["user_features"], merged["user_features_src"]))
+    assert manifest["user_features"] == json.loads((prepared_ml / "prepare.json").read_text())["user_features"]
     assert manifest["stats"]["bubble"] < manifest["stats"]["bubble_contiguous"]
 
 

@@ -524,6 +524,9 @@ def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: 
         env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
         sharded = shard_model(model, OptimizerConfig(sparse_optimizer="sgd", sparse_lr=0.1),
                               ParallelConfig(sharding=sharding_type), env)
+        # A trained projection (it starts at zero, which would keep the user tables' gradients zero).
+        with torch.no_grad():
+            sharded.module.user_projection.weight.normal_(std=0.1, generator=torch.Generator().manual_seed(1))
         # Cost-balanced shards give ranks different batch sizes.
         batch = random_batch([5, 3, 7] if rank == 0 else [12], seed=rank, user_features=USER_FEATURES)
 
@@ -587,6 +590,9 @@ def test_user_features_reach_every_position_and_their_tables() -> None:
     batch = random_batch([4, 6, 3], seed=2, user_features=USER_FEATURES)
     other = replace(batch, user_features=batch.user_features.roll(1, dims=0))
     with torch.no_grad():
+        # The projection starts at zero: features have no effect until training moves it.
+        torch.testing.assert_close(model.score_queries(other), model.score_queries(batch))
+        torch.nn.init.normal_(model.user_projection.weight, std=0.1)
         query = model.score_queries(batch)
         # Other users' features give other queries for the same histories.
         moved = model.score_queries(other)

@@ -59,14 +59,15 @@ class DenseSpanProbe:
         self.end_cpu: float | None = None
         self.end_wall: float | None = None
 
-    def __call__(self, item_embeddings: torch.Tensor, negative_embeddings: torch.Tensor) -> None:
+    def __call__(self, *sparse_outputs: torch.Tensor) -> None:
         self.start_wall, self.start_cpu = time.perf_counter(), time.thread_time()
-        for tensor in (item_embeddings, negative_embeddings):
+        for tensor in sparse_outputs:
             if tensor.requires_grad:
                 tensor.register_hook(self._grad_arrived)
 
     def _grad_arrived(self, grad: torch.Tensor) -> torch.Tensor:
-        # Both outputs are reached by backward; the later one ends the dense part.
+        # Every output is reached by backward; the last one ends the dense part (the
+        # model's sparse boundary holds the tables' backward until then).
         self.end_wall, self.end_cpu = time.perf_counter(), time.thread_time()
         return grad
 
