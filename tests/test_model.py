@@ -609,3 +609,31 @@ def test_user_features_reach_every_position_and_their_tables() -> None:
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
     with pytest.raises(ValueError, match="has user features .* but the batch has none"):
         model(replace(batch, user_features=None), num_negatives=8)
+
+
+def test_dense_span_ends_before_any_table_backward() -> None:
+    """The probe's end (last gradient at the lookups' outputs) comes before either
+    table's backward, which under DMP is a blocking collective: otherwise the wait for
+    the slowest rank would be measured as this rank's dense compute."""
+    from training.bubbles import DenseSpanProbe
+
+    torch.manual_seed(0)
+    model = build_local_model(NUM_ITEMS, ModelConfig(hstu=SMALL), user_features=USER_FEATURES)
+    torch.nn.init.normal_(model.user_projection.weight, std=0.1)
+    events: list[str] = []
+    model.embedding_collection.embeddings[ITEM_TABLE].weight.register_hook(
+        lambda g: events.append("item table backward"))
+    model.user_embedding_collection.embedding_bags["user_feature_0"].weight.register_hook(
+        lambda g: events.append("user table backward"))
+
+    class RecordingProbe(DenseSpanProbe):
+        def _grad_arrived(self, grad: torch.Tensor) -> torch.Tensor:
+            events.append("dense gradient")
+            return super()._grad_arrived(grad)
+
+    loss, _ = model(random_batch([6, 3, 5], seed=4, user_features=USER_FEATURES), num_negatives=8,
+                    probe=RecordingProbe())
+    loss.backward()
+    assert events.count("dense gradient") == 3
+    last_dense = max(i for i, e in enumerate(events) if e == "dense gradient")
+    assert last_dense < events.index("item table backward") and last_dense < events.index("user table backward")
