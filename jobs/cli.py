@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ def demo(argv: list[str]) -> int:
     prepared, shards, summary = work / "prepared", work / "shards", work / "train_summary.json"
     cost_model = work / "cost_model.json"
     config = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+    shards_rebuilt = False
     stages = [
         # The balancer is only as good as its cost model: fit it to this machine and the demo's model.
         (cost_model, calibrate.main, ["--output", str(cost_model), "--config", str(config), "--repeats", "3",
@@ -49,10 +51,15 @@ def demo(argv: list[str]) -> int:
           "--run-name", "demo", "--summary-json", str(summary),
           "--checkpoint.folder", str(work / "checkpoints")]),
     ]
+    checkpoints = work / "checkpoints"
     for done_marker, stage, stage_argv in stages:
         if done_marker.exists() and not args.fresh:
             print(f"freescale demo: {done_marker} exists, stage skipped (--fresh reruns it)")
             continue
+        if stage is launch and checkpoints.exists() and (args.fresh or shards_rebuilt):
+            # A checkpoint of the previous shards cannot continue in new ones.
+            shutil.rmtree(checkpoints)
+        shards_rebuilt = shards_rebuilt or stage is balance.main
         rc = stage(stage_argv)
         if rc:
             return rc

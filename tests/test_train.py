@@ -57,6 +57,16 @@ def test_exact_resume_matches_uninterrupted_run(movielens_shards, tmp_path, shar
     second_log = json.loads((tmp_path / "second.json").read_text())
     assert second_log["steps"] == [3, 4, 5]
     assert first_log["losses"] + second_log["losses"] == whole_log["losses"]
+    if sharding == "row_wise":
+        # The checkpoint's loader position means nothing in another shard set: refused.
+        other = copy_shards(movielens_shards, tmp_path / "other")
+        manifest["seed"] = manifest.get("seed", 0) + 1
+        (other / "manifest.json").write_text(json.dumps(manifest))
+        elsewhere = freescale_train(other, "--max-steps", "6", "--checkpoint.folder", str(ckpt),
+                                    *small_run_args(tmp_path, "elsewhere", *sharding_args))
+        assert elsewhere.returncode != 0
+        lines = error_lines(elsewhere)
+        assert lines and all("was written for other shards" in line for line in lines), lines
     # the model learned: later losses below the first
     assert whole_log["losses"][-1] < whole_log["losses"][0]
 

@@ -2,8 +2,10 @@
 
 A checkpoint is `<folder>/step_<n>/`: DCP files for the model (sharded table and
 dense part) and both optimizers, one `rank_<r>.pt` per rank with what only that
-rank knows (loader position, RNG states), and `COMPLETE`, written last by rank 0
-after every rank finished. A folder without `COMPLETE` (a crash mid-save) is ignored.
+rank knows (loader position, RNG states), `SHARDS` (the SHA-256 of the shard
+manifest it trained on: a loader position means nothing in other shards), and
+`COMPLETE`, written last by rank 0 after every rank finished. A folder without
+`COMPLETE` (a crash mid-save) is ignored.
 """
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from training.manifest_check import ShardError
+
 COMPLETE = "COMPLETE"
+SHARDS = "SHARDS"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -41,15 +46,24 @@ class Checkpointer:
                  if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()]
         return max(steps, default=None)
 
-    def save(self, step: int, shared: dict[str, Any], own: dict[str, Any]) -> None:
+    def save(self, step: int, shared: dict[str, Any], own: dict[str, Any], shards_sha256: str) -> None:
         """`shared`: DCP state (sharded or replicated tensors); `own`: this rank's private state."""
         target = self.step_dir(step)
         dcp.save(shared, checkpoint_id=str(target))
         torch.save(own, target / f"rank_{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
+            (target / SHARDS).write_text(f"{shards_sha256}\n")
             (target / COMPLETE).write_text(f"{step}\n")
         dist.barrier()
+
+    def check_shards(self, step: int, shards_sha256: str) -> None:
+        """Refuse to resume in shards other than the ones the checkpoint trained on."""
+        recorded = self.step_dir(step) / SHARDS
+        if recorded.exists() and (found := recorded.read_text().strip()) != shards_sha256:
+            raise ShardError(f"checkpoint {self.step_dir(step)} was written for other shards (manifest sha256 "
+                             f"{found[:12]}..., these are {shards_sha256[:12]}...): use another "
+                             "checkpoint.folder, or remove this one to start over")
 
     def load(self, step: int, shared: dict[str, Any]) -> dict[str, Any]:
         """Load DCP state in place into `shared`; return this rank's private state."""

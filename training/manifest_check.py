@@ -142,6 +142,11 @@ def load_manifest(shards_dir: str | os.PathLike[str], world_size: int, rank: int
     return manifest
 
 
+def manifest_sha256(shards_dir: str | os.PathLike[str]) -> str:
+    """SHA-256 of the manifest file: names this exact shard set (a rerun of balance gets a new one)."""
+    return hashlib.sha256((Path(shards_dir) / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
 def verify_checksums(manifest: dict[str, Any], shards_dir: str | os.PathLike[str], rank: int) -> None:
     """Recompute the SHA-256 of every file of ``rank`` and compare with the manifest.
 

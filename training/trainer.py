@@ -26,7 +26,7 @@ from training.batch import SequenceBatch
 from training.checkpoint import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
-from training.manifest_check import ShardError, load_manifest, user_feature_sizes
+from training.manifest_check import ShardError, load_manifest, manifest_sha256, user_feature_sizes
 from training.metrics import RetrievalMetrics, most_popular_baseline
 from training.model import build_model
 
@@ -131,12 +131,13 @@ class Trainer:
         own = {"step": self.step, "loader": self.loader.state_dict(),
                "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
                "user_table_optimizer": self._user_table_optimizer_state()}
-        self.checkpointer.save(self.step, self._shared_state(), own)
+        self.checkpointer.save(self.step, self._shared_state(), own, manifest_sha256(self.config.data.shards))
 
     def resume(self) -> None:
         step = self.checkpointer.latest_step()
         if step is None:
             return
+        self.checkpointer.check_shards(step, manifest_sha256(self.config.data.shards))
         materialize_optimizer_state(self.dense_optimizer)
         shared = self._shared_state()
         own = self.checkpointer.load(step, shared)
