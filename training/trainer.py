@@ -12,6 +12,7 @@ gradient all-reduce -> dense optimizer. Per-rank timings are all-gathered every
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -149,6 +150,9 @@ class Trainer:
         self.generator.set_state(own["generator"])
         torch.set_rng_state(own["torch_rng"])
         self.step = int(own["step"])
+        if self.step >= self.max_steps and self.env.rank == 0:
+            print(f"freescale train: checkpoint {self.checkpointer.step_dir(step)} already reached max_steps "
+                  f"{self.max_steps}: nothing left to train, evaluating only", file=sys.stderr, flush=True)
 
     # --------------------------------------------------------------- training
 
