@@ -117,23 +117,23 @@ def prepare(args: argparse.Namespace) -> int:
         vocab.write.parquet(f"{staging}/item_vocab")
         vocab = spark.read.parquet(f"{staging}/item_vocab")
         sequences = build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len)
-        feature_stats: dict = {}
         if users is not None:
             build_user_feature_vocab(users, feature_names).write.parquet(f"{staging}/user_feature_vocab")
             feature_vocab = spark.read.parquet(f"{staging}/user_feature_vocab")
             sequences = encode_user_features(sequences, users, feature_vocab, feature_names)
         sequences.write.parquet(f"{staging}/sequences")
         sequences = spark.read.parquet(f"{staging}/sequences")
+        feature_stats, feature_meta = {}, {}
         if users is not None:
             feature_stats = {"users_without_features": count_users_without_features(sequences, users)}
+            feature_meta = {"user_features": feature_cardinalities(feature_vocab, feature_names)}
         stats = {"input_interactions": counts["interactions"], "input_users": counts["users"],
                  "num_items": vocab.count(), **sequence_stats(sequences, interactions), **feature_stats}
         if stats["users"] == 0:
             raise InputError(f"input {source.get('uri', 'synthetic')}: no user has the 3 interactions "
                              "a leave-one-out split needs")
-        meta = {"format": PREPARE_FORMAT, "source": source, "max_seq_len": args.max_seq_len, **stats}
-        if users is not None:
-            meta["user_features"] = feature_cardinalities(feature_vocab, feature_names)
+        meta = {"format": PREPARE_FORMAT, "source": source, "max_seq_len": args.max_seq_len, **stats,
+                **feature_meta}
         fs.write_text(f"{staging}/prepare.json", json.dumps(meta, indent=2) + "\n")
 
     log_job_run(

@@ -100,11 +100,11 @@ def feature_cardinalities(vocab: DataFrame, names: list[str]) -> list[dict[str, 
 
 def encode_user_features(sequences: DataFrame, users: DataFrame, vocab: DataFrame, names: list[str]) -> DataFrame:
     """``sequences`` plus ``user_features: array<int>`` (ids in ``names`` order, 0 = unknown)."""
-    encoded = users.select("user_id")
+    encoded = users
     for name in names:
+        # Each feature's vocabulary is small: broadcast it and join on the value.
         ids = vocab.where(F.col("feature") == name).select(F.col("value").alias(name), F.col("id").alias(f"_{name}_id"))
-        encoded = encoded.join(users.select("user_id", name).join(F.broadcast(ids), name, "left")
-                               .select("user_id", f"_{name}_id"), "user_id")
+        encoded = encoded.join(F.broadcast(ids), name, "left")
     encoded = encoded.select("user_id", F.array(*[F.coalesce(F.col(f"_{n}_id"), F.lit(UNKNOWN_ID)) for n in names])
                              .alias(USER_FEATURES_COLUMN))
     unknown = F.array_repeat(F.lit(UNKNOWN_ID), len(names))

@@ -117,11 +117,11 @@ def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_s
     return root
 
 
-def whole_rank(root: Path, rank: int) -> pa.Table:
+def whole_rank(root: Path, rank: int, columns: tuple[str, ...] = READ_COLUMNS) -> pa.Table:
     """The rank's rows read whole, the way tests/shard_reading.py does."""
     manifest = json.loads((root / "manifest.json").read_text())
     tables = [pq.read_table(root / f["path"]) for f in manifest["ranks"][rank]["files"]]
-    return pa.concat_tables(tables).select(list(READ_COLUMNS))
+    return pa.concat_tables(tables).select(list(columns))
 
 
 def reference_batches(root: Path, rank: int) -> list[SequenceBatch]:
@@ -518,8 +518,7 @@ USER_FEATURES = [("age", 7), ("gender", 3)]
 
 def test_user_features_are_collated_per_sample(tmp_path: Path) -> None:
     root = write_shards(tmp_path / "s", user_features=USER_FEATURES, empty_steps={0: {2}})
-    manifest = json.loads((root / "manifest.json").read_text())
-    expected = pa.concat_tables([pq.read_table(root / f["path"]) for f in manifest["ranks"][0]["files"]])
+    expected = whole_rank(root, 0, ("user_features",))
     batches = list(build_loader(root, 0, 2, prefetch=0))
     assert batches[2].batch_size == 0 and tuple(batches[2].user_features.shape) == (0, 2)
     collated = torch.cat([b.user_features for b in batches])

@@ -67,6 +67,7 @@ class Trainer:
         self.sink = sink or NullSink()
         self.env = env or init_distributed(config.parallel, config.training.threads)
         self.manifest, self.loader = self._open_shards()
+        self.shards_sha256 = manifest_sha256(config.data.shards)  # ties checkpoints to these shards
         torch.manual_seed(config.training.seed)
         model = build_model(int(self.manifest["num_items"]), config.model, self.env.device,
                             user_features=user_feature_sizes(self.manifest))
@@ -109,38 +110,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def _shared_state(self) -> dict[str, Any]:
-        sparse = self.model.fused_optimizer.state_dict()
-        sparse["state"] = {k: v for k, v in sparse["state"].items() if not k.startswith(USER_TABLES_PREFIX)}
-        return {"model": self.model.state_dict(),
-                "sparse_optimizer": sparse,
-                "dense_optimizer": self.dense_optimizer.state_dict()}
+    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(shared, user_table_optimizer)``: the DCP state, and the optimizer state of the
+        user feature tables this rank holds.
 
-    def _user_table_optimizer_state(self) -> dict[str, Any]:
-        """Optimizer state of the user feature tables this rank holds.
-
-        The tables are sharded table-wise, and TorchRec's fused optimizer for bag
-        collections lists only the tables a rank holds (unlike the item table's,
-        whose state is a ShardedTensor on every rank), so DCP would find keys that
-        only some ranks have. The state goes into each rank's own file instead: the
-        same world size and plan put the same tables on the same rank on resume.
+        The user tables are sharded table-wise, and TorchRec's fused optimizer for bag
+        collections lists only the tables a rank holds (unlike the item table's, whose
+        state is a ShardedTensor on every rank), so DCP would find keys that only some
+        ranks have. Their state goes into each rank's own file instead: the same world
+        size and plan put the same tables on the same rank on resume.
         """
-        state = self.model.fused_optimizer.state_dict()["state"]
-        return {k: v for k, v in state.items() if k.startswith(USER_TABLES_PREFIX)}
+        sparse = self.model.fused_optimizer.state_dict()
+        user_tables = {k: v for k, v in sparse["state"].items() if k.startswith(USER_TABLES_PREFIX)}
+        sparse["state"] = {k: v for k, v in sparse["state"].items() if k not in user_tables}
+        shared = {"model": self.model.state_dict(), "sparse_optimizer": sparse,
+                  "dense_optimizer": self.dense_optimizer.state_dict()}
+        return shared, user_tables
 
     def save(self) -> None:
+        shared, user_tables = self._checkpoint_state()
         own = {"step": self.step, "loader": self.loader.state_dict(),
                "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-               "user_table_optimizer": self._user_table_optimizer_state()}
-        self.checkpointer.save(self.step, self._shared_state(), own, manifest_sha256(self.config.data.shards))
+               "user_table_optimizer": user_tables}
+        self.checkpointer.save(self.step, shared, own, self.shards_sha256)
 
     def resume(self) -> None:
         step = self.checkpointer.latest_step()
         if step is None:
             return
-        self.checkpointer.check_shards(step, manifest_sha256(self.config.data.shards))
+        self.checkpointer.check_shards(step, self.shards_sha256)
         materialize_optimizer_state(self.dense_optimizer)
-        shared = self._shared_state()
+        shared, _ = self._checkpoint_state()
         own = self.checkpointer.load(step, shared)
         self.model.load_state_dict(shared["model"])
         shared["sparse_optimizer"]["state"].update(own.get("user_table_optimizer", {}))
