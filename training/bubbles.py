@@ -37,6 +37,14 @@ class StepTiming:
     """Dense optimizer step."""
     step_s: float = 0.0
     """Whole step, wall clock."""
+    comm_s: float = 0.0
+    """Time with at least one of this rank's collectives in flight (plain mode: every
+    blocking phase, sparse forward + sparse backward + all-reduce)."""
+    exposed_comm_s: float = 0.0
+    """Time the compute thread waited on a collective (plain mode: equal to ``comm_s``)."""
+    dense_comm_overlap_s: float = 0.0
+    """Dense compute time during which a collective was in flight (where transport
+    threads compete with compute for cores -- on GPUs, for SMs)."""
     cost: float = 0.0
     """Sum of the cost model over this rank's samples (what the plan predicted)."""
     samples: float = 0.0
@@ -64,6 +72,12 @@ class DenseSpanProbe:
         for tensor in sparse_outputs:
             if tensor.requires_grad:
                 tensor.register_hook(self._grad_arrived)
+
+    def watch(self, tensor: torch.Tensor) -> None:
+        """Also end the span no earlier than ``tensor``'s gradient (an output that arrived
+        after the span started, such as the lowest-priority exchange group)."""
+        if tensor.requires_grad:
+            tensor.register_hook(self._grad_arrived)
 
     def _grad_arrived(self, grad: torch.Tensor) -> torch.Tensor:
         # Every output is reached by backward; the last one ends the dense part (the
@@ -143,6 +157,19 @@ def bubble_fraction(compute: np.ndarray, step_time: np.ndarray) -> float:
     return 0.0 if total <= 0 else float(rank_bubbles(compute).sum()) / total
 
 
+def idle_fraction(compute: np.ndarray, step_time: np.ndarray) -> float:
+    """1 - mean dense compute / step time over ranks: the share of rank-time not spent
+    computing (straggler waits, exposed communication, data waits and the rest together)."""
+    total = compute.shape[1] * float(step_time.sum())
+    return 0.0 if total <= 0 else 1.0 - float(compute.sum()) / total
+
+
+def overlap_fraction(comm: np.ndarray, exposed: np.ndarray) -> float:
+    """Share of the time collectives were in flight that the compute thread did not wait through."""
+    total = float(comm.sum())
+    return 0.0 if total <= 0 else 1.0 - float(exposed.sum()) / total
+
+
 def summarize(table: np.ndarray, skip_steps: int = 0) -> dict[str, float]:
     """Bubble fractions (wall and CPU clock), medians and imbalance over the measured steps.
 
@@ -168,5 +195,10 @@ def summarize(table: np.ndarray, skip_steps: int = 0) -> dict[str, float]:
         "collective_s": float(np.median(waits)),
         "data_wait_s": float(np.median(column(table, "data_wait_s"))),
         "imbalance": float(np.mean(cost_imbalance)),
+        "comm_s": float(np.median(column(table, "comm_s"))),
+        "exposed_comm_s": float(np.median(column(table, "exposed_comm_s"))),
+        "overlap_fraction": overlap_fraction(column(table, "comm_s"), column(table, "exposed_comm_s")),
+        "dense_comm_overlap_s": float(np.median(column(table, "dense_comm_overlap_s"))),
+        "idle_fraction": idle_fraction(wall, step_time),
         "measured_steps": float(len(table)),
     }

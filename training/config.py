@@ -14,7 +14,7 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from training.model import ModelConfig
 
@@ -77,6 +77,32 @@ class ParallelConfig:
     """A rank blocked this long in a collective (a peer died or hangs) fails instead of waiting forever."""
 
 
+CommMode = Literal["plain", "overlap", "prioritized"]
+CommBackendName = Literal["auto", "gloo", "nccl", "copy_engine"]
+
+
+@dataclass
+class CommConfig:
+    mode: CommMode = "prioritized"
+    """How the step's collectives run. ``plain``: TorchRec's blocking lookups and one
+    all-reduce after the backward (the baseline). ``overlap``: every collective is
+    asynchronous and waited for where its result is first needed -- the next batch's
+    ids move during this step, embedding gradients leave as soon as they are ready,
+    dense gradients are all-reduced in buckets during the backward. ``prioritized``:
+    ``overlap`` with the rows sent in ``priority_groups`` order, the encoder starting
+    once the first group is in, and the embedding gradients issued ahead of the last
+    dense bucket. All three compute the same numbers."""
+    backend: CommBackendName = "auto"
+    """Transport of the exchange and the dense sync: gloo (CPU), nccl (CUDA SM kernels),
+    copy_engine (CUDA copy engines, SM-free); auto = nccl on CUDA, else gloo."""
+    priority_groups: str = "item,user;negative"
+    """Exchange groups in priority order, ``;`` between groups and ``,`` between features:
+    ``item`` (history items), ``negative`` (sampled negatives), a user feature's name, or
+    ``user`` for every user feature. Features not named join the last group."""
+    bucket_kb: int = 256
+    """Dense gradients per all-reduce bucket (KiB)."""
+
+
 @dataclass
 class CheckpointConfig:
     folder: str = ""
@@ -105,6 +131,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -129,6 +156,11 @@ def _apply(obj: Any, values: dict[str, Any], where: str) -> None:
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
+    if typing.get_origin(hint) is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, allowed))}")
+        return value
     target = hint if isinstance(hint, type) else None
     if target is None:  # e.g. `int | None`: take the first concrete type
         args = [a for a in typing.get_args(hint) if a is not type(None)]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,13 @@ class ModelConfig:
     """Item table rows start uniform in ``[-scale, scale]``. Set explicitly because
     TorchRec's default, ``sqrt(1 / num_embeddings)``, shrinks with the catalog and
     would let the rating embedding swamp item identity in large catalogs."""
+
+
+class ExchangedEmbeddings(Protocol):
+    """Rows looked up elsewhere (the comm layer's exchange): ``feature(name)`` is ``[n, D]``
+    for that feature's ids in batch order, waiting for them if they are still in flight."""
+
+    def feature(self, name: str) -> torch.Tensor: ...
 
 
 class _SparseBoundary(torch.autograd.Function):
@@ -296,6 +303,8 @@ class SequentialRecommender(nn.Module):
         full_softmax: bool = False,
         generator: torch.Generator | None = None,
         probe: Callable[..., None] | None = None,
+        negative_ids: torch.Tensor | None = None,
+        exchanged: ExchangedEmbeddings | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Next-item sampled-softmax loss over every position of every history.
 
@@ -312,31 +321,50 @@ class SequentialRecommender(nn.Module):
         the gradients that end the dense backward. The outputs pass one
         ``_SparseBoundary``, so no table's backward starts before all are in.
 
+        ``negative_ids`` (default: sampled here) are the uniform negatives. With
+        ``exchanged`` the rows come from the comm layer's overlapped exchange instead
+        of the table's blocking lookups: ``exchanged.feature(name)`` waits for that
+        feature's priority group only, so the encoder starts once the history items
+        and user features are in and the negatives are waited for at the loss.
+
         Returns ``(loss, stats)``; stats are detached scalar tensors (no host
         sync), so the trainer decides when to read or all-reduce them.
         """
         device = batch.item_ids.device
         if full_softmax:
             negative_ids = torch.arange(1, self.num_items + 1, device=device)
-        else:
+        elif negative_ids is None:
             negative_ids = self.sample_negatives(num_negatives, device, generator)
-        item_embeddings, negative_embeddings = self.lookup(batch.lengths, batch.item_ids, negative_ids)
-        user_embeddings = self.lookup_users(batch.user_features)
-        sparse_outputs = [item_embeddings, negative_embeddings]
-        if user_embeddings is not None:
-            sparse_outputs.append(user_embeddings)
-        if torch.is_grad_enabled():
-            sparse_outputs = list(_SparseBoundary.apply(*sparse_outputs))
-        if probe is not None:
-            probe(*sparse_outputs)
-        item_embeddings, negative_embeddings = sparse_outputs[:2]
-        user_vectors = self.user_vectors(sparse_outputs[2] if user_embeddings is not None else None)
+        if exchanged is None:
+            item_embeddings, negative_embeddings = self.lookup(batch.lengths, batch.item_ids, negative_ids)
+            user_embeddings = self.lookup_users(batch.user_features)
+            sparse_outputs = [item_embeddings, negative_embeddings]
+            if user_embeddings is not None:
+                sparse_outputs.append(user_embeddings)
+            if torch.is_grad_enabled():
+                sparse_outputs = list(_SparseBoundary.apply(*sparse_outputs))
+            if probe is not None:
+                probe(*sparse_outputs)
+            item_embeddings, negative_embeddings = sparse_outputs[:2]
+            user_embeddings = sparse_outputs[2] if user_embeddings is not None else None
+        else:
+            item_embeddings = exchanged.feature(ITEM_FEATURE)
+            user_embeddings = None
+            if self.user_feature_names:
+                user_embeddings = torch.cat([exchanged.feature(name) for name in self.user_feature_names], dim=1)
+            if probe is not None:
+                probe(*[t for t in (item_embeddings, user_embeddings) if t is not None])
+        user_vectors = self.user_vectors(user_embeddings)
 
         offsets = batch.offsets
         hidden = self._encode(item_embeddings, offsets, batch.timestamps, batch.ratings, user_vectors)
         query_rows, target_rows = next_item_positions(offsets)
         target_ids = batch.item_ids[target_rows]
         positive = F.normalize(item_embeddings[target_rows], dim=-1)
+        if exchanged is not None:  # the lowest-priority group: first needed here
+            negative_embeddings = exchanged.feature(NEGATIVE_FEATURE)
+            if probe is not None:
+                probe.watch(negative_embeddings)
         negatives = F.normalize(negative_embeddings, dim=-1)
         if self.config.in_batch_negatives and not full_softmax:
             # Unique, so a popular item is not counted several times in each partition function.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 import numpy as np
@@ -22,8 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from comm.clock import overlap_length
 from training import bubbles
 from training.batch import SequenceBatch
+from training.comm_layer import build_comm_layer
 from training.checkpoint import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
@@ -75,7 +78,11 @@ class Trainer:
         self.module = self.model.module
         dense = dense_parameters(self.model)
         broadcast_dense(dense)
-        self.sync_dense_grads = DenseGradSync(dense)
+        self.comm = build_comm_layer(config.comm, self.model, self.env, dense,
+                                     timedelta(seconds=config.parallel.collective_timeout_s))
+        self.sync_dense_grads = DenseGradSync(dense) if self.comm is None else None
+        self._next: tuple[SequenceBatch, torch.Tensor, Any] | None = None  # prefetched (batch, negatives, exchange)
+        self._dense_span: tuple[float, float, float] | None = None  # (start, end, thread CPU) of this step
         self.dense_optimizer = torch.optim.Adam(dense, lr=config.optimizer.dense_lr,
                                                 weight_decay=config.optimizer.weight_decay)
         # Negatives and dropout differ per rank but replay exactly on resume.
@@ -87,6 +94,25 @@ class Trainer:
         self.max_steps = config.training.max_steps or int(self.manifest["num_steps"])
         if config.checkpoint.resume:
             self.resume()
+        if self.env.rank == 0:
+            print(f"freescale train: {self.describe_comm()}", file=sys.stderr, flush=True)
+
+    def describe_comm(self) -> str:
+        """Which comm mode and transport actually run (logged once, and recorded as a run tag)."""
+        if self.comm is None:
+            return (f"comm mode plain: TorchRec's blocking lookups and one dense all-reduce after the backward, "
+                    f"over {self.env.backend}")
+        return self.comm.describe()
+
+    def negatives(self, step: int) -> torch.Tensor:
+        """Step ``step``'s uniform negatives on this rank: a function of (seed, rank, step) alone,
+        so every comm mode -- which may draw them a step early -- and a resumed run use the same."""
+        if self.config.loss.full_softmax:
+            return torch.arange(1, self.module.num_items + 1, device=self.env.device)
+        state = np.random.SeedSequence([self.config.training.seed, self.env.rank, step]).generate_state(2)
+        generator = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+        return self.module.sample_negatives(self.config.loss.num_negatives, torch.device("cpu"),
+                                            generator).to(self.env.device)
 
     def _open_shards(self) -> tuple[dict[str, Any], Any]:
         """Check the manifest and this rank's files on every rank, then agree.
@@ -163,7 +189,7 @@ class Trainer:
         start_wall = time.perf_counter()
         loss, stats = self.module(batch, self.config.loss.num_negatives,
                                   full_softmax=self.config.loss.full_softmax, generator=self.generator,
-                                  probe=probe)
+                                  probe=probe, negative_ids=self.negatives(self.step))
         local_targets = float(stats["num_targets"])
         if batch.step_targets > 0:
             # Sum of this rank's target losses over the step's mean targets per rank: the
@@ -185,12 +211,14 @@ class Trainer:
     def idle_step(self, timing: bubbles.StepTiming) -> None:
         """A rank the plan gave no samples this step still joins the step's collectives."""
         empty = torch.zeros(0, dtype=torch.int64, device=self.env.device)
-        negatives = self.module.sample_negatives(self.config.loss.num_negatives, self.env.device, self.generator)
         start = time.perf_counter()
-        items, negative_embeddings = self.module.lookup(empty, empty, negatives)
+        items, negative_embeddings = self.module.lookup(empty, empty, self.negatives(self.step))
+        # The user tables' lookup is a collective too: the busy ranks are in it.
+        users = self.module.lookup_users(empty.view(0, len(self.module.user_feature_names)))
         timing.sparse_forward_s = time.perf_counter() - start
         start = time.perf_counter()
-        (items.sum() * 0.0 + negative_embeddings.sum() * 0.0).backward()
+        zero = items.sum() * 0.0 + negative_embeddings.sum() * 0.0
+        (zero if users is None else zero + users.sum() * 0.0).backward()
         timing.sparse_backward_s = time.perf_counter() - start
         self._finish_step(timing)
 
@@ -203,29 +231,114 @@ class Trainer:
         self.dense_optimizer.zero_grad(set_to_none=True)
         timing.optimizer_s = time.perf_counter() - t
 
+    # ------------------------------------------------- overlapped (comm layer)
+
+    def _next_batch(self, timing: bubbles.StepTiming) -> SequenceBatch:
+        start = time.perf_counter()
+        try:
+            batch = next(self._iterator)
+        except StopIteration:  # past one pass over the shards: next epoch, same plan
+            self._iterator = iter(self.loader)
+            batch = next(self._iterator)
+        timing.data_wait_s += time.perf_counter() - start
+        return batch.to(self.env.device)
+
+    def _checkpoint_after(self, step: int) -> bool:
+        every = self.config.checkpoint.every_steps
+        return bool(self.checkpointer.enabled and every and (step + 1) % every == 0)
+
+    def _start_exchange(self, step: int, timing: bubbles.StepTiming) -> tuple[SequenceBatch, torch.Tensor, Any]:
+        batch = self._next_batch(timing)
+        negatives = self.negatives(step)
+        return batch, negatives, self.comm.start(batch, negatives)
+
+    def overlapped_step(self, timing: bubbles.StepTiming) -> None:
+        """One step with the comm layer: this step's ids left during the previous step; the
+        next step's leave during this one, except before a checkpoint or the last step (no
+        collective is in flight then, and the loader's saved position is exact)."""
+        batch, negatives, exchange = self._next or self._start_exchange(self.step, timing)
+        self._next = None
+        timing.samples, timing.cost = float(batch.batch_size), float(batch.cost)
+        start = time.perf_counter()
+        exchange.look_up()
+        looked_up = time.perf_counter()
+        if self.step + 1 < self.max_steps and not self._checkpoint_after(self.step):
+            self._next = self._start_exchange(self.step + 1, timing)
+        forward_start = time.perf_counter()
+        probe = bubbles.DenseSpanProbe()
+        self._dense_span = None
+        if batch.batch_size:
+            loss, stats = self.module(batch, self.config.loss.num_negatives,
+                                      full_softmax=self.config.loss.full_softmax, generator=self.generator,
+                                      probe=probe, negative_ids=negatives, exchanged=exchange)
+            local_targets = float(stats["num_targets"])
+            if batch.step_targets > 0:
+                loss = loss * (local_targets * self.env.world_size / batch.step_targets)
+            timing.sparse_forward_s = (looked_up - start) + (probe.start_wall - forward_start)
+            if self._next is not None:
+                self._next[2].send_ids()
+            loss.backward()
+            end_wall = probe.end_wall if probe.end_wall is not None else time.perf_counter()
+            end_cpu = probe.end_cpu if probe.end_cpu is not None else time.thread_time()
+            self._dense_span = (probe.start_wall, end_wall, end_cpu - probe.start_cpu)
+            timing.loss_sum = float(stats["loss"]) * local_targets
+            timing.targets = local_targets
+        else:
+            timing.sparse_forward_s = looked_up - start
+            if self._next is not None:
+                self._next[2].send_ids()
+        t = time.perf_counter()
+        exchange.finish_backward()
+        timing.sparse_backward_s = time.perf_counter() - t
+        t = time.perf_counter()
+        self.comm.dense_sync.finish()
+        timing.allreduce_s = time.perf_counter() - t
+        t = time.perf_counter()
+        self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        timing.optimizer_s = time.perf_counter() - t
+
+    def _record_comm(self, timing: bubbles.StepTiming, start: float, end: float) -> None:
+        """The step's collective timings; under overlap the dense span excludes the time its
+        thread waited on a collective inside it (the lowest-priority group at the loss)."""
+        if self.comm is None:  # every collective blocks: its phases are the communication
+            timing.comm_s = timing.exposed_comm_s = (timing.sparse_forward_s + timing.sparse_backward_s
+                                                     + timing.allreduce_s)
+            return
+        seen = self.comm.clock.close_step(start, end)
+        timing.comm_s, timing.exposed_comm_s = seen.comm_s, seen.exposed_comm_s
+        if self._dense_span is not None:
+            a, b, cpu = self._dense_span
+            waited = overlap_length(seen.waits, a, b)
+            timing.dense_compute_s = (b - a) - waited
+            timing.dense_compute_cpu_s = cpu
+            timing.dense_comm_overlap_s = max(0.0, overlap_length(seen.intervals, a, b) - waited)
+
+    # ------------------------------------------------------------ the loop
+
     def train(self) -> TrainResult:
         self.module.train()
-        iterator = iter(self.loader)
+        self._iterator = iter(self.loader)
         log_every = max(1, self.config.training.log_every)
         every = self.config.checkpoint.every_steps
         while self.step < self.max_steps:
             timing = bubbles.StepTiming()
             start = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:  # past one pass over the shards: next epoch, same plan
-                iterator = iter(self.loader)
-                batch = next(iterator)
-            timing.data_wait_s = time.perf_counter() - start
-            timing.samples, timing.cost = float(batch.batch_size), float(batch.cost)
-            self.train_step(batch.to(self.env.device), timing)
+            if self.comm is None:
+                batch = self._next_batch(timing)
+                timing.samples, timing.cost = float(batch.batch_size), float(batch.cost)
+                self.train_step(batch, timing)
+            else:
+                self.overlapped_step(timing)
             timing.step_s = time.perf_counter() - start
+            self._record_comm(timing, start, start + timing.step_s)
             gathered = self.meter.record(self.step, timing)
             self.step += 1
             if gathered is not None and self.env.rank == 0:
                 self._log_steps(gathered, self.meter.steps[-len(gathered):], log_every)
             if self.checkpointer.enabled and every and self.step % every == 0 and self.step < self.max_steps:
                 self.save()
+        assert self._next is None, "an exchange was left in flight past the last step"
         stop_prefetch(self.loader)
         tail = self.meter.flush()
         if tail is not None and self.env.rank == 0:

@@ -1,0 +1,84 @@
+"""The comm layer applied to the sharded model: which features the exchange carries, in which groups.
+
+    comm = build_comm_layer(config.comm, dmp_model, env, dense_params, timeout)   # None for plain
+    step = comm.start(batch, negatives)      # a step ahead: ids leave during the previous step
+    step.look_up()                           # rows come back, highest priority first
+    loss, _ = model(batch, negative_ids=negatives, exchanged=step)
+    loss.backward()                          # gradients leave as they become ready
+    step.finish_backward(); comm.dense_sync.finish()
+
+This is the only module that knows both the model's tables and the comm layer:
+the item table carries the ``item`` and ``negative`` features, each user feature
+has its own table, and all of them share one width.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+from comm.backend import BackendUnavailable, build_backend
+from comm.clock import CommClock
+from comm.dense_sync import BucketedGradSync
+from comm.exchange import EmbeddingExchange, ExchangedFeature, StepExchange, priority_groups
+from comm.routes import local_lookup, table_route
+from training.batch import FEATURE_KEYS, ITEM_FEATURE, NEGATIVE_FEATURE, SequenceBatch
+from training.config import CommConfig
+from training.distributed import DistEnv
+from training.model import ITEM_TABLE, USER_TABLE
+
+USER_ALIAS = "user"  # stands for every user feature in comm.priority_groups
+
+
+class CommLayer:
+    def __init__(self, config: CommConfig, model: nn.Module, env: DistEnv, dense: list[nn.Parameter],
+                 timeout: timedelta):
+        module = model.module
+        self.mode = config.mode
+        self.backend = build_backend(config.backend, timeout)
+        if self.backend.name == "gloo" and env.device.type != "cpu":
+            raise BackendUnavailable(f"comm.backend gloo moves CPU tensors; this run's device is {env.device}")
+        self.clock = CommClock()
+        # Groups are created collectively, in the same order on every rank.
+        self.embedding_group = self.backend.new_group("embedding", high_priority=True)
+        self.dense_group = self.backend.new_group("dense")
+        prioritized = config.mode == "prioritized"
+        self.dense_sync = BucketedGradSync(dense, self.backend, self.dense_group, self.clock, env.world_size,
+                                           bucket_bytes=config.bucket_kb * 1024, hold_last=prioritized)
+        item_route = table_route(module.embedding_collection, ITEM_TABLE)
+        features = [ExchangedFeature(name, item_route, 0) for name in FEATURE_KEYS]
+        lookups = [local_lookup(module.embedding_collection, pooled=False)]
+        self.user_feature_names = list(module.user_feature_names)
+        if module.user_embedding_collection is not None:
+            lookups.append(local_lookup(module.user_embedding_collection, pooled=True))
+            features += [ExchangedFeature(name, table_route(module.user_embedding_collection,
+                                                            USER_TABLE.format(index=i)), 1)
+                         for i, name in enumerate(self.user_feature_names)]
+        names = [f.name for f in features]
+        if prioritized:
+            groups = priority_groups(config.priority_groups, names, {USER_ALIAS: self.user_feature_names})
+        else:
+            groups = [names]
+        self.exchange = EmbeddingExchange(
+            features, lookups, groups, self.backend, self.embedding_group, self.clock, env.rank, env.world_size,
+            dim=module.config.hstu.embedding_dim, device=env.device,
+            on_gradients_issued=self.dense_sync.release if prioritized else None)
+
+    def describe(self) -> str:
+        groups = " > ".join(f"[{g}]" for g in self.exchange.group_names)
+        return f"comm mode {self.mode}, backend {self.backend.name}: {self.backend.path}; exchange groups {groups}"
+
+    def start(self, batch: SequenceBatch, negatives: torch.Tensor) -> StepExchange:
+        """Phase 1 of ``batch``'s exchange: its ids' counts leave now."""
+        ids = {ITEM_FEATURE: batch.item_ids, NEGATIVE_FEATURE: negatives}
+        for i, name in enumerate(self.user_feature_names):
+            ids[name] = batch.user_features[:, i] if batch.user_features is not None and batch.batch_size \
+                else torch.zeros(0, dtype=torch.int64, device=negatives.device)
+        return self.exchange.start(ids)
+
+
+def build_comm_layer(config: CommConfig, model: nn.Module, env: DistEnv, dense: list[nn.Parameter],
+                     timeout: timedelta) -> CommLayer | None:
+    """The overlapped comm layer, or None for ``plain`` (TorchRec's blocking step)."""
+    return None if config.mode == "plain" else CommLayer(config, model, env, dense, timeout)
