@@ -53,7 +53,7 @@ class EmbeddingExchange:
 
     def __init__(self, features: list[ExchangedFeature], lookups: list[LocalLookup], groups: list[list[str]],
                  backend: CollectiveBackend, group, clock: CommClock, rank: int, world_size: int, dim: int,
-                 device: torch.device = torch.device("cpu"),
+                 device: torch.device = torch.device("cpu"), gradient_divisor: int = 1,
                  on_gradients_issued: Callable[[], None] | None = None):
         self.features = features
         self.index = {f.name: i for i, f in enumerate(features)}
@@ -67,6 +67,9 @@ class EmbeddingExchange:
         self.group_names = [",".join(features[i].name for i in g) for g in self.groups]
         self.backend, self.group, self.clock = backend, group, clock
         self.rank, self.world_size, self.dim, self.device = rank, world_size, dim, device
+        # TorchRec divides embedding gradients by the world size on their way back (its
+        # "gradient division", on by default); the same here keeps the fused updates equal.
+        self.gradient_divisor = gradient_divisor
         self.on_gradients_issued = on_gradients_issued
 
     def start(self, ids: dict[str, torch.Tensor]) -> "StepExchange":
@@ -264,6 +267,8 @@ class StepExchange:
             grad = torch.zeros_like(self._rows)
             for g in range(len(self.x.groups)):
                 grad.index_copy_(0, self._send_index[g], self._grad_recv[g])
+            if self.x.gradient_divisor != 1:
+                grad.div_(self.x.gradient_divisor)
             torch.autograd.backward(self._rows, grad)
         self._features.clear()
         self._recv = self._grads = self._grad_recv = []

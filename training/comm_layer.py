@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import torch
 from torch import nn
+from torchrec.distributed.comm_ops import get_gradient_division
 
 from comm.backend import BackendUnavailable, build_backend
 from comm.clock import CommClock
@@ -63,6 +64,7 @@ class CommLayer:
         self.exchange = EmbeddingExchange(
             features, lookups, groups, self.backend, self.embedding_group, self.clock, env.rank, env.world_size,
             dim=module.config.hstu.embedding_dim, device=env.device,
+            gradient_divisor=env.world_size if get_gradient_division() else 1,
             on_gradients_issued=self.dense_sync.release if prioritized else None)
 
     def describe(self) -> str:
