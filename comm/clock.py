@@ -67,7 +67,9 @@ class CommClock:
         self._entries: list[_InFlight] = []
         self._waits: list[tuple[float, float]] = []
         self.issue_log: list[str] = []
-        """Names of every collective in the order this rank issued them."""
+        """Names of the collectives issued since the last ``close_step``, in issue order."""
+        self.step_issue_log: list[str] = []
+        """``issue_log`` of the step ``close_step`` last closed."""
 
     def track(self, name: str, work: Work) -> Tracked:
         entry = _InFlight(name, time.perf_counter())
@@ -98,6 +100,7 @@ class CommClock:
             self._entries = [e for e in self._entries if e.finished is None or e.finished > end]
             waits = [(max(a, start), min(b, end)) for a, b in self._waits]
             self._waits = []
+        self.step_issue_log, self.issue_log = self.issue_log, []
         intervals = [(a, b) for a, b in intervals if b > a]
         waits = [(a, b) for a, b in waits if b > a]
         return StepComm(comm_s=union_length(intervals), exposed_comm_s=sum(b - a for a, b in waits),

@@ -223,7 +223,8 @@ class CopyEngineBackend(CollectiveBackend):
         if self.zero_cta:
             return (f"copy_engine: {nccl} zero-CTA copy-engine all-to-all (ncclAlltoAll on symmetric-window "
                     f"buffers, rows padded to equal slots, slots packed/unpacked by cudaMemcpyAsync on a side "
-                    f"stream); {reduce}")
+                    f"stream; NCCL uses copy engines where it finds them eligible, NCCL_DEBUG=INFO logs "
+                    f"[Copy Engine]); {reduce}")
         return (f"copy_engine: peer copies into symmetric-memory buffers (cudaMemcpyAsync on a dedicated "
                 f"stream, two 1-block barrier kernels per all-to-all; NCCL zero-CTA path not used: needs "
                 f"{self._why}); {reduce}")

@@ -24,6 +24,11 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     try:
+        from comm.backend import BackendUnavailable
+        expected.append(BackendUnavailable)
+    except ImportError:
+        pass
+    try:
         from pyspark.errors import PySparkException
         expected.append(PySparkException)
     except ImportError:

@@ -21,8 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SUMMARY_METRICS = ("loss", "step_time_s", "samples_per_s", "bubble_fraction", "imbalance",
-                   "hr_at_10", "ndcg_at_10", "mrr")
+SUMMARY_METRICS = ("loss", "step_time_s", "samples_per_s", "bubble_fraction", "idle_fraction", "comm_s",
+                   "exposed_comm_s", "imbalance", "hr_at_10", "ndcg_at_10", "mrr")
 
 
 class MLflowSink:
@@ -63,7 +63,7 @@ class MLflowSink:
         self.mlflow.end_run()
 
 
-def build_sink(config, manifest: dict, rank: int):
+def build_sink(config, manifest: dict, rank: int, comm: str):
     from jobs.tracking import DISABLED, code_version, resolve_tracking_uri
     from training.config import to_flat_dict
 
@@ -75,7 +75,8 @@ def build_sink(config, manifest: dict, rank: int):
     tags = {"freescale.job": "train", "freescale.strategy": str(strategy),
             "freescale.world_size": str(manifest.get("world_size")),
             "freescale.data": str(Path(config.data.shards).resolve()),
-            "freescale.code_version": code_version()}
+            "freescale.code_version": code_version(), "freescale.comm_mode": config.comm.mode,
+            "freescale.comm_path": comm}
     return MLflowSink(uri, config.tracking.experiment, run_name, to_flat_dict(config), tags)
 
 
@@ -94,7 +95,7 @@ def train(argv: list[str]) -> int:
         from pipeline.errors import InputError
         raise InputError("no shard directory: set data.shards in the config or pass --data.shards DIR")
     trainer = Trainer(config)
-    sink = build_sink(config, trainer.manifest, trainer.env.rank)
+    sink = build_sink(config, trainer.manifest, trainer.env.rank, trainer.describe_comm())
     if sink is not None:
         trainer.sink = sink
     result = trainer.train()
@@ -104,7 +105,8 @@ def train(argv: list[str]) -> int:
         print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
         if args.summary_json:
             Path(args.summary_json).write_text(json.dumps(
-                {"summary": summary, "losses": result.losses, "steps": result.steps}, indent=2))
+                {"summary": summary, "losses": result.losses, "steps": result.steps,
+                 "comm": trainer.describe_comm(), "comm_issue_order": result.comm_issue_order}, indent=2))
         if sink is not None:
             from training.bubble_plot import plot_rank_timelines
 
@@ -139,6 +141,8 @@ def launch(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     parser.add_argument("--run-name", help="MLflow run name")
     parser.add_argument("--summary-json", help="write the run summary (and per-step losses) here")
+    parser.add_argument("--comm-mode", choices=("plain", "overlap", "prioritized"),
+                        help="how the step's collectives run (default: the config's comm.mode, prioritized)")
     args, overrides = parser.parse_known_args(argv)
     nproc = args.nproc_per_node
     if nproc is None:
@@ -156,6 +160,8 @@ def launch(argv: list[str] | None = None) -> int:
         cmd += ["--tracking.run_name", args.run_name]
     if args.summary_json:
         cmd += ["--summary-json", args.summary_json]
+    if args.comm_mode:
+        cmd += ["--comm.mode", args.comm_mode]
     cmd += overrides
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(cmd, env=env)

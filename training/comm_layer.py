@@ -25,7 +25,7 @@ from comm.dense_sync import BucketedGradSync
 from comm.exchange import EmbeddingExchange, ExchangedFeature, StepExchange, priority_groups
 from comm.routes import local_lookup, table_route
 from training.batch import FEATURE_KEYS, ITEM_FEATURE, NEGATIVE_FEATURE, SequenceBatch
-from training.config import CommConfig
+from training.config import CommConfig, ConfigError
 from training.distributed import DistEnv
 from training.model import ITEM_TABLE, USER_TABLE
 
@@ -37,16 +37,9 @@ class CommLayer:
                  timeout: timedelta):
         module = model.module
         self.mode = config.mode
-        self.backend = build_backend(config.backend, timeout)
-        if self.backend.name == "gloo" and env.device.type != "cpu":
-            raise BackendUnavailable(f"comm.backend gloo moves CPU tensors; this run's device is {env.device}")
-        self.clock = CommClock()
-        # Groups are created collectively, in the same order on every rank.
-        self.embedding_group = self.backend.new_group("embedding", high_priority=True)
-        self.dense_group = self.backend.new_group("dense")
         prioritized = config.mode == "prioritized"
-        self.dense_sync = BucketedGradSync(dense, self.backend, self.dense_group, self.clock, env.world_size,
-                                           bucket_bytes=config.bucket_kb * 1024, hold_last=prioritized)
+        # Everything checkable is checked before the first collective (creating groups), so
+        # a bad setting stops every rank with its one line instead of leaving peers waiting.
         item_route = table_route(module.embedding_collection, ITEM_TABLE)
         features = [ExchangedFeature(name, item_route, 0) for name in FEATURE_KEYS]
         lookups = [local_lookup(module.embedding_collection, pooled=False)]
@@ -58,9 +51,21 @@ class CommLayer:
                          for i, name in enumerate(self.user_feature_names)]
         names = [f.name for f in features]
         if prioritized:
-            groups = priority_groups(config.priority_groups, names, {USER_ALIAS: self.user_feature_names})
+            try:
+                groups = priority_groups(config.priority_groups, names, {USER_ALIAS: self.user_feature_names})
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         else:
             groups = [names]
+        self.backend = build_backend(config.backend, timeout)
+        if self.backend.name == "gloo" and env.device.type != "cpu":
+            raise BackendUnavailable(f"comm.backend gloo moves CPU tensors; this run's device is {env.device}")
+        self.clock = CommClock()
+        # Groups are created collectively, in the same order on every rank.
+        self.embedding_group = self.backend.new_group("embedding", high_priority=True)
+        self.dense_group = self.backend.new_group("dense")
+        self.dense_sync = BucketedGradSync(dense, self.backend, self.dense_group, self.clock, env.world_size,
+                                           bucket_bytes=config.bucket_kb * 1024, hold_last=prioritized)
         self.exchange = EmbeddingExchange(
             features, lookups, groups, self.backend, self.embedding_group, self.clock, env.rank, env.world_size,
             dim=module.config.hstu.embedding_dim, device=env.device,

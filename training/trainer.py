@@ -62,6 +62,9 @@ class TrainResult:
     losses: list[float]
     """Global loss per step (targets-weighted over all ranks)."""
     manifest: dict[str, Any] = field(default_factory=dict)
+    comm_issue_order: list[str] = field(default_factory=list)
+    """Rank 0's collectives of one steady-state step (the second), in the order issued
+    (empty in plain mode, whose collectives TorchRec issues)."""
 
 
 class Trainer:
@@ -332,6 +335,8 @@ class Trainer:
                 self.overlapped_step(timing)
             timing.step_s = time.perf_counter() - start
             self._record_comm(timing, start, start + timing.step_s)
+            if self.comm is not None and self.step == 1:
+                self.comm_issue_order = list(self.comm.clock.step_issue_log)
             gathered = self.meter.record(self.step, timing)
             self.step += 1
             if gathered is not None and self.env.rank == 0:
@@ -352,24 +357,32 @@ class Trainer:
         total_time = float(bubbles.column(table, "step_s").max(axis=1).sum())
         summary["samples_per_s"] = float(bubbles.column(table, "samples").sum()) / total_time if total_time else 0.0
         summary.update(self.evaluate())
-        return TrainResult(summary, table, list(self.meter.steps), list(losses), self.manifest)
+        return TrainResult(summary, table, list(self.meter.steps), list(losses), self.manifest,
+                           getattr(self, "comm_issue_order", []))
 
     def _log_steps(self, gathered: np.ndarray, steps: list[int], log_every: int) -> None:
         losses = step_losses(gathered)
         compute = bubbles.column(gathered, "dense_compute_s")
+        comm = bubbles.column(gathered, "comm_s")
+        exposed = bubbles.column(gathered, "exposed_comm_s")
         step_time = bubbles.column(gathered, "step_s").max(axis=1)
         fractions = bubbles.step_bubble_fractions(compute, step_time)
         for i, step in enumerate(steps):
             # "step/" keeps per-step series apart from the run summary's fixed names.
             metrics = {"step/loss": float(losses[i]), "step/time_s": float(step_time[i]),
-                       "step/bubble_fraction": float(fractions[i])}
+                       "step/bubble_fraction": float(fractions[i]),
+                       "step/exposed_comm_s": float(exposed[i].max()),
+                       "step/overlap_fraction": bubbles.overlap_fraction(comm[i], exposed[i])}
             if self.env.world_size <= 16:
                 for r in range(self.env.world_size):
                     metrics[f"step/compute_s.rank{r}"] = float(compute[i, r])
+                    metrics[f"step/comm_s.rank{r}"] = float(comm[i, r])
+                    metrics[f"step/exposed_comm_s.rank{r}"] = float(exposed[i, r])
             self.sink.log_step(step, metrics)
             if step % log_every == 0 or step == self.max_steps - 1:
                 print(f"step {step:5d}  loss {losses[i]:.4f}  step {step_time[i] * 1e3:7.1f} ms  "
-                      f"bubble {fractions[i]:6.1%}", flush=True)
+                      f"bubble {fractions[i]:6.1%}  exposed comm {exposed[i].max() * 1e3:6.1f} ms "
+                      f"of {comm[i].max() * 1e3:6.1f} ms", flush=True)
 
     # ------------------------------------------------------------- evaluation
 
