@@ -83,6 +83,7 @@ def build_sink(config, manifest: dict, rank: int, comm: str):
 def train(argv: list[str]) -> int:
     import torch.distributed as dist
 
+    from training.bubbles import TIMING_FIELDS
     from training.config import load_config
     from training.trainer import Trainer
 
@@ -106,7 +107,9 @@ def train(argv: list[str]) -> int:
         if args.summary_json:
             Path(args.summary_json).write_text(json.dumps(
                 {"summary": summary, "losses": result.losses, "steps": result.steps,
-                 "comm": trainer.describe_comm(), "comm_issue_order": result.comm_issue_order}, indent=2))
+                 "comm": trainer.describe_comm(), "comm_issue_order": result.comm_issue_order,
+                 "timings": {"fields": list(TIMING_FIELDS), "steps_ranks_fields": result.timings.tolist()}},
+                indent=1))
         if sink is not None:
             from training.bubble_plot import plot_rank_timelines
 

@@ -41,7 +41,7 @@ def test_exact_resume_matches_uninterrupted_run(movielens_shards, tmp_path, shar
     the other rank restores tensors it holds no shard of."""
     manifest = json.loads((movielens_shards / "manifest.json").read_text())
     assert [f["name"] for f in manifest["user_features"]] == ["age", "gender", "occupation", "zip_code"]
-    sharding_args = ("--parallel.sharding", sharding)
+    sharding_args = ("--parallel.sharding", sharding, "--comm-mode", "prioritized")
     whole = freescale_train(movielens_shards, "--max-steps", "6", *small_run_args(tmp_path, "whole", *sharding_args))
     assert whole.returncode == 0, whole.stderr[-3000:]
     ckpt = tmp_path / "ckpt"
@@ -212,7 +212,7 @@ def rank_process(rank: int, marker: str, timeout: float = 120) -> int:
 
 def start_long_run(shards: Path, tmp_path: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "2",
-           "--max-steps", "100000", *small_run_args(tmp_path, "long"), *extra]
+           "--max-steps", "100000", "--comm-mode", "prioritized", *small_run_args(tmp_path, "long"), *extra]
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

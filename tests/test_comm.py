@@ -1,0 +1,247 @@
+"""The comm layer: its clock, routes, priority groups and bucketed dense sync, and on 2 gloo
+ranks the overlapped modes computing exactly what the plain step computes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import comm.clock as clock_module
+from comm.backend import BackendUnavailable, build_backend
+from comm.clock import CommClock, overlap_length, union_length
+from comm.dense_sync import BucketedGradSync
+from comm.exchange import priority_groups
+from comm.routes import TableRoute
+from tests.test_train import error_lines, freescale_train, small_run_args
+
+MODES = ("plain", "overlap", "prioritized")
+
+
+class FakeWork:
+    """A transfer that finishes when the test says so (or when waited on, at a given time)."""
+
+    def __init__(self, now: list[float], done_at: float | None = None):
+        self.now, self.done_at = now, done_at
+        self.callbacks: list = []
+        self.done = False
+
+    def complete(self) -> None:
+        self.done = True
+        for fn in self.callbacks:
+            fn()
+
+    def wait(self) -> None:
+        if not self.done:
+            self.now[0] = max(self.now[0], self.done_at)
+            self.complete()
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def on_complete(self, fn) -> None:
+        self.callbacks.append(fn)
+        if self.done:
+            fn()
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(clock_module.time, "perf_counter", lambda: now[0])
+    return now
+
+
+def test_union_and_overlap_lengths_hand_computed():
+    intervals = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]
+    assert union_length(intervals) == 3.0
+    assert union_length([]) == 0.0
+    assert overlap_length(intervals, 1.5, 3.5) == 1.0  # [1.5, 2] and [3, 3.5]
+    assert overlap_length(intervals, 2.0, 3.0) == 0.0
+
+
+def test_clock_reports_in_flight_union_and_exposed_waits(fake_time):
+    clock = CommClock()
+    a = FakeWork(fake_time)
+    clock.track("a", a)                        # in flight 0 .. 2
+    fake_time[0] = 1.0
+    b = FakeWork(fake_time, done_at=5.0)
+    tracked_b = clock.track("b", b)            # in flight 1 .. 5, waited 3 .. 5
+    fake_time[0] = 2.0
+    a.complete()
+    fake_time[0] = 3.0
+    tracked_b.wait()
+    fake_time[0] = 5.5
+    c = FakeWork(fake_time)
+    clock.track("c", c)                        # still in flight when the step ends at 6
+    seen = clock.close_step(0.0, 6.0)
+    assert seen.comm_s == pytest.approx(5.5)   # [0, 5] and [5.5, 6]
+    assert seen.exposed_comm_s == pytest.approx(2.0)
+    assert seen.waits == [(3.0, 5.0)]
+    assert clock.step_issue_log == ["a", "b", "c"]
+    fake_time[0] = 7.0
+    c.complete()
+    seen = clock.close_step(6.0, 8.0)          # c carries over: 6 .. 7
+    assert seen.comm_s == pytest.approx(1.0)
+    assert seen.exposed_comm_s == 0.0
+    assert clock.step_issue_log == []
+
+
+def test_wait_on_a_transfer_finished_in_an_earlier_step_stays_inside_comm(fake_time):
+    clock = CommClock()
+    work = FakeWork(fake_time)
+    tracked = clock.track("x", work)
+    fake_time[0] = 1.0
+    work.complete()
+    clock.close_step(0.0, 2.0)
+    fake_time[0] = 3.0
+    tracked.wait()                             # returns at once, at 3
+    seen = clock.close_step(2.0, 4.0)
+    assert 0.0 <= seen.exposed_comm_s <= seen.comm_s
+
+
+def test_table_route_owner_and_local_row():
+    route = TableRoute(starts=torch.tensor([0, 26]), ranks=torch.tensor([0, 1]))
+    owner, local = route.owners(torch.tensor([0, 25, 26, 50]))
+    assert owner.tolist() == [0, 0, 1, 1]
+    assert local.tolist() == [0, 25, 0, 24]
+    table_wise = TableRoute(starts=torch.tensor([0]), ranks=torch.tensor([1]))
+    owner, local = table_wise.owners(torch.tensor([3, 0, 9]))
+    assert owner.tolist() == [1, 1, 1] and local.tolist() == [3, 0, 9]
+
+
+def test_priority_groups_parse_aliases_and_leftovers():
+    features = ["item", "negative", "age", "zip"]
+    assert priority_groups("item,user;negative", features, {"user": ["age", "zip"]}) == \
+        [["item", "age", "zip"], ["negative"]]
+    # Unnamed features join the last group; an empty alias is allowed (no user features).
+    assert priority_groups("item;negative", features, {"user": []}) == [["item"], ["negative", "age", "zip"]]
+    assert priority_groups("item,user", ["item", "negative"], {"user": []}) == [["item", "negative"]]
+    with pytest.raises(ValueError, match="'bogus' is not a feature"):
+        priority_groups("item;bogus", features)
+    with pytest.raises(ValueError, match="'item' is in two groups"):
+        priority_groups("item;item", features)
+
+
+class RecordingBackend:
+    """World of one: all-reduce is the identity; records what was issued, in order."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.issued: list[int] = []
+
+    def all_reduce(self, tensor, group):
+        self.issued.append(tensor.numel())
+        work = FakeWork([0.0])
+        work.complete()
+        return work
+
+
+def test_dense_buckets_go_in_order_whatever_order_gradients_arrive():
+    params = [nn.Parameter(torch.ones(n)) for n in (1, 2, 3, 4)]
+    backend = RecordingBackend()
+    sync = BucketedGradSync(params, backend, None, CommClock(), world_size=1, bucket_bytes=1, hold_last=True)
+    # One parameter per bucket, in reverse registration order: sizes 4, 3, 2, 1.
+    assert [b.params[0].numel() for b in sync.buckets] == [4, 3, 2, 1]
+    for p in params:
+        p.grad = torch.full_like(p, float(p.numel()))
+    sync._grad_ready(params[1])                # bucket 2 first: nothing may go before 0 and 1
+    assert backend.issued == []
+    sync._grad_ready(params[3])
+    assert backend.issued == [4]
+    sync._grad_ready(params[2])
+    assert backend.issued == [4, 3, 2]
+    sync._grad_ready(params[0])                # the last bucket is held back ...
+    assert backend.issued == [4, 3, 2]
+    sync.release()                             # ... until the embedding gradients are out
+    assert backend.issued == [4, 3, 2, 1]
+    sync.finish()
+    assert [p.grad.tolist() for p in params] == [[1.0], [2.0, 2.0], [3.0] * 3, [4.0] * 4]
+    sync.remove_hooks()
+
+
+def test_dense_sync_issues_zeros_for_gradients_the_backward_did_not_produce():
+    used, unused = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    backend = RecordingBackend()
+    sync = BucketedGradSync([used, unused], backend, None, CommClock(), world_size=1, bucket_bytes=1)
+    (used * 2.0).sum().backward()              # the hook issues bucket 1 only after bucket 0 (unused)
+    assert backend.issued == []
+    sync.finish()
+    assert backend.issued == [3, 2]
+    assert unused.grad.tolist() == [0.0, 0.0, 0.0] and used.grad.tolist() == [2.0, 2.0]
+    sync.remove_hooks()
+
+
+@pytest.mark.parametrize("name", ["nccl", "copy_engine", "infiniband"])
+def test_unavailable_backend_is_one_line(name):
+    if name != "infiniband" and torch.cuda.is_available():
+        pytest.skip("a CUDA machine has these backends")
+    from datetime import timedelta
+
+    with pytest.raises(BackendUnavailable) as info:
+        build_backend(name, timedelta(seconds=10))
+    assert "\n" not in str(info.value) and name in str(info.value)
+
+
+# ------------------------------------------------------------- 2 gloo ranks
+
+
+def _column(log: dict, name: str) -> np.ndarray:
+    table = np.array(log["timings"]["steps_ranks_fields"])
+    return table[..., log["timings"]["fields"].index(name)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
+def test_overlapped_modes_compute_what_plain_computes(movielens_shards, tmp_path, sharding):
+    """20 steps of each mode on the same shards and seed, with user features: the losses
+    agree step for step, the measured times nest, and the collectives go out in priority order."""
+    logs = {}
+    for mode in MODES:
+        run = freescale_train(movielens_shards, "--max-steps", "20", "--comm-mode", mode,
+                              *small_run_args(tmp_path, mode, "--parallel.sharding", sharding,
+                                              "--training.eval_max_samples", "64"))
+        assert run.returncode == 0, run.stderr[-3000:]
+        logs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+        assert logs[mode]["comm"].startswith(f"comm mode {mode}")
+    plain = logs["plain"]["losses"]
+    assert len(plain) == 20
+    for mode in ("overlap", "prioritized"):
+        assert len(logs[mode]["losses"]) == 20
+        assert max(abs(a - b) for a, b in zip(plain, logs[mode]["losses"])) <= 1e-6, (mode, plain,
+                                                                                      logs[mode]["losses"])
+    for mode, log in logs.items():
+        comm, exposed, step = (_column(log, name) for name in ("comm_s", "exposed_comm_s", "step_s"))
+        assert (exposed >= 0).all() and (exposed <= comm).all() and (comm <= step).all(), mode
+        if mode == "plain":
+            assert (exposed == comm).all()
+        else:  # collectives were in flight while the thread computed
+            assert exposed.sum() < comm.sum()
+            assert log["summary"]["overlap_fraction"] > 0
+    order = logs["prioritized"]["comm_issue_order"]
+    first, last = "embeddings[item,age,gender,occupation,zip_code]", "embeddings[negative]"
+    assert order.index(first) < order.index(last)
+    # The next step's ids leave during this step, before its gradients come back.
+    assert order.index("ids_counts") < order.index("ids") < order.index("embedding_grads[negative]")
+    # Gradients go back lowest priority first, and ahead of the last dense bucket.
+    grads = order.index("embedding_grads[item,age,gender,occupation,zip_code]")
+    assert order.index("embedding_grads[negative]") < grads
+    dense = [i for i, name in enumerate(order) if name.startswith("dense_allreduce")]
+    assert dense and grads < dense[-1]
+    assert "embeddings[item,negative,age,gender,occupation,zip_code]" in logs["overlap"]["comm_issue_order"]
+    assert logs["plain"]["comm_issue_order"] == []
+
+
+@pytest.mark.slow
+def test_copy_engine_backend_without_a_gpu_is_one_line_on_every_rank(movielens_shards, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    run = freescale_train(movielens_shards, "--max-steps", "2", "--comm.backend", "copy_engine",
+                          *small_run_args(tmp_path, "ce"))
+    assert run.returncode != 0
+    lines = error_lines(run)
+    assert len(lines) == 2 and all("comm.backend copy_engine needs CUDA" in line for line in lines), lines
+    assert "Traceback" not in run.stderr
