@@ -80,10 +80,10 @@ def build_shards(work: Path, args: argparse.Namespace) -> dict[str, Path]:
     return {name: out for name, (_, out) in shards.items()}
 
 
-def train(shards: Path, steps: int, seed: int, out: Path, args: argparse.Namespace) -> dict:
+def train(shards: Path, steps: int, seed: int, out: Path, args: argparse.Namespace, *extra: str) -> dict:
     run(freescale("train", "--shards", str(shards), "--nproc-per-node", "2", "--max-steps", str(steps),
                   "--tracking-uri", args.tracking_uri, "--run-name", out.stem, "--summary-json", str(out),
-                  "--training.seed", str(seed), "--training.log_every", "1000"), out.with_suffix(".log"))
+                  "--training.seed", str(seed), "--training.log_every", "1000", *extra), out.with_suffix(".log"))
     return json.loads(out.read_text())["summary"]
 
 
@@ -102,6 +102,8 @@ def main() -> None:
                         help="train with MovieLens user features (default on)")
     parser.add_argument("--user-feature-cols", default="age,gender,occupation,zip_code",
                         help="which columns of users.parquet (default: all four)")
+    parser.add_argument("--comm-mode", default="plain", choices=("plain", "overlap", "prioritized"),
+                        help="comm mode of every run (default plain: the straggler bubble alone)")
     parser.add_argument("--workdir", default="out/bubble-bench")
     parser.add_argument("--tracking-uri", default="none", help="MLflow URI for the runs (default: none)")
     parser.add_argument("--report-only", action="store_true",
@@ -121,7 +123,8 @@ def main() -> None:
         steps = args.epochs * json.loads((shards["balanced"] / "manifest.json").read_text())["num_steps"]
         for rep in range(args.repeats):
             for variant in VARIANTS:
-                summary = train(shards[variant], steps, rep, work / f"{variant}-{rep}.json", args)
+                summary = train(shards[variant], steps, rep, work / f"{variant}-{rep}.json", args,
+                                "--comm-mode", args.comm_mode)
                 results[variant].append(summary)
                 print(f"repeat {rep} {variant:10s} bubble {summary['bubble_fraction']:.4f} "
                       f"(cpu {summary['bubble_fraction_cpu']:.4f})  step {summary['step_time_s'] * 1e3:.1f} ms  "

@@ -157,11 +157,15 @@ def bubble_fraction(compute: np.ndarray, step_time: np.ndarray) -> float:
     return 0.0 if total <= 0 else float(rank_bubbles(compute).sum()) / total
 
 
-def idle_fraction(compute: np.ndarray, step_time: np.ndarray) -> float:
+def idle_fraction(compute: np.ndarray, step_time: np.ndarray, share: bool = False) -> float:
     """1 - mean dense compute / step time over ranks: the share of rank-time not spent
-    computing (straggler waits, exposed communication, data waits and the rest together)."""
+    computing (straggler waits, exposed communication, data waits and the rest together).
+    With ``share=True``, ``compute``'s own share of rank-time instead (e.g. exposed comm)."""
     total = compute.shape[1] * float(step_time.sum())
-    return 0.0 if total <= 0 else 1.0 - float(compute.sum()) / total
+    if total <= 0:
+        return 0.0
+    used = float(compute.sum()) / total
+    return used if share else 1.0 - used
 
 
 def overlap_fraction(comm: np.ndarray, exposed: np.ndarray) -> float:
@@ -200,5 +204,6 @@ def summarize(table: np.ndarray, skip_steps: int = 0) -> dict[str, float]:
         "overlap_fraction": overlap_fraction(column(table, "comm_s"), column(table, "exposed_comm_s")),
         "dense_comm_overlap_s": float(np.median(column(table, "dense_comm_overlap_s"))),
         "idle_fraction": idle_fraction(wall, step_time),
+        "exposed_comm_fraction": idle_fraction(column(table, "exposed_comm_s"), step_time, share=True),
         "measured_steps": float(len(table)),
     }
