@@ -1,14 +1,22 @@
-"""The trainer: each rank streams its balanced shard, the item table is sharded, bubbles are measured.
+"""The trainer: each rank streams its balanced shard, the tables are sharded, bubbles are measured.
 
     trainer = Trainer(config, sink)
     result = trainer.train()
 
-One step: next batch (timed as data wait) -> sharded embedding lookup (all-to-all)
--> dense HSTU forward + backward (the work the plan balanced; timed on the wall
-and thread CPU clocks between the lookup's return and the gradient reaching the
-lookup's output) -> sparse backward (all-to-all + fused optimizer) -> dense
-gradient all-reduce -> dense optimizer. Per-rank timings are all-gathered every
-`timing_sync_every` steps; rank 0 turns them into bubble fractions.
+A ``plain`` step (``comm.mode``): next batch (timed as data wait) -> sharded
+embedding lookup (TorchRec's blocking all-to-alls) -> dense HSTU forward + backward
+(the work the plan balanced; timed on the wall and thread CPU clocks between the
+lookup's return and the gradient reaching the lookup's output) -> sparse backward
+(all-to-all + fused optimizer) -> dense gradient all-reduce -> dense optimizer.
+
+An ``overlap`` / ``prioritized`` step (``overlapped_step``, the comm layer in
+``comm/``): this step's ids already left during the previous step; its rows come
+back in priority groups while the next step's ids leave; the dense span starts when
+the first group is in; gradients leave during the backward as they become ready
+(embedding groups and dense buckets); the step ends waiting for them, the fused
+update and the dense optimizer. Per-rank timings, communication included, are
+all-gathered every ``timing_sync_every`` steps; rank 0 turns them into bubble and
+idle fractions.
 """
 from __future__ import annotations
 
