@@ -91,23 +91,28 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser, workdir: str) -> None:
+    """The options every 2-rank MovieLens benchmark shares (shards, runs, reporting)."""
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=4, help="passes over the shards per run")
     parser.add_argument("--local-batch-size", type=int, default=16)
     parser.add_argument("--strategy", default="kk")
     parser.add_argument("--calibrate", action="store_true", help="cost model and rank speeds from freescale calibrate")
+    parser.add_argument("--workdir", default=workdir)
+    parser.add_argument("--tracking-uri", default="none", help="MLflow URI for the runs (default: none)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="print the tables from the summaries a finished run left in --workdir")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser, "out/bubble-bench")
     parser.add_argument("--user-features", action=argparse.BooleanOptionalAction, default=True,
                         help="train with MovieLens user features (default on)")
     parser.add_argument("--user-feature-cols", default="age,gender,occupation,zip_code",
                         help="which columns of users.parquet (default: all four)")
     parser.add_argument("--comm-mode", default="plain", choices=("plain", "overlap", "prioritized"),
                         help="comm mode of every run (default plain: the straggler bubble alone)")
-    parser.add_argument("--workdir", default="out/bubble-bench")
-    parser.add_argument("--tracking-uri", default="none", help="MLflow URI for the runs (default: none)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="print the tables from the summaries a finished run left in --workdir")
     args = parser.parse_args()
     work = (REPO / args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)

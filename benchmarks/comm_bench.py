@@ -56,15 +56,7 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=4, help="passes over the shards per run")
-    parser.add_argument("--local-batch-size", type=int, default=16)
-    parser.add_argument("--strategy", default="kk")
-    parser.add_argument("--calibrate", action="store_true", help="cost model and rank speeds from freescale calibrate")
-    parser.add_argument("--workdir", default="out/comm-bench")
-    parser.add_argument("--tracking-uri", default="none", help="MLflow URI for the runs (default: none)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="print the tables from the summaries a finished run left in --workdir")
+    bubble_bench.add_run_arguments(parser, "out/comm-bench")
     args = parser.parse_args()
     # The bubble benchmark's shard builder reads these.
     args.user_features, args.user_feature_cols = True, "age,gender,occupation,zip_code"
