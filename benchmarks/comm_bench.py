@@ -3,9 +3,11 @@
 Same data (MovieLens-100K with its user features), same steps, same seed per repeat.
 The shards are the bubble benchmark's (`benchmarks/bubble_bench.py` builds them with
 the real jobs): `balanced` (kk, calibrated cost model when --calibrate) and
-`contiguous` (what every framework does). Runs alternate within each repeat
+`contiguous` (what every framework does), and `control` (--control mirror: both
+ranks get the same samples every step, so its bubble is this machine's noise
+floor). Runs alternate within each repeat
 
-    contiguous+plain, balanced+plain, balanced+overlap, balanced+prioritized, ...
+    contiguous+plain, balanced+plain, balanced+overlap, balanced+prioritized, control+prioritized, ...
 
 so drift in machine load hits every variant alike. Every number is measured on the
 ranks: `exposed_comm_s` is the time a rank's compute thread waited on a collective,
@@ -37,7 +39,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bubble_bench  # noqa: E402  (the shards and the training runs are the bubble benchmark's)
 
-VARIANTS = (("contiguous", "plain"), ("balanced", "plain"), ("balanced", "overlap"), ("balanced", "prioritized"))
+VARIANTS = (("contiguous", "plain"), ("balanced", "plain"), ("balanced", "overlap"), ("balanced", "prioritized"),
+            ("control", "prioritized"))
 BASELINE = ("balanced", "plain")
 COMBINED = (("contiguous", "plain"), ("balanced", "prioritized"))
 
@@ -110,6 +113,12 @@ def main() -> None:
     print(f"| idle_fraction, {name(COMBINED[0])} -> {name(COMBINED[1])}: 90% less | "
           f"{med(before, 'idle_fraction'):.3f} -> {med(after, 'idle_fraction'):.3f} ({reduction:.1%} less) | "
           f"{'met' if reduction >= 0.9 else 'NOT met'} |")
+    idle_ms = [med(rows, "idle_fraction") * med(rows, "step_time_s") * 1e3 for rows in (before, after)]
+    print(f"| idle rank-time per step, same two | {idle_ms[0]:.1f} ms -> {idle_ms[1]:.1f} ms "
+          f"({1.0 - idle_ms[1] / idle_ms[0]:.1%} less) | - |")
+    floor = results[("control", "prioritized")]
+    print(f"| straggler bubble left vs the noise floor (control+prioritized) | "
+          f"{med(after, 'bubble_fraction'):.4f} vs {med(floor, 'bubble_fraction'):.4f} | - |")
 
     # Where the idle rank-time goes (shares of rank-time over all measured steps and ranks).
     print("\n| shards + comm mode | dense compute | idle | exposed comm (waits on a collective) | of which straggler "
