@@ -43,7 +43,12 @@ class Work(Protocol):
 
 
 class TorchWork:
-    """A ``torch.distributed`` work handle seen through :class:`Work`."""
+    """A ``torch.distributed`` work handle seen through :class:`Work`.
+
+    ``on_complete`` rides the work's future, which gloo completes when the transfer
+    has finished (from its worker thread). NCCL's future completes when the kernel is
+    enqueued, so the CUDA backends use their own work type for completion times.
+    """
 
     def __init__(self, work: dist.Work):
         self._work = work

@@ -94,6 +94,7 @@ class Trainer:
         self.sync_dense_grads = DenseGradSync(dense) if self.comm is None else None
         self._next: tuple[SequenceBatch, torch.Tensor, Any] | None = None  # prefetched (batch, negatives, exchange)
         self._dense_span: tuple[float, float, float] | None = None  # (start, end, thread CPU) of this step
+        self.comm_issue_order: list[str] = []
         self.dense_optimizer = torch.optim.Adam(dense, lr=config.optimizer.dense_lr,
                                                 weight_decay=config.optimizer.weight_decay)
         # Negatives and dropout differ per rank but replay exactly on resume.
@@ -366,7 +367,7 @@ class Trainer:
         summary["samples_per_s"] = float(bubbles.column(table, "samples").sum()) / total_time if total_time else 0.0
         summary.update(self.evaluate())
         return TrainResult(summary, table, list(self.meter.steps), list(losses), self.manifest,
-                           getattr(self, "comm_issue_order", []))
+                           self.comm_issue_order)
 
     def _log_steps(self, gathered: np.ndarray, steps: list[int], log_every: int) -> None:
         losses = step_losses(gathered)
