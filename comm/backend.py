@@ -26,11 +26,9 @@ from typing import Callable, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
+from comm.errors import BackendUnavailable
+
 BACKEND_NAMES = ("auto", "gloo", "nccl", "copy_engine")
-
-
-class BackendUnavailable(RuntimeError):
-    """The chosen comm backend cannot run here; the message is one line naming what is missing."""
 
 
 class Work(Protocol):

@@ -24,7 +24,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     try:
-        from comm.backend import BackendUnavailable
+        from comm.errors import BackendUnavailable
         expected.append(BackendUnavailable)
     except ImportError:
         pass
