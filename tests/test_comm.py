@@ -244,3 +244,16 @@ def test_copy_engine_backend_without_a_gpu_is_one_line_on_every_rank(movielens_s
     assert run.returncode != 0
     lines = error_lines(run)
     assert len(lines) == 2 and all("comm.backend copy_engine needs CUDA" in line for line in lines), lines
+
+
+def test_idle_and_overlap_fractions_hand_computed():
+    from training.bubbles import idle_fraction, overlap_fraction
+
+    compute = np.array([[6.0, 8.0], [4.0, 4.0]])   # [steps, ranks]
+    step_time = np.array([10.0, 5.0])               # rank-time 2 x 15 = 30, compute 22
+    assert idle_fraction(compute, step_time) == pytest.approx(8.0 / 30.0)
+    exposed = np.array([[1.0, 2.0], [0.0, 0.0]])
+    assert idle_fraction(exposed, step_time, share=True) == pytest.approx(3.0 / 30.0)
+    comm = np.array([[4.0, 4.0], [2.0, 2.0]])
+    assert overlap_fraction(comm, exposed) == pytest.approx(1.0 - 3.0 / 12.0)
+    assert overlap_fraction(np.zeros((1, 2)), np.zeros((1, 2))) == 0.0
