@@ -22,10 +22,10 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the project
 
 import numpy as np  # noqa: E402
 
+from balancing.types import STRATEGIES  # noqa: E402  (numpy only; OR-Tools loads when used)
 from jobs.job_errors import run_job  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 
-STRATEGIES = ("contiguous", "lpt", "kk", "ortools")
 CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")
 SHARD_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length", "cost",
@@ -118,6 +118,10 @@ def prepared_metadata(fs, input_uri: str) -> dict:
 
 
 def balance(args: argparse.Namespace) -> int:
+    # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
+    validate_args(args)
+    capacities = parse_capacities(args.capacities, args.world_size)
+
     from pyspark.sql import functions as F
 
     from jobs import shard_plan
@@ -128,8 +132,6 @@ def balance(args: argparse.Namespace) -> int:
     from pipeline.cost_model import CostModel, cost_column, default_cost_model
     from pipeline.session import build_spark_session
 
-    validate_args(args)
-    capacities = parse_capacities(args.capacities, args.world_size)
     model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
     started = time.perf_counter()
 

@@ -10,29 +10,19 @@ from pipeline.errors import InputError
 EXIT_BAD_INPUT = 2
 
 
+# Error classes that end a job with one line, by the module that defines them. A class
+# can only have been raised if its module is loaded, so only loaded modules are asked:
+# reporting a bad argument never imports torch, torchrec or pyspark just to name a class.
+_EXPECTED = (("balancing.types", "InfeasibleError"), ("training.config", "ConfigError"),
+             ("training.manifest_check", "ShardError"), ("comm.errors", "BackendUnavailable"),
+             ("pyspark.errors", "PySparkException"))
+
+
 def _expected_errors() -> tuple[type[BaseException], ...]:
     expected: list[type[BaseException]] = [InputError, FileExistsError, FileNotFoundError]
-    try:
-        from balancing import InfeasibleError
-        expected.append(InfeasibleError)
-    except ImportError:
-        pass
-    try:
-        from training.config import ConfigError
-        from training.manifest_check import ShardError
-        expected.extend([ConfigError, ShardError])
-    except ImportError:
-        pass
-    try:
-        from comm.errors import BackendUnavailable
-        expected.append(BackendUnavailable)
-    except ImportError:
-        pass
-    try:
-        from pyspark.errors import PySparkException
-        expected.append(PySparkException)
-    except ImportError:
-        pass
+    for module, name in _EXPECTED:
+        if module in sys.modules:
+            expected.append(getattr(sys.modules[module], name))
     return tuple(expected)
 
 

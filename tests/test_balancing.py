@@ -287,7 +287,7 @@ def test_partition_fields() -> None:
     part = partition(costs, 4, lengths=lengths)
     assert part.loads.dtype == np.float64 and part.loads.shape == (4,)
     assert part.counts.dtype == np.int64 and part.tokens.dtype == np.int64
-    assert part.strategy == "kk" and part.solve_time_s >= 0
+    assert part.strategy == "kk" and 0 < part.solve_time_s < 5  # timed, and not a stale or default value
     assert part.lower_bound == pytest.approx(max(costs.sum() / 4, costs.max()))
     assert part.gap == pytest.approx(part.makespan / part.lower_bound - 1)
     assert partition(costs, 4).tokens is None

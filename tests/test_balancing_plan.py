@@ -37,7 +37,7 @@ def test_plan_keeps_counts_and_reports_moves(strategy: str) -> None:
     expected = np.zeros((pl.num_steps, k))
     np.add.at(expected, (pl.step, pl.rank), costs)
     np.testing.assert_allclose(pl.loads, expected)
-    assert pl.strategy == strategy and pl.solve_time_s >= 0
+    assert pl.strategy == strategy and 0 < pl.solve_time_s < 60  # timed, and not a stale or default value
     assert 0.0 <= pl.lower_bound_bubble <= pl.bubble + 1e-12
 
 

@@ -248,3 +248,20 @@ def test_jobs_log_to_mlflow(prepared_ml, tmp_path):
     assert run.data.metrics["bubble"] == pytest.approx(manifest["stats"]["bubble"])
     assert run.data.metrics["leftover_samples"] == manifest["leftover"]["samples"]
     assert run.data.tags["freescale.job"] == "balance"
+
+
+def test_balance_argument_error_loads_neither_torch_nor_spark():
+    """A bad argument is reported before any heavy import (it took 13.8 s when the error
+    handling imported the trainer's config, and with it torch and torchrec)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from jobs import balance; "
+            "rc = balance.main(['--input', 'x', '--output', 'y', '--world-size', '0', '--local-batch-size', '4', "
+            "'--tracking-uri', 'none']); "
+            "print(rc, sorted(m for m in ('torch', 'torchrec', 'pyspark') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=120)
+    assert run.stdout.split("\n")[0] == "2 []", (run.stdout, run.stderr)
+    assert run.stderr.strip().splitlines() == ["freescale balance: error: --world-size must be a positive integer, got 0"]

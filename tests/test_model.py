@@ -275,10 +275,15 @@ def test_features_kjt_has_item_and_negative_keys() -> None:
 
 
 def test_batch_to_moves_every_tensor() -> None:
-    batch = random_batch([2, 2]).to("meta")
-    assert all(t.device.type == "meta" for t in (batch.lengths, batch.item_ids, batch.timestamps, batch.ratings,
-                                                  batch.valid_item, batch.test_item, batch.valid_timestamp,
-                                                  batch.test_timestamp))
+    """Every tensor field, optional ones included, whatever fields the batch gains."""
+    import dataclasses
+
+    source = dataclasses.replace(random_batch([2, 2], user_features=USER_FEATURES),
+                                 valid_rating=torch.tensor([3, 0]))
+    batch = source.to("meta")
+    tensors = [f.name for f in dataclasses.fields(batch) if isinstance(getattr(source, f.name), torch.Tensor)]
+    assert {"valid_rating", "user_features", "item_ids"} <= set(tensors)
+    assert all(getattr(batch, name).device.type == "meta" for name in tensors), tensors
     assert batch.user_ids == ["u0", "u1"]
 
 

@@ -34,7 +34,8 @@ class OptimizerConfig:
     dense_lr: float = 1e-3
     """Adam learning rate of the dense (replicated) parameters."""
     sparse_lr: float = 0.05
-    """Learning rate of the item table's optimizer, fused into its backward."""
+    """Learning rate of the embedding tables' optimizer (the item table and the user
+    feature tables), fused into their backward."""
     sparse_optimizer: str = "adagrad"
     """Fused sparse optimizer: adagrad (row-wise), sgd or adam."""
     weight_decay: float = 0.0
@@ -59,8 +60,6 @@ class TrainingConfig:
     """Print and record metrics every N steps."""
     timing_sync_every: int = 1
     """All-gather per-rank step timings every N steps (bubble measurement)."""
-    eval_batch_size: int = 256
-    """Samples per evaluation batch (leave-one-out targets, full-catalog ranking)."""
     eval_max_samples: int = 0
     """Evaluate at most this many samples per rank; 0 = all of the rank's shard."""
     threads: int = 0

@@ -56,8 +56,9 @@ from training.manifest_check import (
     verify_checksums,
 )
 
-# Columns the reader needs; the shard's remaining columns (cost, origin_step) are
-# planning diagnostics and are not read, so they cost no memory.
+# Columns the reader needs (cost: what the plan expected of the rank, for the
+# bubble report); the shard's other columns (origin_step) are planning diagnostics
+# and are not read, so they cost no memory.
 READ_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length",
                 "valid_item", "valid_timestamp", "valid_rating", "test_item", "test_timestamp", "step_targets", "cost")
 LIST_COLUMNS = ("items", "timestamps", "ratings")
