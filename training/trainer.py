@@ -91,7 +91,9 @@ class Trainer:
         broadcast_dense(dense)
         self.comm = build_comm_layer(config.comm, self.model, self.env, dense,
                                      timedelta(seconds=config.parallel.collective_timeout_s))
-        self.sync_dense_grads = DenseGradSync(dense) if self.comm is None else None
+        # Averages the dense gradients after the backward: one flat all-reduce (plain), or
+        # waiting for the buckets the backward already issued (comm layer).
+        self.sync_dense_grads = DenseGradSync(dense) if self.comm is None else self.comm.dense_sync.finish
         self._next: tuple[SequenceBatch, torch.Tensor, Any] | None = None  # prefetched (batch, negatives, exchange)
         self._dense_span: tuple[float, float, float] | None = None  # (start, end, thread CPU) of this step
         self.comm_issue_order: list[str] = []
@@ -203,10 +205,7 @@ class Trainer:
                                   full_softmax=self.config.loss.full_softmax, generator=self.generator,
                                   probe=probe, negative_ids=self.negatives(self.step))
         local_targets = float(stats["num_targets"])
-        if batch.step_targets > 0:
-            # Sum of this rank's target losses over the step's mean targets per rank: the
-            # ranks' gradients then average to the step's per-target mean whatever the plan.
-            loss = loss * (local_targets * self.env.world_size / batch.step_targets)
+        loss = self._rank_loss(loss, local_targets, batch)
         backward_start = time.perf_counter()
         loss.backward()
         backward_end = time.perf_counter()
@@ -233,6 +232,13 @@ class Trainer:
         (zero if users is None else zero + users.sum() * 0.0).backward()
         timing.sparse_backward_s = time.perf_counter() - start
         self._finish_step(timing)
+
+    def _rank_loss(self, loss: torch.Tensor, local_targets: float, batch: SequenceBatch) -> torch.Tensor:
+        """Sum of this rank's target losses over the step's mean targets per rank: the
+        ranks' gradients then average to the step's per-target mean whatever the plan."""
+        if batch.step_targets > 0:
+            return loss * (local_targets * self.env.world_size / batch.step_targets)
+        return loss
 
     def _finish_step(self, timing: bubbles.StepTiming) -> None:
         t = time.perf_counter()
@@ -284,8 +290,7 @@ class Trainer:
                                       full_softmax=self.config.loss.full_softmax, generator=self.generator,
                                       probe=probe, negative_ids=negatives, exchanged=exchange)
             local_targets = float(stats["num_targets"])
-            if batch.step_targets > 0:
-                loss = loss * (local_targets * self.env.world_size / batch.step_targets)
+            loss = self._rank_loss(loss, local_targets, batch)
             timing.sparse_forward_s = (looked_up - start) + (probe.start_wall - forward_start)
             if self._next is not None:
                 self._next[2].send_ids()
@@ -302,13 +307,7 @@ class Trainer:
         t = time.perf_counter()
         exchange.finish_backward()
         timing.sparse_backward_s = time.perf_counter() - t
-        t = time.perf_counter()
-        self.comm.dense_sync.finish()
-        timing.allreduce_s = time.perf_counter() - t
-        t = time.perf_counter()
-        self.dense_optimizer.step()
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        timing.optimizer_s = time.perf_counter() - t
+        self._finish_step(timing)
 
     def _record_comm(self, timing: bubbles.StepTiming, start: float, end: float) -> None:
         """The step's collective timings; under overlap the dense span excludes the time its
@@ -332,7 +331,6 @@ class Trainer:
         self.module.train()
         self._iterator = iter(self.loader)
         log_every = max(1, self.config.training.log_every)
-        every = self.config.checkpoint.every_steps
         while self.step < self.max_steps:
             timing = bubbles.StepTiming()
             start = time.perf_counter()
@@ -350,7 +348,7 @@ class Trainer:
             self.step += 1
             if gathered is not None and self.env.rank == 0:
                 self._log_steps(gathered, self.meter.steps[-len(gathered):], log_every)
-            if self.checkpointer.enabled and every and self.step % every == 0 and self.step < self.max_steps:
+            if self._checkpoint_after(self.step - 1) and self.step < self.max_steps:
                 self.save()
         assert self._next is None, "an exchange was left in flight past the last step"
         stop_prefetch(self.loader)
