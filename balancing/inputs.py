@@ -11,7 +11,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from balancing.types import STRATEGIES, InfeasibleError
+from balancing.types import InfeasibleError
 
 
 @dataclass(frozen=True)
@@ -93,12 +93,6 @@ def check_capacities(capacities: object, world_size: int) -> np.ndarray:
         i = int(np.argmax(bad))
         raise ValueError(f"capacities[{i}] = {float(cap[i])!r} must be finite and > 0")
     return cap / cap.mean()
-
-
-def check_strategy(strategy: object) -> str:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    return str(strategy)
 
 
 def check_time_limit(time_limit_s: object) -> float | None:

@@ -5,8 +5,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-STRATEGIES: tuple[str, ...] = ("contiguous", "lpt", "kk", "ortools")
-
 
 class InfeasibleError(ValueError):
     """The constraints (token cap, equal counts) admit no assignment, or the strategy found none.

@@ -17,11 +17,11 @@ from balancing.inputs import (
     check_costs,
     check_lengths,
     check_seed,
-    check_strategy,
     check_time_limit,
     check_positive_int,
 )
 from balancing.partition import partition
+from balancing.strategies import check_strategy
 from balancing.types import Plan
 
 # Swaps per window at most, per step in the window; the search usually stops far earlier, when no
