@@ -1,11 +1,16 @@
 """Trainer configuration: TOML, overrides, and errors that name the key."""
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
-from training.config import ConfigError, load_config, to_flat_dict
+from training.config import ConfigError, TrainConfig, load_config, to_flat_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,3 +51,84 @@ def test_bad_override():
         load_config(None, ["--training.seed"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent.toml")
+
+
+def test_config_module_loads_no_torch():
+    # Jobs read the config (and report its errors) before any rank starts: that must stay cheap.
+    code = ("import sys, training.config; "
+            "print(','.join(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torchrec', 'numpy'})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == ""
+
+
+# Every choice in the config, its allowed values, and a value that is not one of them.
+CHOICES = [
+    ("parallel.sharding", ("row_wise", "table_wise"), "rowwise"),
+    ("parallel.backend", ("auto", "gloo", "nccl"), "mpi"),
+    ("optimizer.sparse_optimizer", ("adagrad", "sgd", "adam"), "rowwise_adagrad"),
+    ("model.hstu.attention_normalization", ("sample_length", "max_seq_len"), "padded"),
+    ("comm.mode", ("plain", "overlap", "prioritized"), "async"),
+    ("comm.backend", ("auto", "gloo", "nccl", "copy_engine"), "mpi"),
+]
+
+
+def _toml(key: str, value: object) -> str:
+    *table, name = key.split(".")
+    return f"[{'.'.join(table)}]\n{name} = {value!r}\n".replace("'", '"')
+
+
+def _leaf_types(cls: type, prefix: str = "") -> dict[str, object]:
+    """`section.key -> annotated type` for every leaf of the config schema."""
+    leaves: dict[str, object] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            leaves.update(_leaf_types(hint, f"{prefix}{name}."))
+        else:
+            leaves[f"{prefix}{name}"] = hint
+    return leaves
+
+
+def test_every_string_choice_is_typed():
+    """Strings left free are paths, names and the priority-group spec; every other is a Literal."""
+    leaves = _leaf_types(TrainConfig)
+    assert {key for key, hint in leaves.items() if hint is str} == {
+        "data.shards", "comm.priority_groups", "checkpoint.folder", "tracking.uri", "tracking.experiment",
+        "tracking.run_name"}
+    literals = {key: typing.get_args(hint) for key, hint in leaves.items() if typing.get_origin(hint) is Literal}
+    assert literals == {key: allowed for key, allowed, _ in CHOICES}
+
+
+@pytest.mark.parametrize("key,allowed,bad", CHOICES)
+def test_each_choice_is_checked_at_load(tmp_path, key, allowed, bad):
+    expected = f"{key} must be one of {', '.join(map(repr, allowed))}, got {bad!r}"
+    path = tmp_path / "c.toml"
+    path.write_text(_toml(key, bad))
+    with pytest.raises(ConfigError) as from_file:
+        load_config(path)
+    assert str(from_file.value) == f"{path}: {expected}"
+    with pytest.raises(ConfigError) as from_override:
+        load_config(None, [f"--{key}", bad])
+    assert str(from_override.value) == f"command line: {expected}"
+    for good in allowed:  # every allowed value loads, from the file and overriding it
+        path.write_text(_toml(key, good))
+        config = load_config(path, [f"--{key}={allowed[0]}"])
+        assert to_flat_dict(load_config(path))[key] == good and to_flat_dict(config)[key] == allowed[0]
+
+
+def test_loaded_encoder_shape_is_checked_like_a_constructed_one(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model.hstu]\nnum_layers = 0\n")
+    with pytest.raises(ConfigError, match=r"^.*c\.toml: model\.hstu: num_layers must be >= 1, got 0$"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="command line: model.hstu: dropout must be in"):
+        load_config(None, ["--model.hstu.dropout", "1.5"])
+
+
+def test_implementations_are_keyed_by_the_choices():
+    from training.config import ShardingName, keyed_by
+
+    assert keyed_by(ShardingName, {"row_wise": 1, "table_wise": 2}) == {"row_wise": 1, "table_wise": 2}
+    with pytest.raises(TypeError, match="do not match"):
+        keyed_by(ShardingName, {"row_wise": 1})
+    with pytest.raises(TypeError, match="do not match"):
+        keyed_by(ShardingName, {"row_wise": 1, "table_wise": 2, "column_wise": 3})

@@ -1,5 +1,11 @@
 """Trainer configuration: typed dataclasses, loaded from TOML, overridden from the command line.
 
+Plain dataclasses that import nothing from the model (so jobs can read a config without
+loading torch). Every choice is a ``Literal`` checked when the config loads: a bad value
+stops the run with one line naming the key and the allowed values, before any rank starts
+work. Modules that map a choice to an implementation key their mapping by the Literal's
+values (``keyed_by`` checks at import that the two agree).
+
     [training]
     max_steps = 100
     [model.hstu]
@@ -16,7 +22,82 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from training.model import ModelConfig
+ShardingName = Literal["row_wise", "table_wise"]
+ParallelBackendName = Literal["auto", "gloo", "nccl"]
+SparseOptimizerName = Literal["adagrad", "sgd", "adam"]
+AttentionNormalization = Literal["sample_length", "max_seq_len"]
+CommMode = Literal["plain", "overlap", "prioritized"]
+CommBackendName = Literal["auto", "gloo", "nccl", "copy_engine"]
+
+
+@dataclass
+class HSTUConfig:
+    """Shape and regularisation of the HSTU encoder (``training.hstu``)."""
+
+    embedding_dim: int = 64
+    """Width ``D`` of the residual stream; also the item embedding width."""
+    num_layers: int = 2
+    """Number of stacked HSTU layers."""
+    num_heads: int = 2
+    """Attention heads per layer."""
+    attention_dim: int = 32
+    """Per-head width of Q and K."""
+    linear_dim: int = 32
+    """Per-head width of V and of the gate U."""
+    dropout: float = 0.1
+    """Dropout on the input embeddings and on each layer's gated attention output."""
+    max_seq_len: int = 1024
+    """Longest history the model is trained on; the position buckets span ``0..max_seq_len``."""
+    num_position_buckets: int = 64
+    """Buckets for relative positions ``i - j``; log-spaced so nearby positions stay distinct."""
+    num_time_buckets: int = 64
+    """Buckets for time gaps ``|t_i - t_j|`` in seconds; log-spaced from 1 s to ``max_time_gap_seconds``."""
+    use_rating_feature: bool = True
+    """Add a learned embedding of the rating (1..5; 0 = unknown contributes nothing) to each input position."""
+    max_time_gap_seconds: float = 4 * 365 * 86400.0
+    """Time gap that maps to the last time bucket; longer gaps share it."""
+    attention_normalization: AttentionNormalization = "sample_length"
+    """Divisor ``n`` of the attention weights: ``"sample_length"`` (the sample's own
+    length, as specified for FreeScale) or ``"max_seq_len"`` (a constant, as in the
+    reference implementation, which pads to the max length). LayerNorm after ``A V``
+    absorbs the scale up to its epsilon, so the choice rarely matters."""
+
+    attention_block_size: int = 128
+    """Query rows per attention block; bounds the working set of long samples
+    and lets the causal mask skip whole key blocks (see ``AttentionBlock``)."""
+
+    def __post_init__(self) -> None:
+        # Also run by load_config after a file or override changed the fields.
+        allowed = typing.get_args(AttentionNormalization)
+        if self.attention_normalization not in allowed:
+            raise ValueError(f"attention_normalization must be one of {allowed}, got {self.attention_normalization!r}")
+        for name in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim",
+                     "max_seq_len", "num_position_buckets", "num_time_buckets", "attention_block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class ModelConfig:
+    """Everything about the model that is not the encoder's shape (``training.model``)."""
+
+    hstu: HSTUConfig = field(default_factory=HSTUConfig)
+    """Encoder configuration; ``hstu.embedding_dim`` is also the item table width."""
+    temperature: float = 0.05
+    """Softmax temperature over cosine similarities (both sides are L2-normalised)."""
+    in_batch_negatives: bool = True
+    """Also use the batch's (unique) target items as negatives for every query."""
+    max_in_batch_negatives: int = 128
+    """At most this many in-batch negatives (a random subset of the unique targets; 0 = all).
+    Uncapped, the logits cost tokens x unique targets per rank, which grows with the
+    square of a rank's batch rather than per sample, so no per-sample cost model (and
+    no balancer) could follow it; capped, a rank's cost stays the sum of its samples'."""
+    embedding_init_scale: float = 0.05
+    """Item table rows start uniform in ``[-scale, scale]``. Set explicitly because
+    TorchRec's default, ``sqrt(1 / num_embeddings)``, shrinks with the catalog and
+    would let the rating embedding swamp item identity in large catalogs."""
 
 
 @dataclass
@@ -36,7 +117,7 @@ class OptimizerConfig:
     sparse_lr: float = 0.05
     """Learning rate of the embedding tables' optimizer (the item table and the user
     feature tables), fused into their backward."""
-    sparse_optimizer: str = "adagrad"
+    sparse_optimizer: SparseOptimizerName = "adagrad"
     """Fused sparse optimizer: adagrad (row-wise), sgd or adam."""
     weight_decay: float = 0.0
     """Dense weight decay."""
@@ -68,16 +149,12 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    backend: str = "auto"
-    """auto (nccl on CUDA, else gloo), gloo or nccl."""
-    sharding: str = "row_wise"
+    backend: ParallelBackendName = "auto"
+    """Process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl."""
+    sharding: ShardingName = "row_wise"
     """Item table sharding: row_wise or table_wise."""
     collective_timeout_s: float = 300.0
     """A rank blocked this long in a collective (a peer died or hangs) fails instead of waiting forever."""
-
-
-CommMode = Literal["plain", "overlap", "prioritized"]
-CommBackendName = Literal["auto", "gloo", "nccl", "copy_engine"]
 
 
 @dataclass
@@ -125,40 +202,72 @@ class TrackingConfig:
 @dataclass
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
+    """``[data]``: which shards to read and how."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """``[model]`` and ``[model.hstu]``: the recommender and its encoder."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """``[loss]``: negatives of the sampled softmax."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """``[optimizer]``: dense and fused sparse optimizers."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    """``[training]``: steps, seed, logging, evaluation."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """``[parallel]``: process group and table sharding."""
     comm: CommConfig = field(default_factory=CommConfig)
+    """``[comm]``: how the step's collectives run."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """``[checkpoint]``: where and how often to save, and whether to resume."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """``[tracking]``: the MLflow run."""
 
 
 class ConfigError(ValueError):
     """A config file or override that does not fit the schema; the message names the key."""
 
 
-def _apply(obj: Any, values: dict[str, Any], where: str) -> None:
+def keyed_by(choice: Any, mapping: dict[str, Any]) -> dict[str, Any]:
+    """`mapping` (choice -> implementation), checked at import to cover exactly the values of the
+    Literal `choice`: the config's check is then the only check, and the two lists cannot drift."""
+    allowed = typing.get_args(choice)
+    if set(mapping) != set(allowed):
+        raise TypeError(f"implementations {sorted(mapping)} do not match the config's choices {sorted(allowed)}")
+    return mapping
+
+
+def _apply(obj: Any, values: dict[str, Any], source: str, prefix: str = "") -> None:
+    """Set `values` (a TOML table) on the dataclass `obj`, checking every key and value.
+
+    `source` is the file or ``command line``; `prefix` the dotted key of `obj`, so errors read
+    ``SOURCE: section.key ...``. A dataclass with a ``__post_init__`` check runs it again
+    once its table is applied, so a file cannot set what the constructor would refuse.
+    """
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in values.items():
+        dotted = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"{where}: unknown key {key!r} (known: {', '.join(sorted(names))})")
+            raise ConfigError(f"{source}: unknown key {dotted!r} (known: {', '.join(sorted(names))})")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}.{key} must be a table")
-            _apply(current, value, f"{where}.{key}")
+                raise ConfigError(f"{source}: {dotted} must be a table")
+            _apply(current, value, source, dotted + ".")
         else:
-            setattr(obj, key, _coerce(value, hints[key], f"{where}.{key}"))
+            setattr(obj, key, _coerce(value, hints[key], f"{source}: {dotted}"))
+    post_init = getattr(obj, "__post_init__", None)
+    if post_init is not None:
+        try:
+            post_init()
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {prefix.rstrip('.')}: {exc}") from None
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """`value` as the field's type; `where` is ``SOURCE: section.key`` for the error."""
     if typing.get_origin(hint) is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, allowed))}")
+            raise ConfigError(f"{where} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         return value
     target = hint if isinstance(hint, type) else None
     if target is None:  # e.g. `int | None`: take the first concrete type
@@ -179,7 +288,7 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ValueError(value)
         return target(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {value!r} is not a valid {target.__name__}") from None
+        raise ConfigError(f"{where} must be a valid {target.__name__}, got {value!r}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
@@ -200,7 +309,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         for part in parts[:-1]:
             cursor = cursor.setdefault(part, {})
         cursor[parts[-1]] = value
-        _apply(config, section, "override")
+        _apply(config, section, "command line")
     return config
 
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from training.config import ParallelConfig
+from training.config import ParallelBackendName, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,10 @@ class DistEnv:
     backend: str
 
 
-def choose_backend(requested: str) -> str:
+def choose_backend(requested: ParallelBackendName) -> str:
+    """The process-group backend to start: ``auto`` resolves by device (the config has checked the name)."""
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested not in ("gloo", "nccl"):
-        raise ValueError(f"parallel.backend {requested!r}: expected auto, gloo or nccl")
     return requested
 
 

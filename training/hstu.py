@@ -25,60 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.config import HSTUConfig
 from training.jagged import LengthGroup, group_by_length
-
-ATTENTION_NORMALIZATIONS = ("sample_length", "max_seq_len")
-
-
-@dataclass
-class HSTUConfig:
-    """Shape and regularisation of the HSTU encoder."""
-
-    embedding_dim: int = 64
-    """Width ``D`` of the residual stream; also the item embedding width."""
-    num_layers: int = 2
-    """Number of stacked HSTU layers."""
-    num_heads: int = 2
-    """Attention heads per layer."""
-    attention_dim: int = 32
-    """Per-head width of Q and K."""
-    linear_dim: int = 32
-    """Per-head width of V and of the gate U."""
-    dropout: float = 0.1
-    """Dropout on the input embeddings and on each layer's gated attention output."""
-    max_seq_len: int = 1024
-    """Longest history the model is trained on; the position buckets span ``0..max_seq_len``."""
-    num_position_buckets: int = 64
-    """Buckets for relative positions ``i - j``; log-spaced so nearby positions stay distinct."""
-    num_time_buckets: int = 64
-    """Buckets for time gaps ``|t_i - t_j|`` in seconds; log-spaced from 1 s to ``max_time_gap_seconds``."""
-    use_rating_feature: bool = True
-    """Add a learned embedding of the rating (1..5; 0 = unknown contributes nothing) to each input position."""
-    max_time_gap_seconds: float = 4 * 365 * 86400.0
-    """Time gap that maps to the last time bucket; longer gaps share it."""
-    attention_normalization: str = "sample_length"
-    """Divisor ``n`` of the attention weights: ``"sample_length"`` (the sample's own
-    length, as specified for FreeScale) or ``"max_seq_len"`` (a constant, as in the
-    reference implementation, which pads to the max length). LayerNorm after ``A V``
-    absorbs the scale up to its epsilon, so the choice rarely matters."""
-
-    attention_block_size: int = 128
-    """Query rows per attention block; bounds the working set of long samples
-    and lets the causal mask skip whole key blocks (see ``AttentionBlock``)."""
-
-    def __post_init__(self) -> None:
-        if self.attention_normalization not in ATTENTION_NORMALIZATIONS:
-            raise ValueError(
-                f"attention_normalization must be one of {ATTENTION_NORMALIZATIONS}, "
-                f"got {self.attention_normalization!r}"
-            )
-        for name in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim",
-                     "max_seq_len", "num_position_buckets", "num_time_buckets", "attention_block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
 
 def log_bucket(distance: torch.Tensor, num_buckets: int, max_distance: float) -> torch.Tensor:
     """Map non-negative distances to ``0..num_buckets-1`` on a log scale.

@@ -24,7 +24,6 @@ rank must call them, the same number of times.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Literal, Protocol
 
 import torch
@@ -47,7 +46,8 @@ from training.batch import (
     item_features,
     user_feature_kjt,
 )
-from training.hstu import HSTUConfig, HSTUEncoder
+from training.config import ModelConfig
+from training.hstu import HSTUEncoder
 from training.jagged import jagged_concat_last, last_positions, next_item_positions
 from training.losses import sampled_softmax_loss
 from training.metrics import ExcludeIds, RetrievalMetrics, retrieval_metrics
@@ -59,27 +59,6 @@ ITEM_TABLE = "item_embedding"
 USER_TABLE = "user_feature_{index}"
 NUM_RATINGS = 6  # 0 = unknown, 1..5
 PADDING_ID = 0
-
-
-@dataclass
-class ModelConfig:
-    """Everything about the model that is not the encoder's shape."""
-
-    hstu: HSTUConfig = field(default_factory=HSTUConfig)
-    """Encoder configuration; ``hstu.embedding_dim`` is also the item table width."""
-    temperature: float = 0.05
-    """Softmax temperature over cosine similarities (both sides are L2-normalised)."""
-    in_batch_negatives: bool = True
-    """Also use the batch's (unique) target items as negatives for every query."""
-    max_in_batch_negatives: int = 128
-    """At most this many in-batch negatives (a random subset of the unique targets; 0 = all).
-    Uncapped, the logits cost tokens x unique targets per rank, which grows with the
-    square of a rank's batch rather than per sample, so no per-sample cost model (and
-    no balancer) could follow it; capped, a rank's cost stays the sum of its samples'."""
-    embedding_init_scale: float = 0.05
-    """Item table rows start uniform in ``[-scale, scale]``. Set explicitly because
-    TorchRec's default, ``sqrt(1 / num_embeddings)``, shrinks with the catalog and
-    would let the rating embedding swamp item identity in large catalogs."""
 
 
 class ExchangedEmbeddings(Protocol):

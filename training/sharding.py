@@ -12,19 +12,19 @@ from torchrec.distributed.types import ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from training.config import OptimizerConfig, ParallelConfig
+from training.config import OptimizerConfig, ParallelConfig, ShardingName, SparseOptimizerName, keyed_by
 from training.distributed import DistEnv
 from training.model import ITEM_TABLE, USER_TABLE, SequentialRecommender
 
-SPARSE_OPTIMIZERS = {"adagrad": RowWiseAdagrad, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}
-SHARDING_TYPES = {"row_wise": ShardingType.ROW_WISE, "table_wise": ShardingType.TABLE_WISE}
+# The implementation of each config choice; the config rejects any other name when it loads.
+SPARSE_OPTIMIZERS: dict[SparseOptimizerName, type[torch.optim.Optimizer]] = keyed_by(SparseOptimizerName, {
+    "adagrad": RowWiseAdagrad, "sgd": torch.optim.SGD, "adam": torch.optim.Adam})
+SHARDING_TYPES: dict[ShardingName, ShardingType] = keyed_by(ShardingName, {
+    "row_wise": ShardingType.ROW_WISE, "table_wise": ShardingType.TABLE_WISE})
 
 
 def apply_fused_sparse_optimizer(model: SequentialRecommender, config: OptimizerConfig) -> None:
     """The tables' optimizer runs inside their backward (fbgemm), so no sparse gradient is materialised."""
-    if config.sparse_optimizer not in SPARSE_OPTIMIZERS:
-        raise ValueError(f"optimizer.sparse_optimizer {config.sparse_optimizer!r}: "
-                         f"expected one of {', '.join(SPARSE_OPTIMIZERS)}")
     tables = list(model.embedding_collection.parameters())
     if model.user_embedding_collection is not None:
         tables += list(model.user_embedding_collection.parameters())
@@ -40,8 +40,6 @@ def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parall
     gradients itself after backward, so the time ranks spend waiting for each other
     is measured in one place rather than hidden inside DDP's backward hooks.
     """
-    if parallel.sharding not in SHARDING_TYPES:
-        raise ValueError(f"parallel.sharding {parallel.sharding!r}: expected one of {', '.join(SHARDING_TYPES)}")
     apply_fused_sparse_optimizer(model, optimizer)
     sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
     constraints = {ITEM_TABLE: ParameterConstraints(sharding_types=[SHARDING_TYPES[parallel.sharding].value])}
