@@ -7,19 +7,24 @@
 
 1. Times the configured model's dense forward+backward on synthetic batches
    (training/calibrate.py explains the design), fits ``cost = a L^2 + b L + c``
-   and a table of costs at the profiled lengths, and writes the form that
-   predicts held-out lengths better as a cost-model JSON whose ``provenance``
-   records the machine, config, fits, errors and the choice.
+   and a table of costs at the profiled lengths (pipeline/calibration.py), and
+   writes the form that predicts held-out lengths better as a cost-model JSON
+   whose ``provenance`` records the machine, config, fits, errors and the choice.
 2. Checks the written model against held-out mixed batches of heavy-tailed lengths.
 3. With ``--rank-speeds-output``: starts ``--nproc-per-node`` gloo ranks (torch's
    launcher, as `freescale train` does) that time the same batches in lock-step;
    each rank's capacity (mean time over all ranks / its own) gets a bootstrap
    confidence interval, and capacities other than 1 are written only when the
-   difference is real and larger than 2%.
+   difference is real and larger than 2% (pipeline/rank_speeds.py: the
+   statistics and the file, which `freescale balance` reads).
 4. Prints the report and records it, with both JSON files, in MLflow.
 
 Bad input (unparseable or non-positive --lengths, an existing output without
---overwrite, ...) ends the job with one line on stderr and exit status 2.
+--overwrite, ...) ends the job with one line on stderr and exit status 2. The
+arguments are checked before torch is loaded, so that takes a fraction of a second.
+
+This module is the command line, its report, and the launcher and worker of the
+rank-speed measurement; the timing is in training/calibrate.py.
 
 Timing is on this machine's CPU with one intra-op thread (the trainer's setting
 when ranks fill the cores, as on a 2-core machine with 2 ranks). CUDA ranks would
@@ -41,14 +46,11 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.calibration import check_lengths  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RANK_SPEEDS_FORMAT = "freescale.rank_speeds/1"
 WORKER_FLAG = "--rank-speeds-worker"
-CONFIDENCE = 0.95
-MIN_SPEED_DIFFERENCE = 0.02
-"""Capacities other than 1 are written only when the fastest rank is more than 2% faster than the slowest."""
 RANK_SPEED_BATCHES = 4
 """Mixed batches each rank times per repeat (identical on every rank)."""
 
@@ -99,7 +101,7 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Every problem with the arguments as one ``InputError``, before any work."""
+    """Every problem with the arguments as one ``InputError``, before any work or heavy import."""
     minimums = (("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0), ("--replicates", args.replicates, 1),
                 ("--num-items", args.num_items, 1), ("--held-out-batches", args.held_out_batches, 0),
                 ("--nproc-per-node", args.nproc_per_node, 2), ("--rank-speed-repeats", args.rank_speed_repeats, 3))
@@ -117,64 +119,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise InputError(f"output {path} already exists (pass --overwrite to replace it)")
         if path.is_dir():
             raise InputError(f"output {path} is a directory")
-
-
-# ------------------------------------------------------------------- rank speeds file
-
-
-def read_rank_speeds(path: str | Path) -> tuple[float, ...]:
-    """Capacities from a rank-speeds JSON written by ``freescale calibrate``; problems name the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{p}: rank speeds file does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise InputError(f"{p}: not valid JSON ({reason})") from None
-    if not isinstance(data, dict) or data.get("format") != RANK_SPEEDS_FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise InputError(f"{p}: not a rank speeds file (format {found!r}, expected {RANK_SPEEDS_FORMAT!r})")
-    capacities = data.get("capacities")
-    # bool is an int subclass; `true` as a speed is a typo, not 1.0.
-    if (not isinstance(capacities, list) or not capacities
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in capacities)
-            or not all(math.isfinite(v) and v > 0 for v in capacities)):
-        raise InputError(f"{p}: 'capacities' must be a non-empty list of positive numbers, got {capacities!r}")
-    return tuple(float(v) for v in capacities)
-
-
-def rank_speeds_document(speeds: Any, provenance: dict) -> dict:
-    """The JSON written to ``--rank-speeds-output``: capacities only when the difference is real."""
-    world_size = len(speeds.capacities)
-    capacities = list(speeds.capacities) if speeds.significant else [1.0] * world_size
-    return {
-        "format": RANK_SPEEDS_FORMAT,
-        "capacities": capacities,
-        "ci": [[lo, hi] for lo, hi in zip(speeds.ci_low, speeds.ci_high)],
-        "significant": speeds.significant,
-        "provenance": {
-            **provenance,
-            "clock": "wall (dense compute span, summed over the batches of a repeat)",
-            "measured_capacities": list(speeds.capacities),
-            "spread": speeds.spread,
-            "confidence": speeds.confidence,
-            "min_difference": MIN_SPEED_DIFFERENCE,
-            "reason": speeds.reason,
-            "written": "measured capacities" if speeds.significant else "1.0 for every rank (no real difference)",
-        },
-    }
-
-
-def write_json(path: str | Path, data: dict) -> str:
-    """Write indented JSON atomically (temporary sibling, then rename); returns the text."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, indent=2) + "\n"
-    with tempfile.NamedTemporaryFile("w", dir=p.parent, prefix=f".{p.name}.", suffix=".tmp", delete=False) as tmp:
-        tmp.write(text)
-    os.replace(tmp.name, p)
-    return text
+    if args.lengths:
+        check_lengths(parse_lengths(args.lengths))
 
 
 # ------------------------------------------------------------------------- reports
@@ -195,20 +141,14 @@ def _pct(value: float | None) -> str:
 
 def format_calibration_report(result: Any, output: str) -> str:
     """Readable tables of a ``CalibrationResult``: per-length costs, fits, choice, held-out check."""
-    from training.calibrate import (
-        CLOCKS,
-        FIT_CLOCK,
-        FORMS,
-        MIX_SAMPLES,
-        PARETO_ALPHA,
-        per_length_errors,
-    )
+    from pipeline.cost_model import KINDS
+    from training.calibrate import CLOCKS, FIT_CLOCK, MIX_SAMPLES, PARETO_ALPHA, per_length_errors
 
     m, s = result.machine, result.settings
     fit = result.fits[FIT_CLOCK]
     held = [b for b in result.batches if b.probe_length not in result.grid]
-    fit_err = {k: per_length_errors(result.batches, fit.final[k].fit_errors) for k in FORMS}
-    cv_err = {k: per_length_errors(held, fit.choice.scores[k].cv_errors) for k in FORMS}
+    fit_err = {k: per_length_errors(result.batches, fit.final[k].fit_errors) for k in KINDS}
+    cv_err = {k: per_length_errors(held, fit.choice.scores[k].cv_errors) for k in KINDS}
     table_form, quad_form = fit.final["table"].form, fit.final["quadratic"].form
     out = [(f"freescale calibrate: {m['host']} ({m['processor']}, {m['cpu_count']} cores), torch {m['torch']}, "
            f"1 thread; {len(result.batches)} calibration + {s.held_out_batches} held-out batches x "
@@ -227,7 +167,7 @@ def format_calibration_report(result: Any, output: str) -> str:
     out += ["", "Fits of t(batch) = d + sum_i cost(L_i), non-negative least squares on relative error"]
     rows = []
     for clock in CLOCKS:
-        for kind in FORMS:
+        for kind in KINDS:
             final, cv = result.fits[clock].final[kind], result.fits[clock].choice.scores[kind]
             model = final.form.model
             coef = ([f"{model.a:.3e}", f"{model.b:.3e}", f"{model.c:.3e}"] if kind == "quadratic"
@@ -361,23 +301,19 @@ def measure_rank_speeds(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
+    check_args(args)  # before the imports below, which load torch (seconds)
+
     import dataclasses
 
     import numpy as np
 
     from jobs.tracking import log_job_run, resolve_tracking_uri
-    from training.calibrate import (
-        FIT_CLOCK,
-        FORMS,
-        CalibrationSettings,
-        default_lengths,
-        estimate_rank_speeds,
-        machine_info,
-        run_calibration,
-    )
+    from pipeline.calibration import default_lengths
+    from pipeline.cost_model import KINDS
+    from pipeline.rank_speeds import estimate_rank_speeds, rank_speeds_document, write_rank_speeds
+    from training.calibrate import FIT_CLOCK, CalibrationSettings, machine_info, run_calibration
     from training.config import load_config, to_flat_dict
 
-    check_args(args)
     config = load_config(args.config, overrides)
     lengths = parse_lengths(args.lengths) if args.lengths else default_lengths(config.model.hstu.max_seq_len)
     settings = CalibrationSettings(
@@ -390,7 +326,7 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"freescale calibrate: {message}", flush=True)
 
     result = run_calibration(config.model, settings, config_record, log=log)
-    model_text = write_json(args.output, result.model.to_json())
+    model_text = result.model.save(args.output)
     report = format_calibration_report(result, args.output)
     print("\n" + report + "\n", flush=True)
 
@@ -400,8 +336,8 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     metrics: dict[str, float] = {
         "quadratic_a": quad.a, "quadratic_b": quad.b, "quadratic_c": quad.c,
         "step_constant_s": result.chosen.step_constant, "calibration_seconds": result.seconds,
-        **{f"r2_{k}": fit.final[k].r2 for k in FORMS},
-        **{f"cv_rms_relative_error_{k}": fit.choice.scores[k].cv_rms for k in FORMS},
+        **{f"r2_{k}": fit.final[k].r2 for k in KINDS},
+        **{f"cv_rms_relative_error_{k}": fit.choice.scores[k].cv_rms for k in KINDS},
     }
     if result.validation is not None:
         quality = result.validation.quality[fit.choice.chosen]
@@ -417,15 +353,15 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
                   "no rank speeds were)", file=sys.stderr)
             return 1
         wall, cpu = np.asarray(raw["wall"]), np.asarray(raw["cpu"])
-        speeds = estimate_rank_speeds(wall, CONFIDENCE, min_difference=MIN_SPEED_DIFFERENCE, seed=args.seed)
-        cpu_speeds = estimate_rank_speeds(cpu, CONFIDENCE, min_difference=MIN_SPEED_DIFFERENCE, seed=args.seed)
+        speeds = estimate_rank_speeds(wall, seed=args.seed)
+        cpu_speeds = estimate_rank_speeds(cpu, seed=args.seed)
         provenance = {**machine_info(), "torch_threads": raw["threads_per_rank"], "created": result.created,
                       "config": config_record, "repeats": int(wall.shape[0]), "world_size": int(wall.shape[1]),
                       "hosts": raw["hosts"], "batches": raw["batches"],
                       "mean_wall_s": wall.mean(axis=0).tolist(), "mean_cpu_s": cpu.mean(axis=0).tolist(),
                       "cpu_clock_capacities": list(cpu_speeds.capacities), "wall_s": raw["wall"], "cpu_s": raw["cpu"]}
         document = rank_speeds_document(speeds, provenance)
-        artifacts["rank_speeds.json"] = write_json(args.rank_speeds_output, document)
+        artifacts["rank_speeds.json"] = write_rank_speeds(args.rank_speeds_output, document)
         speeds_report = format_rank_speeds_report(document)
         print(speeds_report + "\n", flush=True)
         report += "\n\n" + speeds_report

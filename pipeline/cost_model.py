@@ -12,6 +12,11 @@ sample pays some fixed work. Two shapes cover the cases we meet:
 
 Both add ``per_id * L`` for embedding ids looked up per sample.
 
+A model is a JSON file (``save``/``load``, format ``FORMAT``). ``freescale
+calibrate`` writes one fitted on the training machine (pipeline/calibration.py
+fits it to the times training/calibrate.py measures); ``default_cost_model`` is
+the analytic stand-in until then.
+
 This module must not import pyspark at import time: the trainer and the
 balancer load cost models on machines without Spark. Only ``cost_column``
 imports it.
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.errors import InputError
+from pipeline.json_files import write_json
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
@@ -120,11 +126,9 @@ class CostModel:
             # Re-prefix so the message names the file rather than "cost model".
             raise InputError(f"{source}: {str(err).removeprefix('cost model: ')}") from None
 
-    def save(self, path: str | Path) -> None:
-        """Write the model as indented JSON (parents are created)."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n")
+    def save(self, path: str | Path) -> str:
+        """Write the model as indented JSON, atomically (parents are created); returns the text written."""
+        return write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":

@@ -2,32 +2,39 @@
 
 The fitting tests time nothing: batch times are computed from a known cost, so
 they are deterministic. The end-to-end tests time a tiny model for real and only
-hold the results to loose bounds (the machine is shared and noisy).
+hold the results to loose bounds (the machine is shared and noisy). The import
+tests hold the layering: the fits and the rank-speeds file are read without torch,
+and a bad argument is reported before torch is loaded.
 """
 from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jobs import balance, calibrate, cli
-from pipeline.cost_model import CostModel
-from pipeline.errors import InputError
-from training.calibrate import (
-    calibration_batches,
+from pipeline import rank_speeds
+from pipeline.calibration import (
     compare_forms,
-    estimate_rank_speeds,
     fit_form,
     hat_weights,
     held_out_lengths,
     nonnegative_least_squares,
     prediction_quality,
-    probe_lengths,
     quadratic_features,
 )
+from pipeline.cost_model import CostModel
+from pipeline.errors import InputError
+from pipeline.rank_speeds import estimate_rank_speeds
+from training.calibrate import calibration_batches, probe_lengths
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HEAVY_MODULES = ("torch", "torchrec", "pyspark")
 
 GRID = [16, 25, 40, 64, 102, 161, 256, 406, 645, 1024]
 TINY_MODEL = ["--model.hstu.num_layers", "1", "--model.hstu.embedding_dim", "16", "--model.hstu.num_heads", "1",
@@ -180,8 +187,36 @@ def test_rank_speeds_noise_or_tiny_difference_is_not_significant() -> None:
 
 
 def write_speeds(path: Path, capacities, **extra) -> Path:
-    path.write_text(json.dumps({"format": calibrate.RANK_SPEEDS_FORMAT, "capacities": capacities, **extra}))
+    path.write_text(json.dumps({"format": rank_speeds.FORMAT, "capacities": capacities, **extra}))
     return path
+
+
+@pytest.mark.parametrize("significant", [True, False])
+def test_rank_speeds_file_round_trip(tmp_path, significant) -> None:
+    speeds = rank_speeds.RankSpeeds(capacities=(1.1, 0.9), ci_low=(1.05, 0.85), ci_high=(1.15, 0.95),
+                                    confidence=0.95, significant=significant, reason="test", spread=0.22)
+    document = rank_speeds.rank_speeds_document(speeds, {"host": "h"})
+    path = tmp_path / "sub" / "speeds.json"
+    text = rank_speeds.write_rank_speeds(path, document)
+    assert path.read_text() == text == json.dumps(document, indent=2) + "\n"
+    assert list(path.parent.iterdir()) == [path]  # the temporary sibling was renamed, not left behind
+    expected = (1.1, 0.9) if significant else (1.0, 1.0)  # no real difference: equal capacities
+    assert rank_speeds.read_rank_speeds(path) == expected
+    assert document["provenance"]["measured_capacities"] == [1.1, 0.9]
+    assert document["provenance"]["min_difference"] == rank_speeds.MIN_SPEED_DIFFERENCE
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_fits_and_rank_speeds_reader_load_no_torch(tmp_path) -> None:
+    """The pure half is usable where the cost model is: balance reads rank speeds without torch."""
+    path = write_speeds(tmp_path / "speeds.json", [1.05, 0.95])
+    code = ("import sys; import pipeline.calibration; from pipeline.rank_speeds import read_rank_speeds; "
+            f"print(read_rank_speeds({str(path)!r}), sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
+    run = run_python(code)
+    assert run.stdout.strip() == "(1.05, 0.95) []", (run.stdout, run.stderr)
 
 
 def test_balance_capacities_accept_rank_speeds_file(tmp_path) -> None:
@@ -193,8 +228,8 @@ def test_balance_capacities_accept_rank_speeds_file(tmp_path) -> None:
 @pytest.mark.parametrize("content, words", [
     ("not json", ["not valid JSON"]),
     (json.dumps({"format": "other", "capacities": [1, 1]}), ["not a rank speeds file"]),
-    (json.dumps({"format": calibrate.RANK_SPEEDS_FORMAT, "capacities": [1.0, -1.0]}), ["positive numbers"]),
-    (json.dumps({"format": calibrate.RANK_SPEEDS_FORMAT, "capacities": [1.0, 1.0, 1.0]}), ["3 capacities", "2"]),
+    (json.dumps({"format": rank_speeds.FORMAT, "capacities": [1.0, -1.0]}), ["positive numbers"]),
+    (json.dumps({"format": rank_speeds.FORMAT, "capacities": [1.0, 1.0, 1.0]}), ["3 capacities", "2"]),
 ])
 def test_balance_rejects_bad_rank_speeds_file_naming_it(tmp_path, content, words) -> None:
     path = tmp_path / "bad.json"
@@ -209,6 +244,20 @@ def test_balance_rejects_bad_rank_speeds_file_naming_it(tmp_path, content, words
 
 
 # ------------------------------------------------------------------------- the job
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
+    (["--lengths", "16,64"], "need at least 3 distinct lengths, got [16, 64]"),
+])
+def test_bad_argument_is_reported_before_torch_is_loaded(tmp_path, extra, message) -> None:
+    """Checked before the imports that load torch (seconds), as for balance."""
+    argv = ["calibrate", "--output", str(tmp_path / "cm.json"), "--tracking-uri", "none", *extra]
+    code = (f"import sys; from jobs import cli; rc = cli.main({argv!r}); "
+            f"print(rc, sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
+    run = run_python(code)
+    assert run.stdout.split("\n")[0] == "2 []", (run.stdout, run.stderr)
+    assert run.stderr.strip().splitlines() == [f"freescale calibrate: error: {message}"]
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -277,7 +326,7 @@ def test_rank_speeds_with_two_ranks(tmp_path, capsys) -> None:
     captured = capsys.readouterr()
     assert rc == 0, captured.out + captured.err
     document = json.loads(speeds.read_text())
-    assert document["format"] == calibrate.RANK_SPEEDS_FORMAT
+    assert document["format"] == rank_speeds.FORMAT
     assert len(document["capacities"]) == 2 and np.mean(document["capacities"]) == pytest.approx(1.0)
     assert len(document["ci"]) == 2 and isinstance(document["significant"], bool)
     measured = document["provenance"]["measured_capacities"]

@@ -41,8 +41,11 @@ def test_per_id_adds_linear_term():
 @pytest.mark.parametrize("model", [default_cost_model(), TABLE], ids=["quadratic", "table"])
 def test_json_round_trip(model, tmp_path):
     path = tmp_path / "sub" / "cost.json"
-    model.save(path)
-    data = json.loads(path.read_text())
+    text = model.save(path)
+    # The file's layout (2-space indent, final newline) is what calibrate has always written.
+    assert path.read_text() == text == json.dumps(model.to_json(), indent=2) + "\n"
+    assert list(path.parent.iterdir()) == [path]  # written via a temporary sibling, renamed into place
+    data = json.loads(text)
     assert data["format"] == FORMAT and data["kind"] == model.kind
     assert CostModel.load(path) == model
     assert CostModel.from_json(model.to_json()) == model

@@ -1,8 +1,10 @@
-"""Calibrating the balancer's cost model on this machine: profile, fit, choose, validate.
+"""Calibrating the balancer's cost model on this machine: design batches, time them, fit, validate.
 
-``freescale calibrate`` (jobs/calibrate.py) runs ``run_calibration``. Everything
-it is built from is a small function, and the fitting half is pure (no timing),
-so it is tested on exact synthetic data.
+``freescale calibrate`` (jobs/calibrate.py) runs ``run_calibration``. This
+module is the half that needs torch: the batches, their timing and the
+provenance of the result. The fitting, the choice of form and the rank-speed
+statistics are pure NumPy and live beside the cost model they produce
+(pipeline/calibration.py, pipeline/rank_speeds.py), tested on exact synthetic data.
 
 What is timed
     The dense forward+backward of the configured model on synthetic histories:
@@ -27,13 +29,10 @@ What the forms are fitted to: times of realistic batches
     Each profiled length L gets batches of a few *probe* samples around L
     (about 256 tokens, distinct lengths within +-25% of L, mean exactly L) on
     top of a random *background* of 8-16 heavy-tailed histories, i.e. batches
-    like a rank's step. Both forms are fitted by non-negative least squares on
-    relative error to ``t(batch) = d + sum_i cost(L_i)``: ``d`` is the step's
-    constant (attention plan, loss set-up over the shared negatives), fitted
-    as its own coefficient so it cannot leak into the per-sample ``c``; it stays
-    out of the cost model (every rank's step pays it alike) but is recorded and
-    added back when whole steps are predicted. Why not time batches of equal
-    lengths and divide (measured here):
+    like a rank's step. Both forms are fitted to their times as
+    ``t(batch) = d + sum_i cost(L_i)`` (pipeline/calibration.py), ``d`` being
+    the step's constant. Why not time batches of equal lengths and divide
+    (measured here):
 
     * The encoder runs attention per group of equal-length samples, and every
       group costs a fixed few dozen small ops per layer. Measured with the
@@ -52,16 +51,9 @@ What the forms are fitted to: times of realistic batches
       non-negative intercept cannot express.
 
 Choosing the form
-    ``quadratic`` (``a L^2 + b L + c``) and ``table`` (costs at the grid
-    lengths, piecewise linear in between, fitted as non-negative increments so
-    it never decreases with length) are fitted to the batches probing the
-    grid lengths and scored on the batches probing held-out lengths (the
-    geometric midpoints between neighbouring grid lengths). Leave-one-out on the
-    grid alone would judge the table with every gap doubled, which handicaps it
-    by more than any real use does; held-out lengths score both forms as they
-    will be used. The form with the lower RMS relative error wins (the
-    quadratic on a tie: it is smooth and extrapolates sensibly) and is refitted
-    on all batches, the table with knots at grid and held-out lengths.
+    Both forms are fitted to the batches probing the grid lengths and scored
+    on those probing the held-out lengths between them; the better predictor
+    is refitted on all batches (pipeline/calibration.py says why).
 """
 from __future__ import annotations
 
@@ -69,8 +61,6 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
-import itertools
-import math
 import os
 import platform
 import socket
@@ -81,15 +71,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipeline.cost_model import CostModel, default_cost_model
-from pipeline.errors import InputError
+from pipeline.calibration import (
+    FittedForm,
+    FormChoice,
+    FormScore,
+    PredictionQuality,
+    check_lengths,
+    compare_forms,
+    held_out_lengths,
+    prediction_quality,
+    score_form,
+)
+from pipeline.cost_model import KINDS, CostModel, default_cost_model
 from training.batch import SequenceBatch
 from training.bubbles import DenseSpanProbe
-from training.model import ModelConfig, SequentialRecommender, build_local_model
+from training.config import ModelConfig
+from training.model import SequentialRecommender, build_local_model
 
 CLOCKS = ("cpu", "wall")
 FIT_CLOCK = "cpu"
-FORMS = ("quadratic", "table")
 PROBE_TOKENS = 256
 """Tokens of probe samples per calibration batch (fewer for short lengths: they must be distinct)."""
 PROBE_SPREAD = 0.25
@@ -102,10 +102,6 @@ MIX_SAMPLES = (8, 16)
 # glibc mallopt parameters (malloc.h) and their documented defaults.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _GLIBC_DEFAULT_THRESHOLD = 128 * 1024
-
-
-class CalibrationError(InputError):
-    """The measurements cannot give a usable model; the message says what to change."""
 
 
 # --------------------------------------------------------------------------- timing
@@ -221,22 +217,6 @@ class CalibrationBatch:
         return self.probes + self.background
 
 
-def default_lengths(max_length: int, points: int = 10, min_length: int = 16) -> list[int]:
-    """About ``points`` log-spaced lengths from ``min_length`` to ``max_length`` (the model's max_seq_len)."""
-    low = min(min_length, max_length)
-    return sorted({round(float(x)) for x in np.geomspace(low, max_length, points)})
-
-
-def held_out_lengths(grid: Sequence[int]) -> list[int]:
-    """Geometric midpoint of each pair of neighbouring grid lengths (pairs without an integer between skipped)."""
-    out = []
-    for low, high in itertools.pairwise(sorted(grid)):
-        mid = round(math.sqrt(low * high))
-        if low < mid < high:
-            out.append(mid)
-    return out
-
-
 def probe_lengths(length: int, count: int, max_spread: float = PROBE_SPREAD) -> tuple[int, ...]:
     """Up to ``count`` distinct lengths within ``+-max_spread * length`` of ``length``, mean exactly ``length``.
 
@@ -276,275 +256,6 @@ def calibration_batches(lengths: Sequence[int], min_length: int, max_length: int
             background = heavy_tailed_lengths(rng, int(rng.integers(low, high + 1)), min_length, max_length)
             batches.append(CalibrationBatch(length, probes, background))
     return batches
-
-
-# ------------------------------------------------------------------------ estimation
-
-
-def nonnegative_least_squares(features: np.ndarray, target: np.ndarray, max_iter: int = 1000) -> np.ndarray:
-    """``argmin ||features @ x - target||`` subject to ``x >= 0`` (Lawson-Hanson active set).
-
-    Exact: it ends when no inactive coefficient could lower the residual, which is
-    the NNLS optimality condition. Columns are scaled to unit norm first (L^2
-    and 1 differ by six orders of magnitude). numpy only, so no scipy dependency.
-    """
-    A = np.asarray(features, dtype=np.float64)
-    b = np.asarray(target, dtype=np.float64)
-    norms = np.linalg.norm(A, axis=0)
-    norms[norms == 0] = 1.0
-    A = A / norms
-    n = A.shape[1]
-    x = np.zeros(n)
-    passive = np.zeros(n, dtype=bool)
-    tol = 10 * np.finfo(float).eps * max(A.shape) * max(1.0, float(np.abs(A).sum(axis=0).max()))
-    gradient = A.T @ (b - A @ x)
-    for _ in range(max_iter):
-        if passive.all() or gradient[~passive].max() <= tol:
-            break
-        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
-        while True:
-            trial = np.zeros(n)
-            trial[passive], *_ = np.linalg.lstsq(A[:, passive], b, rcond=None)
-            if trial[passive].min() > 0:
-                break
-            # Step from x towards the trial solution until the first coefficient hits 0,
-            # drop the coefficients at 0 from the passive set and solve again.
-            shrinking = passive & (trial <= 0)
-            step = np.min(x[shrinking] / (x[shrinking] - trial[shrinking]))
-            x = x + step * (trial - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-            if not passive.any():
-                trial = np.zeros(n)
-                break
-        x = trial
-        gradient = A.T @ (b - A @ x)
-    return x / norms
-
-
-def quadratic_features(batches: Sequence[Sequence[int]]) -> np.ndarray:
-    """``[batches, 4]``: sum of L^2, sum of L, samples, 1 -- coefficients a, b, c and the step constant."""
-    rows = []
-    for lengths in batches:
-        x = np.asarray(lengths, dtype=np.float64)
-        rows.append([(x * x).sum(), x.sum(), float(len(x)), 1.0])
-    return np.array(rows)
-
-
-def hat_weights(lengths: Sequence[float], knots: Sequence[float]) -> np.ndarray:
-    """``[len(lengths), len(knots)]`` weights with ``weights @ costs`` = the table's prediction.
-
-    The same segments as ``CostModel.predict`` for ``kind="table"``: interpolation
-    between neighbouring knots, the end segments extended beyond the ends.
-    """
-    x, xp = np.asarray(lengths, dtype=np.float64), np.asarray(knots, dtype=np.float64)
-    i = np.clip(np.searchsorted(xp, x, side="right") - 1, 0, len(xp) - 2)
-    upper = (x - xp[i]) / (xp[i + 1] - xp[i])
-    weights = np.zeros((len(x), len(xp)))
-    rows = np.arange(len(x))
-    weights[rows, i] = 1.0 - upper
-    weights[rows, i + 1] = upper
-    return weights
-
-
-def table_features(batches: Sequence[Sequence[int]], knots: Sequence[float]) -> np.ndarray:
-    """``[batches, knots + 1]``: summed hat weights of each batch's samples, then 1 for the step constant."""
-    return np.array([[*hat_weights(lengths, knots).sum(axis=0), 1.0] for lengths in batches])
-
-
-@dataclass(frozen=True)
-class FittedForm:
-    """A per-sample cost form fitted to batch times, and the step constant fitted with it."""
-
-    kind: str
-    model: CostModel
-    """The per-sample part, as the balancer will use it (unit: seconds)."""
-    step_constant: float
-
-    def per_sample(self, lengths: Sequence[int]) -> np.ndarray:
-        return self.model.predict(np.asarray(lengths))
-
-    def batch_times(self, batches: Sequence[Sequence[int]]) -> np.ndarray:
-        return np.array([self.step_constant + float(self.per_sample(b).sum()) for b in batches])
-
-
-def fit_form(kind: str, batches: Sequence[Sequence[int]], seconds: Sequence[float],
-             knots: Sequence[float] = ()) -> FittedForm:
-    """Fit ``t = d + sum_i cost(L_i)`` with non-negative coefficients, minimising *relative* error.
-
-    Relative, because batch times span two orders of magnitude and the balancer
-    cares about ratios: absolute errors would let the longest batches decide
-    the fit alone. ``knots`` are the table's lengths (unused by the quadratic).
-    The table is fitted as non-negative *increments* between knots, so its
-    costs never decrease with length: a longer history never costs less, and
-    short knots -- a small part of any batch's time -- cannot zig-zag with noise.
-    """
-    t = np.asarray(seconds, dtype=np.float64)
-    if (t <= 0).any():
-        raise ValueError("fit_form needs positive batch times")
-    if kind == "quadratic":
-        features = quadratic_features(batches)
-        coef = nonnegative_least_squares(features / t[:, None], np.ones_like(t))
-        a, b, c = (float(v) for v in coef[:3])
-        model = CostModel(kind="quadratic", a=a, b=b, c=c, unit="seconds")
-    elif kind == "table":
-        features = table_features(batches, knots)
-        # costs = cumulative sums of increments: [knots, knots] lower-triangular ones.
-        cumulative = np.tril(np.ones((len(knots), len(knots))))
-        features[:, :-1] = features[:, :-1] @ cumulative
-        coef = nonnegative_least_squares(features / t[:, None], np.ones_like(t))
-        costs = cumulative @ coef[:-1]
-        model = CostModel(kind="table", lengths=tuple(knots), costs=tuple(costs.tolist()), unit="seconds")
-    else:
-        raise ValueError(f"unknown form {kind!r}")
-    return FittedForm(kind, model, float(coef[-1]))
-
-
-def r_squared(actual: Sequence[float], predicted: Sequence[float]) -> float:
-    y, p = np.asarray(actual, dtype=np.float64), np.asarray(predicted, dtype=np.float64)
-    total = float(np.sum((y - y.mean()) ** 2))
-    return 1.0 - float(np.sum((y - p) ** 2)) / total if total > 0 else 1.0
-
-
-def rms(values: Sequence[float]) -> float:
-    v = np.asarray(values, dtype=np.float64)
-    return float(np.sqrt(np.mean(v * v))) if v.size else float("nan")
-
-
-def relative_errors(predicted: Sequence[float], actual: Sequence[float]) -> np.ndarray:
-    return np.asarray(predicted, dtype=np.float64) / np.asarray(actual, dtype=np.float64) - 1.0
-
-
-@dataclass(frozen=True)
-class FormScore:
-    """One form fitted to some batches: how it fits them and how it predicts the held-out ones."""
-
-    form: FittedForm
-    r2: float
-    """R^2 of the fitted batch times."""
-    fit_errors: tuple[float, ...]
-    """Relative error of each fitted batch (predicted / measured - 1)."""
-    cv_errors: tuple[float, ...]
-    """Relative error of each held-out batch."""
-
-    @property
-    def cv_rms(self) -> float:
-        return rms(self.cv_errors)
-
-
-@dataclass(frozen=True)
-class FormChoice:
-    chosen: str
-    reason: str
-    scores: dict[str, FormScore]
-
-
-def score_form(kind: str, batches: Sequence[Sequence[int]], seconds: Sequence[float], knots: Sequence[float],
-               held_out: Sequence[Sequence[int]] = (), held_out_seconds: Sequence[float] = ()) -> FormScore:
-    form = fit_form(kind, batches, seconds, knots)
-    fitted = form.batch_times(batches)
-    cv = relative_errors(form.batch_times(held_out), held_out_seconds) if len(held_out) else np.zeros(0)
-    return FormScore(form, r_squared(seconds, fitted), tuple(relative_errors(fitted, seconds).tolist()),
-                     tuple(cv.tolist()))
-
-
-def compare_forms(batches: Sequence[Sequence[int]], seconds: Sequence[float], knots: Sequence[float],
-                  held_out: Sequence[Sequence[int]], held_out_seconds: Sequence[float]) -> FormChoice:
-    """Fit both forms to ``batches``, score them on the ``held_out`` batches, choose the better predictor."""
-    if len(held_out) == 0:
-        raise ValueError("compare_forms needs held-out batches")
-    scores = {kind: score_form(kind, batches, seconds, knots, held_out, held_out_seconds) for kind in FORMS}
-    quad, table = scores["quadratic"].cv_rms, scores["table"].cv_rms
-    if table < quad:
-        chosen = "table"
-        reason = f"the table predicts held-out lengths better: RMS relative error {table:.2%} vs {quad:.2%}"
-    else:
-        chosen = "quadratic"
-        reason = (f"the quadratic predicts held-out lengths {'as well as' if quad == table else 'better than'} "
-                  f"the table: RMS relative error {quad:.2%} vs {table:.2%}")
-    return FormChoice(chosen, reason, scores)
-
-
-@dataclass(frozen=True)
-class PredictionQuality:
-    """Predicted vs measured step times of a set of batches, compared as ratios between batches."""
-
-    correlation: float
-    """Pearson correlation of predicted and measured times."""
-    median_abs_error: float
-    """Median over batches of |normalised ratio - 1|, ratio = (predicted / mean) / (measured / mean)."""
-    p90_abs_error: float
-    ratio_errors: tuple[float, ...]
-
-
-def prediction_quality(predicted: Sequence[float], measured: Sequence[float]) -> PredictionQuality:
-    """Only ratios between batches matter to the balancer, so both sides are normalised by their mean."""
-    p, m = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
-    ratio = (p / p.mean()) / (m / m.mean()) - 1.0
-    corr = float(np.corrcoef(p, m)[0, 1]) if len(p) > 1 and p.std() > 0 and m.std() > 0 else float("nan")
-    abs_err = np.abs(ratio)
-    return PredictionQuality(corr, float(np.median(abs_err)), float(np.quantile(abs_err, 0.9)),
-                             tuple(ratio.tolist()))
-
-
-# ----------------------------------------------------------------------- rank speeds
-
-
-@dataclass(frozen=True)
-class RankSpeeds:
-    """Relative speed (capacity) of each rank from identical work timed in lock-step."""
-
-    capacities: tuple[float, ...]
-    """mean time over all ranks / mean time of the rank, normalised to mean 1."""
-    ci_low: tuple[float, ...]
-    ci_high: tuple[float, ...]
-    confidence: float
-    significant: bool
-    reason: str
-    spread: float
-    """max capacity / min capacity - 1."""
-
-
-def rank_capacities(times: np.ndarray) -> np.ndarray:
-    """``times`` ``[repeats, ranks]`` -> capacity per rank, mean 1 (a faster rank gets more)."""
-    per_rank = np.asarray(times, dtype=np.float64).mean(axis=0)
-    capacity = per_rank.mean() / per_rank
-    return capacity / capacity.mean()
-
-
-def estimate_rank_speeds(times: np.ndarray, confidence: float = 0.95, resamples: int = 2000,
-                         min_difference: float = 0.02, seed: int = 0) -> RankSpeeds:
-    """Capacities with percentile-bootstrap intervals over repeats, and whether they differ for real.
-
-    Resampling whole repeats keeps each repeat's ranks together: they ran at the
-    same moment, so load on the machine at that moment affects them alike. The
-    difference counts only when some rank's interval excludes 1 (equal speed)
-    *and* the fastest rank is more than ``min_difference`` faster than the
-    slowest: a 1% difference that is merely certain is not worth re-planning
-    for. Repeats are treated as independent; slow drifts in machine load make
-    the intervals somewhat optimistic, which the ``min_difference`` floor guards against.
-    """
-    t = np.asarray(times, dtype=np.float64)
-    if t.ndim != 2 or t.shape[0] < 2:
-        raise ValueError(f"times must be [repeats >= 2, ranks], got shape {t.shape}")
-    capacity = rank_capacities(t)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, t.shape[0], size=(resamples, t.shape[0]))
-    boot = np.stack([rank_capacities(t[p]) for p in picks])
-    tail = (1.0 - confidence) / 2.0
-    low, high = np.quantile(boot, tail, axis=0), np.quantile(boot, 1.0 - tail, axis=0)
-    spread = float(capacity.max() / capacity.min() - 1.0)
-    excludes_equal = bool(((low > 1.0) | (high < 1.0)).any())
-    significant = excludes_equal and spread > min_difference
-    if significant:
-        reason = (f"ranks differ by {spread:.1%} (> {min_difference:.0%}) and the {confidence:.0%} intervals "
-                  "exclude equal speed")
-    elif not excludes_equal:
-        reason = f"every rank's {confidence:.0%} interval includes equal speed (spread {spread:.1%})"
-    else:
-        reason = f"the difference is real but only {spread:.1%} (<= {min_difference:.0%}): not worth re-planning"
-    return RankSpeeds(tuple(capacity.tolist()), tuple(low.tolist()), tuple(high.tolist()), confidence,
-                      significant, reason, spread)
 
 
 # --------------------------------------------------------------------- orchestration
@@ -623,16 +334,6 @@ class CalibrationResult:
         return fit.final[fit.choice.chosen].form
 
 
-def check_lengths(grid: Sequence[int]) -> None:
-    """Raise ``InputError`` unless the grid can be fitted and has room for held-out lengths."""
-    if len(set(grid)) < 3:
-        raise InputError(f"need at least 3 distinct lengths, got {sorted(set(grid))}")
-    if min(grid) < 2:
-        raise InputError(f"lengths must be at least 2 (a 1-long history has no next-item target), got {min(grid)}")
-    if not held_out_lengths(grid):
-        raise InputError(f"lengths {sorted(set(grid))} leave no integer between neighbours for held-out lengths")
-
-
 def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, config_record: dict | None = None,
                     log: Callable[[str], None] = print) -> CalibrationResult:
     """Profile the model on this machine, fit both forms, choose one, validate on mixed batches.
@@ -672,7 +373,7 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
         held_batches = [b.lengths for b, g in zip(batches, on_grid) if not g]
         choice = compare_forms(grid_batches, t[on_grid], grid, held_batches, t[~np.asarray(on_grid)])
         knots = sorted(grid + held_out)
-        final = {kind: score_form(kind, [b.lengths for b in batches], t, knots) for kind in FORMS}
+        final = {kind: score_form(kind, [b.lengths for b in batches], t, knots) for kind in KINDS}
         fits[clock] = ClockFit(t, choice, final)
 
     validation = None
@@ -714,7 +415,7 @@ def build_provenance(result: CalibrationResult, config_record: dict) -> dict:
     def clock_record(clock: str) -> dict:
         fit = result.fits[clock]
         record: dict = {"chosen": fit.choice.chosen, "reason": fit.choice.reason}
-        for kind in FORMS:
+        for kind in KINDS:
             final, cv = fit.final[kind], fit.choice.scores[kind]
             record[kind] = {
                 **{k: v for k, v in final.form.model.to_json().items() if k in ("a", "b", "c", "lengths", "costs")},
