@@ -22,15 +22,12 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the project
 
 import numpy as np  # noqa: E402
 
-from balancing.types import STRATEGIES  # noqa: E402  (numpy only; OR-Tools loads when used)
+from balancing.strategies import STRATEGIES  # noqa: E402  (numpy only; OR-Tools loads when used)
 from jobs.job_errors import run_job  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 
 CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")
-SHARD_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length", "cost",
-                 "valid_item", "valid_timestamp", "valid_rating", "test_item", "test_timestamp", "origin_step",
-                 "step_targets", "user_features")
 ROW_GROUP_BYTES = 4 << 20  # small row groups: the trainer streams a shard one row group at a time
 
 
@@ -66,7 +63,7 @@ def parse_capacities(text: str | None, world_size: int) -> tuple[float, ...] | N
     if text is None:
         return None
     if text.startswith("@"):
-        from jobs.calibrate import read_rank_speeds
+        from pipeline.rank_speeds import read_rank_speeds
 
         path = text[1:]
         values = read_rank_speeds(path)  # InputError naming the file when it is bad
@@ -127,10 +124,12 @@ def balance(args: argparse.Namespace) -> int:
     from jobs import shard_plan
     from jobs.atomic_output import atomic_output, check_output_free
     from jobs.hadoop_fs import HadoopFS
-    from jobs.manifest import MANIFEST_NAME, RANK_DIR, build_manifest, describe_files, dumps
+    from jobs.manifest import describe_files, relative_to
     from jobs.tracking import log_job_run, resolve_tracking_uri
     from pipeline.cost_model import CostModel, cost_column, default_cost_model
     from pipeline.session import build_spark_session
+    from shards.manifest import UserFeature, build_rank_shards, new_manifest
+    from shards.schema import MANIFEST_NAME, STEP_STATS_DIR, rank_dir
 
     model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
     started = time.perf_counter()
@@ -200,7 +199,7 @@ def balance(args: argparse.Namespace) -> int:
     rows = (sequences.join(assignment, "user_id")
             .join(F.broadcast(step_targets), "step")
             .withColumn("cost", cost_column(model, "length")))
-    rows = rows.select("rank", *[c for c in SHARD_COLUMNS if c in rows.columns])
+    rows = shard_plan.shard_rows(rows)
     stats = {
         "bubble": shard_plan.bubble_of(step_table),
         "bubble_contiguous": shard_plan.bubble_of(baseline_table),
@@ -216,25 +215,26 @@ def balance(args: argparse.Namespace) -> int:
          .sortWithinPartitions("rank", "step", "slot")
          .write.option("parquet.block.size", ROW_GROUP_BYTES)
          .partitionBy("rank").parquet(staging))
-        spark.createDataFrame(step_table).coalesce(1).write.parquet(f"{staging}/_steps")
-        files = []
+        spark.createDataFrame(step_table).coalesce(1).write.parquet(f"{staging}/{STEP_STATS_DIR}")
+        uris = []
         for rank in range(spec.world_size):
-            rank_dir = f"{staging}/{RANK_DIR.format(rank=rank)}"
-            if fs.exists(rank_dir):
-                files.extend(fs.list_files(rank_dir, ".parquet"))
-        manifest = build_manifest(
-            root=staging, files=describe_files(spark, files), rank_summaries=rank_totals,
+            if fs.exists(directory := f"{staging}/{rank_dir(rank)}"):
+                uris.extend(fs.list_files(directory, ".parquet"))
+        files = [{**d, "path": relative_to(staging, d["uri"])} for d in describe_files(spark, uris)]
+        manifest = new_manifest(
+            ranks=build_rank_shards(files, rank_totals, spec.world_size),
             world_size=spec.world_size, local_batch_size=spec.local_batch_size, global_batch_size=g,
             num_steps=num_steps, window_steps=spec.window_steps, strategy=spec.strategy,
             control=args.control, seed=args.seed, equal_counts=spec.equal_counts, token_cap=spec.token_cap,
             capacities=list(capacities) if capacities else None, cost_model=model.to_json(),
-            num_items=prepared.get("num_items"), user_features=prepared.get("user_features", []),
+            num_items=prepared.get("num_items"),
+            user_features=tuple(UserFeature(f["name"], f["num_ids"]) for f in prepared.get("user_features", [])),
             input={"uri": input_uri, "samples": num_samples},
             num_samples=planned_samples, num_rows=summary["rows"],
             leftover={"policy": args.leftover, "samples": leftover},
             moved_samples=int(summary["moved"]), columns=["rank", *rows.columns[1:]], stats=stats,
-            step_stats="_steps")
-        fs.write_text(f"{staging}/{MANIFEST_NAME}", dumps(manifest))
+            step_stats=STEP_STATS_DIR)
+        fs.write_text(f"{staging}/{MANIFEST_NAME}", manifest.dumps())
 
     log_job_run(
         "balance", tracking_uri=resolve_tracking_uri(args.tracking_uri), experiment=args.experiment,
@@ -243,7 +243,7 @@ def balance(args: argparse.Namespace) -> int:
                  "moved_samples": summary["moved"], "job_seconds": time.perf_counter() - started},
         tags={"freescale.strategy": spec.strategy, "freescale.world_size": str(spec.world_size),
               "freescale.output": output_uri},
-        artifacts={"manifest.json": dumps(manifest)})
+        artifacts={MANIFEST_NAME: manifest.dumps()})
     print(f"freescale balance: wrote {planned_samples} samples ({summary['rows']} rows) in {num_steps} steps x "
           f"{spec.world_size} ranks to {output_uri}; strategy {spec.strategy}"
           f"{' (control ' + args.control + ')' if args.control else ''}, predicted bubble "

@@ -23,7 +23,7 @@ def demo(argv: list[str]) -> int:
     Stages whose output is complete are kept, so a rerun resumes where it stopped.
     """
     from jobs import balance, calibrate, prepare
-    from jobs.manifest import MANIFEST_NAME
+    from shards.schema import MANIFEST_NAME
     from jobs.train import launch
 
     p = argparse.ArgumentParser(prog="freescale demo", description=demo.__doc__)

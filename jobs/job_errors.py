@@ -14,7 +14,7 @@ EXIT_BAD_INPUT = 2
 # can only have been raised if its module is loaded, so only loaded modules are asked:
 # reporting a bad argument never imports torch, torchrec or pyspark just to name a class.
 _EXPECTED = (("balancing.types", "InfeasibleError"), ("training.config", "ConfigError"),
-             ("training.manifest_check", "ShardError"), ("comm.errors", "BackendUnavailable"),
+             ("shards.manifest", "ShardError"), ("comm.errors", "BackendUnavailable"),
              ("pyspark.errors", "PySparkException"))
 
 

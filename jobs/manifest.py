@@ -1,16 +1,11 @@
-"""The shard manifest: what a trainer needs to trust a shard directory before reading it."""
+"""Describing the balance job's output files for the manifest: sizes, checksums and row counts,
+computed on the executors. The manifest itself is ``shards.manifest``."""
 from __future__ import annotations
 
 import hashlib
-import json
-import time
 from typing import Any
 
 from pyspark.sql import SparkSession
-
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "freescale.shards/1"
-RANK_DIR = "rank={rank}"
 
 
 def arrow_uri(path: str) -> str:
@@ -52,34 +47,3 @@ def relative_to(root: str, uri: str) -> str:
     if not uri.startswith(root):
         raise ValueError(f"{uri} is not under {root}")
     return uri[len(root):]
-
-
-def build_manifest(*, root: str, files: list[dict[str, Any]], rank_summaries: dict[int, dict[str, Any]],
-                   world_size: int, **fields: Any) -> dict[str, Any]:
-    """Assemble the manifest; `fields` are job parameters and statistics recorded as given."""
-    ranks = []
-    for rank in range(world_size):
-        prefix = RANK_DIR.format(rank=rank) + "/"
-        rank_files = [
-            {"path": relative_to(root, f["uri"]), "rows": f["rows"], "bytes": f["bytes"], "sha256": f["sha256"]}
-            for f in files if relative_to(root, f["uri"]).startswith(prefix)
-        ]
-        summary = rank_summaries.get(rank, {})
-        ranks.append({
-            "rank": rank,
-            "rows": sum(f["rows"] for f in rank_files),
-            "tokens": int(summary.get("tokens", 0)),
-            "cost": float(summary.get("cost", 0.0)),
-            "files": rank_files,
-        })
-    return {
-        "format": MANIFEST_FORMAT,
-        "created_unix_s": int(time.time()),
-        "world_size": world_size,
-        **fields,
-        "ranks": ranks,
-    }
-
-
-def dumps(manifest: dict[str, Any]) -> str:
-    return json.dumps(manifest, indent=2, sort_keys=False) + "\n"

@@ -168,3 +168,17 @@ def bubble_of(step_table: pd.DataFrame) -> float:
     """1 - ideal time / achieved time, summed over steps (the fraction of rank-time spent idle)."""
     total_max = float(step_table["max_time"].sum())
     return 0.0 if total_max <= 0 else 1.0 - float(step_table["mean_time"].sum()) / total_max
+
+
+def shard_rows(rows: DataFrame) -> DataFrame:
+    """``rank`` plus the shard format's columns (``shards.schema``), in its order and cast to its
+    types, so the files hold exactly what the reader expects whatever the input's integer widths."""
+    from pyspark.sql.pandas.types import from_arrow_type
+
+    from shards.schema import COLUMNS
+
+    missing = [c.name for c in COLUMNS if not c.optional and c.name not in rows.columns]
+    if missing:
+        raise RuntimeError(f"balance job bug: shard rows lack columns {missing}")
+    return rows.select("rank", *[F.col(c.name).cast(from_arrow_type(c.type)).alias(c.name)
+                                 for c in COLUMNS if c.name in rows.columns])

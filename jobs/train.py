@@ -21,6 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shards.schema import MANIFEST_NAME  # noqa: E402  (stdlib + pyarrow)
+
 SUMMARY_METRICS = ("loss", "step_time_s", "samples_per_s", "bubble_fraction", "idle_fraction", "comm_s",
                    "exposed_comm_s", "imbalance", "hr_at_10", "ndcg_at_10", "mrr")
 
@@ -63,17 +65,17 @@ class MLflowSink:
         self.mlflow.end_run()
 
 
-def build_sink(config, manifest: dict, rank: int, comm: str):
+def build_sink(config, manifest, rank: int, comm: str):
     from jobs.tracking import DISABLED, code_version, resolve_tracking_uri
     from training.config import to_flat_dict
 
     uri = resolve_tracking_uri(config.tracking.uri or None)
     if rank != 0 or uri == DISABLED:
         return None
-    strategy = manifest.get("control") or manifest.get("strategy", "unknown")
-    run_name = config.tracking.run_name or f"train-{strategy}-k{manifest.get('world_size')}"
-    tags = {"freescale.job": "train", "freescale.strategy": str(strategy),
-            "freescale.world_size": str(manifest.get("world_size")),
+    strategy = manifest.control or manifest.strategy
+    run_name = config.tracking.run_name or f"train-{strategy}-k{manifest.world_size}"
+    tags = {"freescale.job": "train", "freescale.strategy": strategy,
+            "freescale.world_size": str(manifest.world_size),
             "freescale.data": str(Path(config.data.shards).resolve()),
             "freescale.code_version": code_version(), "freescale.comm_mode": config.comm.mode,
             "freescale.comm_path": comm}
@@ -102,7 +104,7 @@ def train(argv: list[str]) -> int:
     result = trainer.train()
     if trainer.env.rank == 0:
         summary = dict(result.summary)
-        summary["predicted_bubble"] = trainer.manifest.get("stats", {}).get("bubble", float("nan"))
+        summary["predicted_bubble"] = trainer.manifest.stats.get("bubble", float("nan"))
         print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
         if args.summary_json:
             Path(args.summary_json).write_text(json.dumps(
@@ -149,7 +151,7 @@ def launch(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     nproc = args.nproc_per_node
     if nproc is None:
-        manifest = Path(args.shards) / "manifest.json"
+        manifest = Path(args.shards) / MANIFEST_NAME
         nproc = json.loads(manifest.read_text())["world_size"] if manifest.exists() else 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "jobs.train", "--data.shards", args.shards]

@@ -19,25 +19,23 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from training.manifest_check import ShardError, load_manifest, verify_checksums
+from shards.manifest import ShardError, load_manifest, parse_manifest, verify_checksums
+from shards.schema import COLUMNS, MANIFEST_FORMAT, READ_COLUMNS, arrow_schema
 from training.batch import SequenceBatch
 from training.shard_reader import (
     NEXT_STEP_KEY,
-    READ_COLUMNS,
     ShardReader,
     StepRows,
     build_loader,
     collate_step,
 )
 
-SCHEMA = pa.schema([
-    ("step", pa.int64()), ("slot", pa.int32()), ("user_id", pa.string()),
-    ("items", pa.list_(pa.int32())), ("timestamps", pa.list_(pa.int64())), ("ratings", pa.list_(pa.float32())),
-    ("length", pa.int32()), ("cost", pa.float64()),
-    ("valid_item", pa.int32()), ("valid_timestamp", pa.int64()), ("valid_rating", pa.float32()),
-    ("test_item", pa.int32()), ("test_timestamp", pa.int64()), ("origin_step", pa.int64()),
-    ("step_targets", pa.int64()),
-])
+SCHEMA = arrow_schema()
+
+
+def open_loader(root: Path, rank: int, world_size: int, **kwargs: Any):
+    """What a trainer rank does: load the manifest once, then build the loader from it."""
+    return build_loader(load_manifest(root, world_size, rank=rank), rank, **kwargs)
 
 Row = dict[str, Any]
 
@@ -83,7 +81,7 @@ def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_s
     rng = np.random.default_rng(seed)
     schema = SCHEMA
     if user_features:
-        schema = SCHEMA.append(pa.field("user_features", pa.list_(pa.int32())))
+        schema = arrow_schema(user_features=True)
     root.mkdir(parents=True, exist_ok=True)
     ranks = []
     for rank in range(world_size):
@@ -161,7 +159,7 @@ def assert_batches_equal(actual: list[SequenceBatch], expected: list[SequenceBat
 
 
 def reader_for(root: Path, rank: int, world_size: int = 2) -> ShardReader:
-    return ShardReader(root, rank, load_manifest(root, world_size, rank=rank))
+    return ShardReader(load_manifest(root, world_size, rank=rank), rank)
 
 
 class ReadLog:
@@ -351,14 +349,14 @@ def test_resume_rejects_foreign_state(shards: Path) -> None:
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_loader_state_dict_round_trip(shards: Path, prefetch: int) -> None:
     expected = reference_batches(shards, 0)
-    loader = build_loader(shards, 0, 2, prefetch=prefetch)
+    loader = open_loader(shards, 0, 2, prefetch=prefetch)
     it = iter(loader)
     first = [next(it) for _ in range(3)]
     state = json.loads(json.dumps(loader.state_dict()))
     fourth = next(it)  # the loader keeps going after a checkpoint
     assert_batches_equal(first + [fourth], expected[:4])
 
-    restored = build_loader(shards, 0, 2, prefetch=prefetch)
+    restored = open_loader(shards, 0, 2, prefetch=prefetch)
     restored.load_state_dict(state)
     assert_batches_equal(list(restored), expected[3:])
     # The next epoch replays the plan from step 0.
@@ -373,33 +371,33 @@ def test_missing_manifest(tmp_path: Path) -> None:
     with pytest.raises(ShardError, match=f"shard directory {tmp_path / 'empty'}"):
         load_manifest(tmp_path / "empty", 2)
     with pytest.raises(ShardError, match="no manifest.json"):
-        build_loader(tmp_path / "empty", 0, 2)
+        open_loader(tmp_path / "empty", 0, 2)
 
 
 def test_world_size_mismatch_names_both(shards: Path) -> None:
     with pytest.raises(ShardError) as err:
-        build_loader(shards, 0, 3)
+        open_loader(shards, 0, 3)
     message = str(err.value)
     assert "world size 2" in message and "world size 3" in message and "\n" not in message
 
 
 def test_rank_outside_world(shards: Path) -> None:
     with pytest.raises(ShardError, match="rank 2 is outside world size 2"):
-        build_loader(shards, 2, 2)
+        open_loader(shards, 2, 2)
 
 
 def test_file_size_mismatch(shards: Path) -> None:
     manifest = load_manifest(shards, 2)
-    path = shards / manifest["ranks"][1]["files"][1]["path"]
+    path = shards / manifest.ranks[1].files[1].path
     with open(path, "ab") as handle:
         handle.write(b"xx")
     load_manifest(shards, 2, rank=0)  # only this rank's files are stat'ed
     with pytest.raises(ShardError, match=f"{path}.*bytes"):
-        build_loader(shards, 1, 2)
+        open_loader(shards, 1, 2)
 
 
 def test_missing_file(shards: Path) -> None:
-    path = shards / load_manifest(shards, 2)["ranks"][0]["files"][0]["path"]
+    path = shards / load_manifest(shards, 2).ranks[0].files[0].path
     path.unlink()
     with pytest.raises(ShardError, match=f"{path} of rank 0 is missing"):
         load_manifest(shards, 2)
@@ -408,11 +406,11 @@ def test_missing_file(shards: Path) -> None:
 def test_empty_rank_shard(tmp_path: Path) -> None:
     root = write_shards(tmp_path / "s", empty_steps={1: set(range(7))})
     with pytest.raises(ShardError, match=f"rank 1 has an empty shard.*{root}"):
-        build_loader(root, 0, 2)
+        open_loader(root, 0, 2)
 
 
 def _corrupt_whole_file(root: Path, rank: int, index: int) -> Path:
-    path = root / load_manifest(root, 2)["ranks"][rank]["files"][index]["path"]
+    path = root / load_manifest(root, 2).ranks[rank].files[index].path
     size = path.stat().st_size
     path.write_bytes(np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8).tobytes())
     return path  # same size, so only reading the file can tell
@@ -424,15 +422,15 @@ def test_corrupt_parquet_file(shards: Path) -> None:
     with pytest.raises(ShardError, match=f"corrupt Parquet file {path}"):
         list(reader_for(shards, 0))
     with pytest.raises(ShardError, match=f"corrupt Parquet file {path}"):
-        list(build_loader(shards, 0, 2))
+        list(open_loader(shards, 0, 2))
     with pytest.raises(ShardError, match=f"{path} has sha256"):
-        build_loader(shards, 0, 2, verify=True)
+        open_loader(shards, 0, 2, verify=True)
 
 
 def test_corrupt_data_page(shards: Path) -> None:
     manifest = load_manifest(shards, 2)
-    verify_checksums(manifest, shards, 0)
-    path = shards / manifest["ranks"][0]["files"][0]["path"]
+    verify_checksums(manifest, 0)
+    path = shards / manifest.ranks[0].files[0].path
     column = pq.read_metadata(path).row_group(1).column(3)  # items of the second row group
     end = column.data_page_offset + column.total_compressed_size
     data = bytearray(path.read_bytes())
@@ -500,7 +498,7 @@ def test_step_beyond_manifest(tmp_path: Path) -> None:
 def test_format_and_checksum_helpers(shards: Path) -> None:
     manifest = load_manifest(shards, 2)
     for rank in range(2):
-        verify_checksums(manifest, shards, rank)
+        verify_checksums(manifest, rank)
     raw = json.loads((shards / "manifest.json").read_text())
     raw["format"] = "something/2"
     (shards / "manifest.json").write_text(json.dumps(raw))
@@ -519,7 +517,7 @@ USER_FEATURES = [("age", 7), ("gender", 3)]
 def test_user_features_are_collated_per_sample(tmp_path: Path) -> None:
     root = write_shards(tmp_path / "s", user_features=USER_FEATURES, empty_steps={0: {2}})
     expected = whole_rank(root, 0, ("user_features",))
-    batches = list(build_loader(root, 0, 2, prefetch=0))
+    batches = list(open_loader(root, 0, 2, prefetch=0))
     assert batches[2].batch_size == 0 and tuple(batches[2].user_features.shape) == (0, 2)
     collated = torch.cat([b.user_features for b in batches])
     assert collated.dtype == torch.int64
@@ -527,7 +525,7 @@ def test_user_features_are_collated_per_sample(tmp_path: Path) -> None:
 
 
 def test_shards_without_user_features_give_none(shards: Path) -> None:
-    assert all(b.user_features is None for b in build_loader(shards, 1, 2, prefetch=0))
+    assert all(b.user_features is None for b in open_loader(shards, 1, 2, prefetch=0))
 
 
 def test_user_feature_id_outside_table(tmp_path: Path) -> None:
@@ -564,3 +562,47 @@ def test_manifest_user_feature_entry_is_checked(shards: Path) -> None:
     (shards / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ShardError, match="user_features entry .* needs a name and num_ids"):
         load_manifest(shards, 2)
+
+
+# ------------------------------------------------------------- shard format
+
+
+def test_manifest_round_trips_through_its_dataclass(shards: Path) -> None:
+    manifest = load_manifest(shards, 2)
+    (shards / "copy").mkdir()
+    (shards / "copy" / "manifest.json").write_text(manifest.dumps())
+    again = parse_manifest(json.loads(manifest.dumps()), shards / "copy" / "manifest.json")
+    assert again == manifest and again.ranks[1].files == manifest.ranks[1].files
+    assert json.loads(manifest.dumps())["format"] == MANIFEST_FORMAT
+
+
+def test_manifest_field_of_wrong_type_is_named(shards: Path) -> None:
+    raw = json.loads((shards / "manifest.json").read_text())
+    (shards / "manifest.json").write_text(json.dumps({**raw, "control": 3}))
+    with pytest.raises(ShardError, match=r"manifest.json: control should be str \| None, found 3$"):
+        load_manifest(shards, 2)
+    (shards / "manifest.json").write_text(json.dumps({**raw, "num_step": 3}))
+    with pytest.raises(ShardError, match="unknown field 'num_step'"):
+        load_manifest(shards, 2)
+
+
+def test_column_of_another_type_is_refused(tmp_path: Path) -> None:
+    """A writer that drifts from the format (here: 64-bit item ids) is stopped at the footer."""
+    root = write_shards(tmp_path / "s")
+    path = root / load_manifest(root, 2).ranks[0].files[0].path
+    table = pq.read_table(path)
+    table = table.set_column(table.schema.get_field_index("items"), "items",
+                             table["items"].cast(pa.list_(pa.int64())))
+    pq.write_table(table, path)
+    raw = json.loads((root / "manifest.json").read_text())
+    raw["ranks"][0]["files"][0]["bytes"] = path.stat().st_size
+    (root / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ShardError, match=f"{path} has column items: found list<int64>, expected "
+                                         r"list<int32> \(not the shard format\)"):
+        iter(open_loader(root, 0, 2, prefetch=0))  # footers are read and checked when iteration starts
+
+
+def test_every_format_column_is_described_and_read_columns_exist() -> None:
+    assert all(c.meaning for c in COLUMNS)
+    assert set(READ_COLUMNS) <= {c.name for c in COLUMNS} and "origin_step" not in READ_COLUMNS
+    assert arrow_schema().names == [c.name for c in COLUMNS if not c.optional]

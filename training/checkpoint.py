@@ -1,8 +1,10 @@
 """Sharded checkpoints with torch.distributed.checkpoint, plus each rank's own position.
 
-A checkpoint is `<folder>/step_<n>/`: DCP files for the model (sharded table and
-dense part) and both optimizers, one `rank_<r>.pt` per rank with what only that
-rank knows (loader position, RNG states), `SHARDS` (the SHA-256 of the shard
+The trainer hands the checkpointer two dicts of ``Stateful`` objects (anything with
+``state_dict()`` / ``load_state_dict()``): the *shared* ones go through DCP, which
+saves sharded tensors once across ranks and loads them in place; each rank's *own*
+ones go into its own file. A checkpoint is `<folder>/step_<n>/`: the DCP files, one
+`rank_<r>.pt` per rank with what only that rank knows, `SHARDS` (the SHA-256 of the shard
 manifest it trained on: a loader position means nothing in other shards), and
 `COMPLETE`, written last by rank 0 after every rank finished. A folder without
 `COMPLETE` (a crash mid-save) is ignored.
@@ -17,8 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
-from training.manifest_check import ShardError
+from shards.manifest import ShardError
 
 COMPLETE = "COMPLETE"
 SHARDS = "SHARDS"
@@ -46,11 +49,11 @@ class Checkpointer:
                  if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()]
         return max(steps, default=None)
 
-    def save(self, step: int, shared: dict[str, Any], own: dict[str, Any], shards_sha256: str) -> None:
-        """`shared`: DCP state (sharded or replicated tensors); `own`: this rank's private state."""
+    def save(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful], shards_sha256: str) -> None:
+        """`shared`: state saved through DCP (sharded or replicated tensors); `own`: this rank's."""
         target = self.step_dir(step)
         dcp.save(shared, checkpoint_id=str(target))
-        torch.save(own, target / f"rank_{self.rank}.pt")
+        torch.save({name: state.state_dict() for name, state in own.items()}, target / f"rank_{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
             (target / SHARDS).write_text(f"{shards_sha256}\n")
@@ -65,8 +68,8 @@ class Checkpointer:
                              f"{found[:12]}..., these are {shards_sha256[:12]}...): use another "
                              "checkpoint.folder, or remove this one to start over")
 
-    def load(self, step: int, shared: dict[str, Any]) -> dict[str, Any]:
-        """Load DCP state in place into `shared`; return this rank's private state."""
+    def load(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful]) -> None:
+        """Load every state saved by :meth:`save` into the same objects."""
         source = self.step_dir(step)
         # flatten_sharded_tensors (for FSDP 2D nesting) drops a ShardedTensor that has
         # no shard on this rank -- a table-wise table placed on another rank -- which
@@ -76,14 +79,17 @@ class Checkpointer:
         if not own_path.exists():
             raise FileNotFoundError(f"checkpoint {source} has no state for rank {self.rank} "
                                     "(saved with a different world size?)")
-        return torch.load(own_path, weights_only=False)
+        saved = torch.load(own_path, weights_only=False)
+        for name, state in own.items():
+            state.load_state_dict(saved[name])
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create an optimizer's lazily built state (Adam's moments) so DCP has tensors to load into.
 
     One step with zero gradients and learning rate 0 allocates the state without
-    moving any parameter; the checkpoint then overwrites it.
+    moving any parameter (Adam's update is scaled by the learning rate, weight
+    decay included); the checkpoint then overwrites it.
     """
     if optimizer.state:
         return

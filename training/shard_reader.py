@@ -19,7 +19,8 @@ Its job is to do that with bounded memory and resumable state:
 
 Checkpointing the loader (all ranks do the same, each with its own loader)::
 
-    loader = build_loader(shards_dir, rank, world_size)
+    manifest = load_manifest(shards_dir, world_size, rank)  # shards.manifest; once per rank
+    loader = build_loader(manifest, rank)
     if resume_state is not None:            # e.g. checkpoint["loader"][rank]
         loader.load_state_dict(resume_state)  # applied at the next iter(loader)
     for batch in loader:
@@ -34,7 +35,6 @@ from step 0 on the next ``iter()`` (a new epoch over the same plan).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,28 +46,9 @@ import pyarrow.parquet as pq
 import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 
+from shards.manifest import Manifest, ShardError, one_line, verify_checksums
+from shards.schema import NON_NULL_COLUMNS, PER_ITEM_COLUMNS, READ_COLUMNS, USER_FEATURES, type_mismatches
 from training.batch import SequenceBatch
-from training.manifest_check import (
-    ShardError,
-    load_manifest,
-    one_line,
-    rank_files,
-    user_feature_sizes,
-    verify_checksums,
-)
-
-# Columns the reader needs (cost: what the plan expected of the rank, for the
-# bubble report); the shard's other columns (origin_step) are planning diagnostics
-# and are not read, so they cost no memory.
-READ_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length",
-                "valid_item", "valid_timestamp", "valid_rating", "test_item", "test_timestamp", "step_targets", "cost")
-LIST_COLUMNS = ("items", "timestamps", "ratings")
-# Read, and required, when the manifest lists user features.
-USER_FEATURES_COLUMN = "user_features"
-# Everything except the ratings may not be null: a null there is a job bug, and
-# letting it through would turn into NaN or garbage ids after collation.
-NON_NULL_COLUMNS = ("step", "slot", "user_id", "items", "timestamps", "ratings", "length",
-                    "valid_item", "valid_timestamp", "test_item", "test_timestamp", "step_targets", "cost")
 
 # ShardReader state keys.
 RANK_KEY = "rank"
@@ -126,7 +107,7 @@ def collate_step(step_rows: StepRows) -> SequenceBatch:
         step=int(step_rows.step),
         step_targets=int(table["step_targets"][0].as_py()) if table.num_rows else 0,
         cost=float(pc.sum(table["cost"]).as_py() or 0.0),
-        user_features=(torch.from_numpy(_numpy(pc.list_flatten(table[USER_FEATURES_COLUMN])))
+        user_features=(torch.from_numpy(_numpy(pc.list_flatten(table[USER_FEATURES])))
                        .reshape(table.num_rows, step_rows.num_user_features)
                        if step_rows.num_user_features else None),
     )
@@ -146,24 +127,24 @@ class ShardReader(BaseNode[StepRows]):
     ``next()`` reads only the row group holding that row.
 
     Args:
-        shards_dir: the balance job's output directory.
+        manifest: the validated manifest from :func:`shards.manifest.load_manifest`
+            (which also checks the files exist with the recorded sizes).
         rank: which rank's shard to stream.
-        manifest: the parsed manifest, normally from
-            :func:`training.manifest_check.load_manifest` (which also checks the
-            files exist with the recorded sizes).
     """
 
-    def __init__(self, shards_dir: str | os.PathLike[str], rank: int, manifest: dict[str, Any]) -> None:
+    def __init__(self, manifest: Manifest, rank: int) -> None:
         super().__init__()
-        self._root = Path(shards_dir)
+        assert manifest.root is not None, "the reader needs a manifest loaded from its directory"
+        self._root = manifest.root
         self._rank = rank
-        self._files = rank_files(manifest, shards_dir, rank)
+        self._files = [{"abspath": path, "rows": entry.rows}
+                       for entry, path in zip(manifest.ranks[rank].files, manifest.rank_paths(rank))]
         if not self._files:
             raise ShardError(f"rank {rank} has an empty shard (no files) in {self._root}")
-        self._num_steps = int(manifest["num_steps"])
-        self._num_items = int(manifest["num_items"])
-        self._user_features = user_feature_sizes(manifest)
-        self._columns = READ_COLUMNS + ((USER_FEATURES_COLUMN,) if self._user_features else ())
+        self._num_steps = manifest.num_steps
+        self._num_items = manifest.num_items
+        self._user_features = [(f.name, f.num_ids) for f in manifest.user_features]
+        self._columns = READ_COLUMNS + ((USER_FEATURES,) if self._user_features else ())
         # Set up by reset(); None until then.
         self._metadata: list[pq.FileMetaData | None] = []
         self._parquet: pq.ParquetFile | None = None
@@ -311,6 +292,9 @@ class ShardReader(BaseNode[StepRows]):
         absent = [c for c in self._columns if c not in names]
         if absent:
             raise ShardError(f"shard file {path} lacks columns {absent}")
+        wrong = type_mismatches(metadata.schema.to_arrow_schema(), self._columns)
+        if wrong:
+            raise ShardError(f"shard file {path} has column {wrong[0]} (not the shard format)")
         if metadata.num_rows != entry["rows"]:
             raise ShardError(f"shard file {path} holds {metadata.num_rows} rows, manifest says {entry['rows']}")
         return metadata
@@ -357,7 +341,7 @@ class ShardReader(BaseNode[StepRows]):
             raise ShardError(f"{where}: step {bad_step} is outside 0..{self._num_steps - 1} (manifest num_steps)")
 
         lengths = _numpy(table["length"])
-        for name in LIST_COLUMNS:
+        for name in PER_ITEM_COLUMNS:
             actual = _numpy(pc.list_value_length(table[name]))
             if not np.array_equal(actual, lengths):
                 row = int(np.argmax(actual != lengths))
@@ -388,14 +372,14 @@ class ShardReader(BaseNode[StepRows]):
         return steps
 
     def _validate_user_features(self, table: pa.Table, steps: np.ndarray, path: Path) -> None:
-        column = table[USER_FEATURES_COLUMN]
+        column = table[USER_FEATURES]
         if column.null_count or pc.list_flatten(column).null_count:
-            raise ShardError(f"{path} row group {self._row_group}: column {USER_FEATURES_COLUMN} has null values")
+            raise ShardError(f"{path} row group {self._row_group}: column {USER_FEATURES} has null values")
         width = len(self._user_features)
         counts = _numpy(pc.list_value_length(column))
         if np.any(counts != width):
             row = int(np.argmax(counts != width))
-            raise ShardError(f"{path}: step {steps[row]}: {USER_FEATURES_COLUMN} of user {table['user_id'][row]} "
+            raise ShardError(f"{path}: step {steps[row]}: {USER_FEATURES} of user {table['user_id'][row]} "
                              f"has {counts[row]} ids but the manifest lists {width} user features")
         ids = _numpy(pc.list_flatten(column)).reshape(-1, width)
         for index, (name, num_ids) in enumerate(self._user_features):
@@ -406,23 +390,22 @@ class ShardReader(BaseNode[StepRows]):
                                  f"{table['user_id'][row]} is outside 0..{num_ids - 1} (manifest user_features)")
 
 
-def build_loader(shards_dir: str | os.PathLike[str], rank: int, world_size: int, *,
-                 prefetch: int = 2, verify: bool = False) -> Loader[SequenceBatch]:
+def build_loader(manifest: Manifest, rank: int, *, prefetch: int = 2, verify: bool = False
+                 ) -> Loader[SequenceBatch]:
     """Loader of this rank's :class:`SequenceBatch` for steps ``0..num_steps-1``.
 
     Pipeline: :class:`ShardReader` -> ``Mapper(collate_step)`` -> ``Prefetcher``
     (a background thread reading and collating ``prefetch`` steps ahead; 0
-    disables it). The manifest is validated first (world size, files, sizes);
-    ``verify=True`` also checks every file's SHA-256, reading the shard once.
-    Checkpoint with ``loader.state_dict()`` / ``loader.load_state_dict(state)``,
-    see the module docstring.
+    disables it). ``manifest`` comes from :func:`shards.manifest.load_manifest`,
+    once per rank; ``verify=True`` also checks every file's SHA-256, reading the
+    shard once. Checkpoint with ``loader.state_dict()`` /
+    ``loader.load_state_dict(state)``, see the module docstring.
     """
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    manifest = load_manifest(shards_dir, world_size, rank=rank)
     if verify:
-        verify_checksums(manifest, shards_dir, rank)
-    node: BaseNode[Any] = Mapper(ShardReader(shards_dir, rank, manifest), collate_step)
+        verify_checksums(manifest, rank)
+    node: BaseNode[Any] = Mapper(ShardReader(manifest, rank), collate_step)
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return Loader(node)

@@ -28,22 +28,17 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from comm.clock import overlap_length
 from training import bubbles
 from training.batch import SequenceBatch
 from training.comm_layer import build_comm_layer
+from shards.manifest import Manifest, ShardError, load_manifest
 from training.checkpoint import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
-from training.manifest_check import ShardError, load_manifest, manifest_sha256, user_feature_sizes
-from training.metrics import RetrievalMetrics, most_popular_baseline
+from training.evaluator import evaluate
 from training.model import build_model
-
-# Fused-optimizer state keys of the user feature tables (attribute name of the bag collection).
-USER_TABLES_PREFIX = "user_embedding_collection."
 from training.shard_reader import build_loader, stop_prefetch
 from training.sharding import DenseGradSync, broadcast_dense, dense_parameters, shard_model
 
@@ -69,7 +64,7 @@ class TrainResult:
     steps: list[int]
     losses: list[float]
     """Global loss per step (targets-weighted over all ranks)."""
-    manifest: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest | None = None
     comm_issue_order: list[str] = field(default_factory=list)
     """Rank 0's collectives of one steady-state step (the second), in the order issued
     (empty in plain mode, whose collectives TorchRec issues)."""
@@ -81,15 +76,18 @@ class Trainer:
         self.sink = sink or NullSink()
         self.env = env or init_distributed(config.parallel, config.training.threads)
         self.manifest, self.loader = self._open_shards()
-        self.shards_sha256 = manifest_sha256(config.data.shards)  # ties checkpoints to these shards
         torch.manual_seed(config.training.seed)
-        model = build_model(int(self.manifest["num_items"]), config.model, self.env.device,
-                            user_features=user_feature_sizes(self.manifest))
-        self.model = shard_model(model, config.optimizer, config.parallel, self.env)
-        self.module = self.model.module
-        dense = dense_parameters(self.model)
+        # Two names, two objects: `sharded_model` is TorchRec's DistributedModelParallel
+        # wrapper (state dict, fused optimizer, comm routes); `model` is the recommender
+        # inside it, whose tables DMP replaced by sharded ones (forward, lookups, evaluation).
+        self.sharded_model = shard_model(
+            build_model(self.manifest.num_items, config.model, self.env.device,
+                        user_features=[(f.name, f.num_ids) for f in self.manifest.user_features]),
+            config.optimizer, config.parallel, self.env)
+        self.model = self.sharded_model.module
+        dense = dense_parameters(self.sharded_model)
         broadcast_dense(dense)
-        self.comm = build_comm_layer(config.comm, self.model, self.env, dense,
+        self.comm = build_comm_layer(config.comm, self.sharded_model, self.env, dense,
                                      timedelta(seconds=config.parallel.collective_timeout_s))
         # Averages the dense gradients after the backward: one flat all-reduce (plain), or
         # waiting for the buckets the backward already issued (comm layer).
@@ -105,7 +103,7 @@ class Trainer:
         self.meter = bubbles.BubbleMeter(self.env.world_size, config.training.timing_sync_every)
         self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank)
         self.step = 0
-        self.max_steps = config.training.max_steps or int(self.manifest["num_steps"])
+        self.max_steps = config.training.max_steps or self.manifest.num_steps
         if config.checkpoint.resume:
             self.resume()
         if self.env.rank == 0:
@@ -122,24 +120,25 @@ class Trainer:
         """Step ``step``'s uniform negatives on this rank: a function of (seed, rank, step) alone,
         so every comm mode -- which may draw them a step early -- and a resumed run use the same."""
         if self.config.loss.full_softmax:
-            return torch.arange(1, self.module.num_items + 1, device=self.env.device)
+            return torch.arange(1, self.model.num_items + 1, device=self.env.device)
         state = np.random.SeedSequence([self.config.training.seed, self.env.rank, step]).generate_state(2)
         generator = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
-        return self.module.sample_negatives(self.config.loss.num_negatives, torch.device("cpu"),
+        return self.model.sample_negatives(self.config.loss.num_negatives, torch.device("cpu"),
                                             generator).to(self.env.device)
 
-    def _open_shards(self) -> tuple[dict[str, Any], Any]:
-        """Check the manifest and this rank's files on every rank, then agree.
+    def _open_shards(self) -> tuple[Manifest, Any]:
+        """Load and check the manifest and this rank's files on every rank, then agree.
 
-        A rank with a bad shard must not leave the others blocked in the first
-        collective: each rank reports success, and all stop if any failed.
+        The manifest is read once here and passed to everything that needs it. A rank
+        with a bad shard must not leave the others blocked in the first collective:
+        each rank reports success, and all stop if any failed.
         """
         error: Exception | None = None
-        manifest, loader = {}, None
+        manifest, loader = None, None
         try:
             manifest = load_manifest(self.config.data.shards, self.env.world_size, self.env.rank)
-            loader = build_loader(self.config.data.shards, self.env.rank, self.env.world_size,
-                                  prefetch=self.config.data.prefetch, verify=self.config.data.verify_checksums)
+            loader = build_loader(manifest, self.env.rank, prefetch=self.config.data.prefetch,
+                                  verify=self.config.data.verify_checksums)
             iter(loader)  # opens and checks every file footer of this rank
         except ShardError as exc:
             error = exc
@@ -150,46 +149,43 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
 
-    def _checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(shared, user_table_optimizer)``: the DCP state, and the optimizer state of the
-        user feature tables this rank holds.
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's progress (the trainer is one of its checkpoint's ``Stateful`` objects)."""
+        return {"step": self.step, "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
 
-        The user tables are sharded table-wise, and TorchRec's fused optimizer for bag
-        collections lists only the tables a rank holds (unlike the item table's, whose
-        state is a ShardedTensor on every rank), so DCP would find keys that only some
-        ranks have. Their state goes into each rank's own file instead: the same world
-        size and plan put the same tables on the same rank on resume.
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def checkpoint_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(shared, own)`` ``Stateful`` objects for the checkpointer.
+
+        Shared (through DCP): the model, the item table's fused optimizer and the dense
+        optimizer. Own (this rank's file): the trainer's progress, the loader position and
+        the user feature tables' fused optimizer. The user tables are sharded table-wise and
+        their bag collection's optimizer lists only the tables a rank holds (unlike the item
+        table's, whose state is a ShardedTensor on every rank), so DCP would find keys only
+        some ranks have; the same world size and plan put the same tables on the same rank on
+        resume. Each sharded collection owns its fused optimizer, so no key needs parsing.
         """
-        sparse = self.model.fused_optimizer.state_dict()
-        user_tables = {k: v for k, v in sparse["state"].items() if k.startswith(USER_TABLES_PREFIX)}
-        sparse["state"] = {k: v for k, v in sparse["state"].items() if k not in user_tables}
-        shared = {"model": self.model.state_dict(), "sparse_optimizer": sparse,
-                  "dense_optimizer": self.dense_optimizer.state_dict()}
-        return shared, user_tables
+        shared = {"model": self.sharded_model, "sparse_optimizer": self.model.embedding_collection.fused_optimizer,
+                  "dense_optimizer": self.dense_optimizer}
+        own: dict[str, Any] = {"trainer": self, "loader": self.loader}
+        if self.model.user_embedding_collection is not None:
+            own["user_table_optimizer"] = self.model.user_embedding_collection.fused_optimizer
+        return shared, own
 
     def save(self) -> None:
-        shared, user_tables = self._checkpoint_state()
-        own = {"step": self.step, "loader": self.loader.state_dict(),
-               "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-               "user_table_optimizer": user_tables}
-        self.checkpointer.save(self.step, shared, own, self.shards_sha256)
+        self.checkpointer.save(self.step, *self.checkpoint_states(), self.manifest.sha256)
 
     def resume(self) -> None:
         step = self.checkpointer.latest_step()
         if step is None:
             return
-        self.checkpointer.check_shards(step, self.shards_sha256)
+        self.checkpointer.check_shards(step, self.manifest.sha256)
         materialize_optimizer_state(self.dense_optimizer)
-        shared, _ = self._checkpoint_state()
-        own = self.checkpointer.load(step, shared)
-        self.model.load_state_dict(shared["model"])
-        shared["sparse_optimizer"]["state"].update(own.get("user_table_optimizer", {}))
-        self.model.fused_optimizer.load_state_dict(shared["sparse_optimizer"])
-        self.dense_optimizer.load_state_dict(shared["dense_optimizer"])
-        self.loader.load_state_dict(own["loader"])
-        self.generator.set_state(own["generator"])
-        torch.set_rng_state(own["torch_rng"])
-        self.step = int(own["step"])
+        self.checkpointer.load(step, *self.checkpoint_states())
         if self.step >= self.max_steps and self.env.rank == 0:
             print(f"freescale train: checkpoint {self.checkpointer.step_dir(step)} already reached max_steps "
                   f"{self.max_steps}: nothing left to train, evaluating only", file=sys.stderr, flush=True)
@@ -201,7 +197,7 @@ class Trainer:
             return self.idle_step(timing)
         probe = bubbles.DenseSpanProbe()
         start_wall = time.perf_counter()
-        loss, stats = self.module(batch, self.config.loss.num_negatives,
+        loss, stats = self.model(batch, self.config.loss.num_negatives,
                                   full_softmax=self.config.loss.full_softmax, generator=self.generator,
                                   probe=probe, negative_ids=self.negatives(self.step))
         local_targets = float(stats["num_targets"])
@@ -223,9 +219,9 @@ class Trainer:
         """A rank the plan gave no samples this step still joins the step's collectives."""
         empty = torch.zeros(0, dtype=torch.int64, device=self.env.device)
         start = time.perf_counter()
-        items, negative_embeddings = self.module.lookup(empty, empty, self.negatives(self.step))
+        items, negative_embeddings = self.model.lookup(empty, empty, self.negatives(self.step))
         # The user tables' lookup is a collective too: the busy ranks are in it.
-        users = self.module.lookup_users(empty.view(0, len(self.module.user_feature_names)))
+        users = self.model.lookup_users(empty.view(0, len(self.model.user_feature_names)))
         timing.sparse_forward_s = time.perf_counter() - start
         start = time.perf_counter()
         zero = items.sum() * 0.0 + negative_embeddings.sum() * 0.0
@@ -286,7 +282,7 @@ class Trainer:
         probe = bubbles.DenseSpanProbe()
         self._dense_span = None
         if batch.batch_size:
-            loss, stats = self.module(batch, self.config.loss.num_negatives,
+            loss, stats = self.model(batch, self.config.loss.num_negatives,
                                       full_softmax=self.config.loss.full_softmax, generator=self.generator,
                                       probe=probe, negative_ids=negatives, exchanged=exchange)
             local_targets = float(stats["num_targets"])
@@ -328,7 +324,7 @@ class Trainer:
     # ------------------------------------------------------------ the loop
 
     def train(self) -> TrainResult:
-        self.module.train()
+        self.model.train()
         self._iterator = iter(self.loader)
         log_every = max(1, self.config.training.log_every)
         while self.step < self.max_steps:
@@ -363,7 +359,8 @@ class Trainer:
         summary["loss"] = float(np.mean(losses[-max(1, len(losses) // 10):])) if len(losses) else float("nan")
         total_time = float(bubbles.column(table, "step_s").max(axis=1).sum())
         summary["samples_per_s"] = float(bubbles.column(table, "samples").sum()) / total_time if total_time else 0.0
-        summary.update(self.evaluate())
+        summary.update(evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
+                                self.config.training.eval_max_samples or None))
         return TrainResult(summary, table, list(self.meter.steps), list(losses), self.manifest,
                            self.comm_issue_order)
 
@@ -390,57 +387,6 @@ class Trainer:
                 print(f"step {step:5d}  loss {losses[i]:.4f}  step {step_time[i] * 1e3:7.1f} ms  "
                       f"bubble {fractions[i]:6.1%}  exposed comm {exposed[i].max() * 1e3:6.1f} ms "
                       f"of {comm[i].max() * 1e3:6.1f} ms", flush=True)
-
-    # ------------------------------------------------------------- evaluation
-
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """HR@10, NDCG@10, MRR on the leave-one-out test targets, full catalog, all ranks' samples.
-
-        The whole table is gathered once (a collective lookup); scoring then reads it
-        locally, so ranks may hold different numbers of samples. Under the mirror
-        control every rank holds the same samples: rank r scores steps r, r+K, ...
-        """
-        self.module.eval()
-        raw = self.module.all_item_embeddings(normalize=False)
-        user_tables = self.module.all_user_feature_tables()
-        table = F.normalize(raw, dim=-1)
-        loader = build_loader(self.config.data.shards, self.env.rank, self.env.world_size, prefetch=0)
-        mirror = self.manifest.get("control") == "mirror"
-        limit = self.config.training.eval_max_samples or None
-        model_sums, counts, targets = RetrievalMetrics(k=10), torch.zeros(int(self.manifest["num_items"]) + 1,
-                                                                           dtype=torch.float64), []
-        seen = 0
-        for batch in loader:
-            if batch.batch_size == 0 or (mirror and batch.step % self.env.world_size != self.env.rank):
-                continue
-            counts += torch.bincount(batch.item_ids, minlength=counts.numel()).to(torch.float64)
-            if limit is not None and seen >= limit:
-                continue
-            batch = batch.to(self.env.device)
-            model_sums = model_sums + self.module.evaluate(batch, table, use="test", item_table=raw,
-                                                             user_tables=user_tables)
-            targets.append(batch.test_item.cpu())
-            seen += batch.batch_size
-        self.module.train()
-        sums = model_sums.to_tensor()
-        if self.env.world_size > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(counts)
-        result = {name.replace("@", "_at_"): value for name, value in
-                  RetrievalMetrics.from_tensor(sums, k=10).means().items()}
-        popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
-        baseline = most_popular_baseline(popular_ids, int(self.manifest["num_items"]),
-                                         torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64))
-        base_sums = baseline.to_tensor()
-        if self.env.world_size > 1:
-            dist.all_reduce(base_sums)
-        for name, value in RetrievalMetrics.from_tensor(base_sums, k=10).means().items():
-            if name != "count":
-                result[f"popular_{name.replace('@', '_at_')}"] = value
-        result["eval_samples"] = result.pop("count")
-        return result
-
 
 def step_losses(table: np.ndarray) -> np.ndarray:
     """Global loss per step: the sum of target losses over all ranks / all targets."""
