@@ -38,7 +38,8 @@ import pytest
 import torch
 
 from pipeline.cost_model import CostModel, default_cost_model
-from training.hstu import HSTUConfig, HSTUEncoder
+from training.config import HSTUConfig
+from training.hstu import HSTUEncoder
 from training.jagged import offsets_from_lengths
 
 CALIBRATION: dict[str, list[int]] = {

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.hstu import AttentionPlan, HSTUConfig, HSTUEncoder, HSTULayer, log_bucket
+from training.config import HSTUConfig, ModelConfig
+from training.hstu import AttentionPlan, HSTUEncoder, HSTULayer, log_bucket
 from training.jagged import (
     group_by_length,
     jagged_concat_last,
@@ -30,7 +31,6 @@ from training.metrics import (
 from training.model import (
     FEATURE_KEYS,
     ITEM_TABLE,
-    ModelConfig,
     SequenceBatch,
     build_local_model,
     build_model,
