@@ -18,10 +18,16 @@ def bubble(loads_per_step: np.ndarray) -> float:
         loads = loads[None, :]
     if loads.ndim != 2 or loads.shape[1] == 0:
         raise ValueError(f"loads_per_step must be [num_steps, K] with K >= 1, got shape {loads.shape}")
-    busiest = float(loads.max(axis=1).sum()) if loads.shape[0] else 0.0
-    if busiest <= 0.0:
+    if not loads.shape[0]:
         return 0.0
-    return float(1.0 - loads.mean(axis=1).sum() / busiest)
+    return bubble_of_totals(float(loads.mean(axis=1).sum()), float(loads.max(axis=1).sum()))
+
+
+def bubble_of_totals(ideal: float, achieved: float) -> float:
+    """``1 - ideal / achieved``: the idle share of rank-time when the steps take ``achieved`` in
+    all (the sum of their makespans) and perfectly balanced steps would take ``ideal``. Every
+    predicted bubble (a partition, a window plan, the balance job's per-step table) is this."""
+    return 0.0 if achieved <= 0 else float(1.0 - ideal / achieved)
 
 
 def rank_sums(p: Problem, rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

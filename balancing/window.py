@@ -20,6 +20,7 @@ from balancing.inputs import (
     check_time_limit,
     check_positive_int,
 )
+from balancing.metrics import bubble_of_totals
 from balancing.partition import partition
 from balancing.strategies import check_strategy
 from balancing.types import Plan
@@ -121,15 +122,11 @@ def plan(
         loads=loads,
         num_steps=num_steps,
         moved=int(np.count_nonzero(step != original)),
-        bubble=_bubble(ideal, float(spans.sum())),
-        lower_bound_bubble=_bubble(ideal, float(bounds.sum())),
+        bubble=bubble_of_totals(ideal, float(spans.sum())),
+        lower_bound_bubble=bubble_of_totals(ideal, float(bounds.sum())),
         strategy=strategy,
         solve_time_s=elapsed,
     )
-
-
-def _bubble(ideal: float, achieved: float) -> float:
-    return 0.0 if achieved <= 0 else float(1.0 - ideal / achieved)
 
 
 def _step_seed(seed: int, step: int) -> int:

@@ -28,10 +28,13 @@ import statistics
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from training.config import CommMode  # noqa: E402  (no torch)
 
 MOVIELENS = (REPO / ".." / "shared" / "data" / "movielens-100k" / "ratings.parquet").resolve()
 MOVIELENS_USERS = MOVIELENS.with_name("users.parquet")
@@ -111,7 +114,7 @@ def main() -> None:
                         help="train with MovieLens user features (default on)")
     parser.add_argument("--user-feature-cols", default="age,gender,occupation,zip_code",
                         help="which columns of users.parquet (default: all four)")
-    parser.add_argument("--comm-mode", default="plain", choices=("plain", "overlap", "prioritized"),
+    parser.add_argument("--comm-mode", default="plain", choices=typing.get_args(CommMode),
                         help="comm mode of every run (default plain: the straggler bubble alone)")
     args = parser.parse_args()
     work = (REPO / args.workdir).resolve()

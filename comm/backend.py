@@ -8,8 +8,8 @@
 
 Every call is asynchronous and returns a :class:`Work` (``wait()``,
 ``is_completed()``, ``on_complete(fn)``); the exchange and the dense gradient sync
-only ever talk to this interface, so a new transport is one new class registered
-in :data:`BACKENDS`. ``path`` says which transport actually ran (the trainer logs
+only ever talk to this interface, so a new transport is one new class, its name
+in :data:`comm.names.BackendName` and its branch in :func:`build_backend`. ``path`` says which transport actually ran (the trainer logs
 it). A backend that cannot run on this machine raises :class:`BackendUnavailable`
 with one line naming what is missing; nothing falls back silently.
 
@@ -21,14 +21,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import Callable, ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol, get_args
 
 import torch
 import torch.distributed as dist
 
 from comm.errors import BackendUnavailable
+from comm.names import BackendName
 
-BACKEND_NAMES = ("auto", "gloo", "nccl", "copy_engine")
+BACKEND_NAMES: tuple[str, ...] = get_args(BackendName)
 
 
 class Work(Protocol):

@@ -12,6 +12,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from balancing.metrics import bubble_of_totals
+
 LEFTOVER_POLICIES = ("drop", "keep")
 
 ASSIGNMENT_SCHEMA = T.StructType([
@@ -165,9 +167,8 @@ def step_loads(assignment: DataFrame, costs: DataFrame, spec: PlanSpec) -> DataF
 
 
 def bubble_of(step_table: pd.DataFrame) -> float:
-    """1 - ideal time / achieved time, summed over steps (the fraction of rank-time spent idle)."""
-    total_max = float(step_table["max_time"].sum())
-    return 0.0 if total_max <= 0 else 1.0 - float(step_table["mean_time"].sum()) / total_max
+    """The predicted bubble of a ``step_loads`` table (the fraction of rank-time spent idle)."""
+    return bubble_of_totals(float(step_table["mean_time"].sum()), float(step_table["max_time"].sum()))
 
 
 def shard_rows(rows: DataFrame) -> DataFrame:

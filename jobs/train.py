@@ -16,12 +16,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import typing
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shards.schema import MANIFEST_NAME  # noqa: E402  (stdlib + pyarrow)
+from training.config import CommMode  # noqa: E402  (no torch)
 
 SUMMARY_METRICS = ("loss", "step_time_s", "samples_per_s", "bubble_fraction", "idle_fraction", "comm_s",
                    "exposed_comm_s", "imbalance", "hr_at_10", "ndcg_at_10", "mrr")
@@ -146,7 +148,7 @@ def launch(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     parser.add_argument("--run-name", help="MLflow run name")
     parser.add_argument("--summary-json", help="write the run summary (and per-step losses) here")
-    parser.add_argument("--comm-mode", choices=("plain", "overlap", "prioritized"),
+    parser.add_argument("--comm-mode", choices=typing.get_args(CommMode),
                         help="how the step's collectives run (default: the config's comm.mode, prioritized)")
     args, overrides = parser.parse_known_args(argv)
     nproc = args.nproc_per_node

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from comm.names import BackendName as CommBackendName
+
 ShardingName = Literal["row_wise", "table_wise"]
 ParallelBackendName = Literal["auto", "gloo", "nccl"]
 SparseOptimizerName = Literal["adagrad", "sgd", "adam"]
 AttentionNormalization = Literal["sample_length", "max_seq_len"]
 CommMode = Literal["plain", "overlap", "prioritized"]
-CommBackendName = Literal["auto", "gloo", "nccl", "copy_engine"]
 
 
 @dataclass
