@@ -24,8 +24,8 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the project
 
 from jobs.job_errors import run_job  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
+from pipeline.layouts import FORMATS  # noqa: E402  (plain data, no pyspark)
 
-FORMATS = ("parquet", "csv", "ml-100k", "ml-1m", "ml-csv")
 PREPARE_FORMAT = "freescale.prepared/1"
 
 
@@ -66,6 +66,9 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
+    # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
+    validate_args(args)
+
     from pyspark.sql import functions as F
 
     from jobs.atomic_output import atomic_output, check_output_free
@@ -83,7 +86,6 @@ def prepare(args: argparse.Namespace) -> int:
         read_user_table,
     )
 
-    validate_args(args)
     started = time.perf_counter()
     spark = build_spark_session(args.master, "freescale-prepare")
     fs = HadoopFS(spark)

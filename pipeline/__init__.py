@@ -1,5 +1,6 @@
 """Raw interaction logs -> per-user sequences -> per-sample costs (PySpark).
 
-Submodules import pyspark; this package root stays import-light so that
-`pipeline.errors` and `pipeline.cost_model` can be used without a JVM.
+The Spark transforms import pyspark; this package root and the modules that only
+describe data stay import-light, usable without a JVM: `errors`, `layouts` (input
+formats), `cost_model`, `calibration` (fitting), `rank_speeds`, `json_files`.
 """

@@ -24,6 +24,14 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from pipeline.errors import InputError
+from pipeline.layouts import (
+    FORMATS,
+    ITEM_COLUMNS,
+    MOVIELENS_LAYOUTS,
+    RATING_COLUMNS,
+    TIME_COLUMNS,
+    USER_COLUMNS,
+)
 
 # Spark reports every column as nullable; validation guarantees user_id, item
 # and timestamp are never null in what read_interactions returns.
@@ -34,22 +42,7 @@ CANONICAL_SCHEMA = T.StructType([
     T.StructField("rating", T.FloatType()),
 ])
 
-FORMATS = ("parquet", "csv", "ml-100k", "ml-1m", "ml-csv")
-
-# Raw MovieLens layouts: file name -> (format, separator, header, column names).
-# Headerless layouts get their columns named here so recognition below applies.
-MOVIELENS_LAYOUTS: dict[str, tuple[str, str, bool, tuple[str, ...] | None]] = {
-    "u.data": ("ml-100k", "\t", False, ("user_id", "item_id", "rating", "timestamp")),
-    "ratings.dat": ("ml-1m", "::", False, ("user_id", "item_id", "rating", "timestamp")),
-    "ratings.csv": ("ml-csv", ",", True, None),  # header: userId,movieId,rating,timestamp
-}
 _LAYOUT_BY_FORMAT = {fmt: (name, sep, header, cols) for name, (fmt, sep, header, cols) in MOVIELENS_LAYOUTS.items()}
-
-# Recognised column names, matched case-insensitively, first match wins.
-USER_COLUMNS = ("user_id", "userId", "user", "uid")
-ITEM_COLUMNS = ("item_id", "movie_id", "movieId", "item", "iid")
-TIME_COLUMNS = ("timestamp", "ts", "time", "event_time")
-RATING_COLUMNS = ("rating", "action", "score")
 
 # What Spark raises for unreadable files (missing, corrupt, not the format).
 _READ_ERRORS = (PySparkException, Py4JJavaError)

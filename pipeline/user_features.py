@@ -22,7 +22,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from pipeline.errors import InputError
-from pipeline.ingest import USER_COLUMNS, _col, _format_from_name, _id_expr, _pick, _read_raw, _short
+from pipeline.ingest import _col, _format_from_name, _id_expr, _pick, _read_raw, _short
+from pipeline.layouts import USER_COLUMNS
 
 USER_FEATURES_COLUMN = "user_features"
 UNKNOWN_ID = 0
