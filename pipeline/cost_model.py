@@ -23,7 +23,6 @@ imports it.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.errors import InputError
-from pipeline.json_files import write_json
+from pipeline.json_files import read_json, write_json
 
 if TYPE_CHECKING:
     from pyspark.sql import Column
@@ -134,13 +133,7 @@ class CostModel:
     def load(cls, path: str | Path) -> "CostModel":
         """Read a model saved by ``save``; any problem is one ``InputError`` line naming the file."""
         p = Path(path)
-        if not p.is_file():
-            raise InputError(f"{p}: cost model file does not exist")
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise InputError(f"{p}: not valid JSON ({reason})") from None
+        data = read_json(p, "cost model file")
         return cls.from_json(data, source=str(p))
 
 

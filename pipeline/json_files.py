@@ -1,9 +1,11 @@
-"""Writing the calibration's JSON files (cost model, rank speeds) whole or not at all.
+"""The calibration's JSON files (cost model, rank speeds): written whole or not at all, read
+with one-line errors.
 
 The balance job reads these files, possibly while a calibration is rewriting
 them; writing a temporary sibling and renaming it into place means a reader
-sees the old file or the new one, never half of one. One function, so both
-files have the same text layout (2-space indent, final newline).
+sees the old file or the new one, never half of one. One writer, so both files
+have the same text layout (2-space indent, final newline); one reader, so both
+fail the same way.
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from pipeline.errors import InputError
 
 
 def write_json(path: str | Path, data: dict) -> str:
@@ -22,3 +27,16 @@ def write_json(path: str | Path, data: dict) -> str:
         tmp.write(text)
     os.replace(tmp.name, p)
     return text
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """Parsed JSON of ``path``; a missing or unparseable file is one ``InputError`` line naming
+    the file and ``what`` it should be (e.g. "cost model file")."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{p}: {what} does not exist")
+    try:
+        return json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise InputError(f"{p}: not valid JSON ({reason})") from None

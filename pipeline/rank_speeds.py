@@ -10,7 +10,6 @@ NumPy only: the balance job reads the file without loading torch.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import InputError
-from pipeline.json_files import write_json
+from pipeline.json_files import read_json, write_json
 
 FORMAT = "freescale.rank_speeds/1"
 CONFIDENCE = 0.95
@@ -117,13 +116,7 @@ def write_rank_speeds(path: str | Path, document: dict) -> str:
 def read_rank_speeds(path: str | Path) -> tuple[float, ...]:
     """Capacities from a rank-speeds file written by ``freescale calibrate``; problems name the file."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{p}: rank speeds file does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise InputError(f"{p}: not valid JSON ({reason})") from None
+    data = read_json(p, "rank speeds file")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise InputError(f"{p}: not a rank speeds file (format {found!r}, expected {FORMAT!r})")
