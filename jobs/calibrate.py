@@ -301,7 +301,12 @@ def measure_rank_speeds(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
-    check_args(args)  # before the imports below, which load torch (seconds)
+    # Arguments and the config (typed, torch-free) first: a bad one is reported before the
+    # imports below, which load torch (seconds).
+    check_args(args)
+    from training.config import load_config, to_flat_dict
+
+    config = load_config(args.config, overrides)
 
     import dataclasses
 
@@ -312,9 +317,7 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     from pipeline.cost_model import KINDS
     from pipeline.rank_speeds import estimate_rank_speeds, rank_speeds_document, write_rank_speeds
     from training.calibrate import FIT_CLOCK, CalibrationSettings, machine_info, run_calibration
-    from training.config import load_config, to_flat_dict
 
-    config = load_config(args.config, overrides)
     lengths = parse_lengths(args.lengths) if args.lengths else default_lengths(config.model.hstu.max_seq_len)
     settings = CalibrationSettings(
         lengths=tuple(lengths), num_items=args.num_items, repeats=args.repeats, warmup=args.warmup,

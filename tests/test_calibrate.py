@@ -249,6 +249,8 @@ def test_balance_rejects_bad_rank_speeds_file_naming_it(tmp_path, content, words
 @pytest.mark.parametrize("extra, message", [
     (["--repeats", "0"], "--repeats must be at least 1, got 0"),
     (["--lengths", "16,64"], "need at least 3 distinct lengths, got [16, 64]"),
+    (["--model.hstu.num_layers", "0"], "command line: model.hstu: num_layers must be >= 1, got 0"),
+    (["--world-size", "0"], "override '--world-size': expected --section.key VALUE"),
 ])
 def test_bad_argument_is_reported_before_torch_is_loaded(tmp_path, extra, message) -> None:
     """Checked before the imports that load torch (seconds), as for balance."""
