@@ -168,6 +168,10 @@ def _problem(m: CostModel) -> str | None:
         for i, y in enumerate(ys):
             if y < 0:
                 return f"table cost costs[{i}]={y} is negative"
+    # Zero everywhere leaves nothing to balance, and every bubble becomes 0/0 downstream.
+    shape = (m.a, m.b, m.c) if m.kind == "quadratic" else m.costs
+    if m.per_id == 0 and not any(shape):
+        return "predicts zero cost at every length (all coefficients are 0)"
     return None
 
 

@@ -28,6 +28,9 @@ from typing import Any
 from shards.schema import MANIFEST_FORMAT, MANIFEST_NAME, rank_dir
 
 _CHUNK_BYTES = 1 << 22
+CONTENT_DIGEST = "content_sha256"
+"""The manifest's seal: SHA-256 of its other fields. Checksums protect the data files; this
+protects the manifest, so a hand edit (a batch size, a file's sha256) is refused, not trusted."""
 
 
 class ShardError(ValueError):
@@ -120,10 +123,22 @@ class Manifest:
         for f in dataclasses.fields(self):
             if f.name not in ("root", "sha256"):
                 out[f.name] = _plain(getattr(self, f.name))
-        return out
+        return seal(out)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=False) + "\n"
+
+
+def content_digest(raw: dict[str, Any]) -> str:
+    """SHA-256 of every field but the seal, in a canonical JSON form (key order and spacing
+    do not matter, values do)."""
+    body = {k: v for k, v in raw.items() if k != CONTENT_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with its seal (re)computed: what the balance job writes."""
+    return {**{k: v for k, v in raw.items() if k != CONTENT_DIGEST}, CONTENT_DIGEST: content_digest(raw)}
 
 
 def _plain(value: Any) -> Any:
@@ -207,7 +222,7 @@ def _rank_shard(entry: Any, index: int, where: Path) -> RankShard:
 
 
 _REQUIRED_INTS = ("world_size", "local_batch_size", "num_steps", "num_items")
-_PARSED = {"format", "ranks", "user_features", *_REQUIRED_INTS}
+_PARSED = {"format", CONTENT_DIGEST, "ranks", "user_features", *_REQUIRED_INTS}
 
 
 def parse_manifest(raw: Any, where: Path, *, sha256: str = "") -> Manifest:
@@ -223,8 +238,11 @@ def parse_manifest(raw: Any, where: Path, *, sha256: str = "") -> Manifest:
     if not isinstance(ranks, list) or len(ranks) != raw["world_size"]:
         raise ShardError(f"{where}: 'ranks' should list {raw['world_size']} ranks, "
                          f"found {len(ranks) if isinstance(ranks, list) else ranks!r}")
+    if raw.get(CONTENT_DIGEST) != content_digest(raw):
+        raise ShardError(f"{where} was changed after the balance job wrote it ({CONTENT_DIGEST} does not "
+                         "match its fields): rerun `freescale balance` rather than editing it")
     known = {f.name for f in dataclasses.fields(Manifest)} - {"root", "sha256"}
-    unknown = sorted(set(raw) - known - {"format"})
+    unknown = sorted(set(raw) - known - {"format", CONTENT_DIGEST})
     if unknown:
         raise ShardError(f"{where}: unknown field {unknown[0]!r} (written by a newer FreeScale?)")
     rest = {k: v for k, v in raw.items() if k not in _PARSED}
@@ -232,10 +250,35 @@ def parse_manifest(raw: Any, where: Path, *, sha256: str = "") -> Manifest:
     for key, value in rest.items():
         if not _matches(value, hints[key]):
             raise ShardError(f"{where}: {key} should be {hints[key]}, found {value!r}")
-    return Manifest(**{k: raw[k] for k in _REQUIRED_INTS}, **rest,
-                    user_features=_user_features(raw.get("user_features"), where),
-                    ranks=tuple(_rank_shard(e, i, where) for i, e in enumerate(ranks)),
-                    root=where.parent, sha256=sha256)
+    manifest = Manifest(**{k: raw[k] for k in _REQUIRED_INTS}, **rest,
+                        user_features=_user_features(raw.get("user_features"), where),
+                        ranks=tuple(_rank_shard(e, i, where) for i, e in enumerate(ranks)),
+                        root=where.parent, sha256=sha256)
+    _check_counts(manifest, where)
+    return manifest
+
+
+def _check_counts(m: Manifest, where: Path) -> None:
+    """The manifest's totals against each other and its files' row counts (no data read).
+
+    Every step holds a full global batch except perhaps the last (the window planner swaps
+    samples 1-for-1, so step sizes never change); under the mirror control every rank holds
+    the same ``local_batch_size`` samples per step.
+    """
+    rows = sum(r.rows for r in m.ranks)
+    g = m.world_size * m.local_batch_size
+    if m.global_batch_size and m.global_batch_size != g:
+        raise ShardError(f"{where}: global_batch_size {m.global_batch_size} is not world_size {m.world_size} "
+                         f"x local_batch_size {m.local_batch_size}")
+    if m.num_rows and m.num_rows != rows:
+        raise ShardError(f"{where}: num_rows {m.num_rows} but the ranks' files hold {rows} rows")
+    if m.control == "mirror":
+        if rows != m.world_size * m.num_steps * m.local_batch_size:
+            raise ShardError(f"{where}: {rows} rows do not fill {m.num_steps} steps x {m.world_size} ranks x "
+                             f"local_batch_size {m.local_batch_size} (mirror control)")
+    elif not (m.num_steps - 1) * g < rows <= m.num_steps * g:
+        raise ShardError(f"{where}: {rows} rows do not fit {m.num_steps} steps of world_size {m.world_size} x "
+                         f"local_batch_size {m.local_batch_size} = {g} (every step but the last is full)")
 
 
 def _matches(value: Any, hint: Any) -> bool:

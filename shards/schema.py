@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "freescale.shards/1"
+MANIFEST_FORMAT = "freescale.shards/2"
+"""Version 2 added ``content_sha256``, the manifest's seal over its own fields."""
 RANK_DIR = "rank={rank}"
 STEP_STATS_DIR = "_steps"
 

@@ -103,3 +103,16 @@ def test_missing_file_raises_input_error(tmp_path):
     path = tmp_path / "absent.json"
     with pytest.raises(InputError, match="absent.json.*does not exist"):
         CostModel.load(path)
+
+
+@pytest.mark.parametrize("fields", [
+    {"kind": "quadratic", "a": 0.0, "b": 0.0, "c": 0.0},
+    {"kind": "table", "lengths": [1, 100], "costs": [0.0, 0.0]},
+])
+def test_an_all_zero_model_is_refused_naming_the_file(tmp_path, fields):
+    """It used to load, and the balance job then wrote NaN bubbles into the manifest."""
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"format": "freescale.cost_model/1", **fields}))
+    with pytest.raises(InputError, match=f"^{path}: predicts zero cost at every length"):
+        CostModel.load(path)
+    CostModel(kind=fields["kind"], per_id=1.0, **{k: v for k, v in fields.items() if k != "kind"})  # per-id alone is a cost

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shards.manifest import ShardError, load_manifest, parse_manifest, verify_checksums
+from shards.manifest import ShardError, load_manifest, parse_manifest, seal, verify_checksums
 from shards.schema import COLUMNS, MANIFEST_FORMAT, READ_COLUMNS, arrow_schema
 from training.batch import SequenceBatch
 from training.shard_reader import (
@@ -43,13 +44,23 @@ Row = dict[str, Any]
 _READ_ROW_GROUP = pq.ParquetFile.read_row_group
 
 
-def make_rows(rank: int, num_steps: int, local_batch: int, num_items: int, rng: np.random.Generator,
-              empty_steps: set[int], max_len: int) -> list[Row]:
-    rows = []
+def step_counts(world_size: int, local_batch: int, num_steps: int, rng: np.random.Generator,
+                empty_steps: dict[int, set[int]]) -> np.ndarray:
+    """[steps, ranks] sample counts: every step holds a full global batch, split unevenly over
+    the ranks as cost balancing does; a rank's empty steps give their share to the others."""
+    counts = np.zeros((num_steps, world_size), dtype=np.int64)
     for step in range(num_steps):
-        if step in empty_steps:
-            continue
-        for slot in range(int(rng.integers(1, local_batch + 2))):  # uneven counts, like cost balancing
+        busy = [r for r in range(world_size) if step not in empty_steps.get(r, set())]
+        if busy:
+            picks = rng.choice(busy, size=world_size * local_batch)
+            counts[step] = np.bincount(picks, minlength=world_size)
+    return counts
+
+
+def make_rows(rank: int, counts: np.ndarray, num_items: int, rng: np.random.Generator, max_len: int) -> list[Row]:
+    rows = []
+    for step, count in enumerate(counts[:, rank]):
+        for slot in range(int(count)):
             n = int(rng.integers(1, max_len + 1))
             ts = np.sort(rng.integers(1_000_000, 2_000_000, n)).tolist()
             kind = rng.integers(0, 3)
@@ -84,8 +95,9 @@ def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_s
         schema = arrow_schema(user_features=True)
     root.mkdir(parents=True, exist_ok=True)
     ranks = []
+    counts = step_counts(world_size, local_batch, num_steps, rng, empty_steps or {})
     for rank in range(world_size):
-        rows = make_rows(rank, num_steps, local_batch, num_items, rng, (empty_steps or {}).get(rank, set()), max_len)
+        rows = make_rows(rank, counts, num_items, rng, max_len)
         for row in rows if user_features else ():
             row["user_features"] = [int(rng.integers(0, size)) for _, size in user_features]
         if alter is not None:
@@ -104,14 +116,14 @@ def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_s
         ranks.append({"rank": rank, "rows": len(rows), "tokens": sum(r["length"] for r in rows),
                       "cost": sum(r["cost"] for r in rows), "files": files})
     manifest = {
-        "format": "freescale.shards/1", "world_size": world_size, "local_batch_size": local_batch,
+        "format": MANIFEST_FORMAT, "world_size": world_size, "local_batch_size": local_batch,
         "global_batch_size": world_size * local_batch, "num_steps": num_steps, "window_steps": 1,
         "strategy": "kk", "control": None, "seed": seed, "num_items": num_items,
         "num_samples": sum(r["rows"] for r in ranks), "leftover": {"policy": "drop", "samples": 0},
         "cost_model": {"kind": "quadratic"}, "stats": {}, "ranks": ranks,
         "user_features": [{"name": name, "num_ids": size} for name, size in user_features or []],
     }
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    (root / "manifest.json").write_text(json.dumps(seal(manifest), indent=2))
     return root
 
 
@@ -487,12 +499,47 @@ def test_length_disagrees_with_items(tmp_path: Path) -> None:
 
 
 def test_step_beyond_manifest(tmp_path: Path) -> None:
-    root = write_shards(tmp_path / "s")
-    manifest = json.loads((root / "manifest.json").read_text())
-    manifest["num_steps"] = 5
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ShardError, match=r"outside 0\.\.4"):
+    def alter(rank: int, rows: list[Row]) -> None:
+        if rank == 0:
+            rows[-1]["step"] = 7  # still in step order, but past the manifest's 7 steps
+    root = write_shards(tmp_path / "s", alter=alter)
+    with pytest.raises(ShardError, match=r"step 7 is outside 0\.\.6"):
         list(reader_for(root, 0))
+
+
+def rewrite_manifest(root: Path, edit: Callable[[dict], None], *, reseal: bool = True) -> None:
+    raw = json.loads((root / "manifest.json").read_text())
+    edit(raw)
+    (root / "manifest.json").write_text(json.dumps(seal(raw) if reseal else raw))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m.update(local_batch_size=m["local_batch_size"] + 1),
+    lambda m: m["ranks"][0]["files"][0].update(sha256="0" * 64),
+    lambda m: m.update(num_steps=5),
+], ids=["local_batch_size", "file_sha256", "num_steps"])
+def test_a_hand_edited_manifest_is_refused(shards: Path, edit: Callable[[dict], None]) -> None:
+    """The manifest is sealed by the job (content_sha256 over its fields): an edit that does not
+    reseal it is refused in one line, whatever field it touched."""
+    rewrite_manifest(shards, edit, reseal=False)
+    with pytest.raises(ShardError, match=r"manifest.json was changed after the balance job wrote it"):
+        load_manifest(shards, 2)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: m.update(local_batch_size=m["local_batch_size"] + 1, global_batch_size=0),
+     "56 rows do not fit 7 steps of world_size 2 x local_batch_size 5 = 10"),
+    (lambda m: m.update(num_steps=5), "56 rows do not fit 5 steps"),
+    (lambda m: m.update(global_batch_size=9), "global_batch_size 9 is not world_size 2 x local_batch_size 4"),
+    (lambda m: m.update(num_rows=55), "num_rows 55 but the ranks' files hold 56 rows"),
+], ids=["local_batch_size", "num_steps", "global_batch_size", "num_rows"])
+def test_manifest_totals_are_checked_against_its_files(shards: Path, edit: Callable[[dict], None],
+                                                        words: str) -> None:
+    """Even a resealed edit must agree with the files' row counts: every step but the last
+    holds world_size x local_batch_size rows."""
+    rewrite_manifest(shards, edit)
+    with pytest.raises(ShardError, match=re.escape(words)):
+        load_manifest(shards, 2)
 
 
 def test_format_and_checksum_helpers(shards: Path) -> None:
@@ -501,7 +548,7 @@ def test_format_and_checksum_helpers(shards: Path) -> None:
         verify_checksums(manifest, rank)
     raw = json.loads((shards / "manifest.json").read_text())
     raw["format"] = "something/2"
-    (shards / "manifest.json").write_text(json.dumps(raw))
+    (shards / "manifest.json").write_text(json.dumps(seal(raw)))
     with pytest.raises(ShardError, match="format 'something/2'"):
         load_manifest(shards, 2)
     (shards / "manifest.json").write_text("{not json")
@@ -551,7 +598,7 @@ def test_user_features_of_wrong_width(tmp_path: Path) -> None:
 def test_manifest_lists_user_features_the_files_lack(shards: Path) -> None:
     manifest = json.loads((shards / "manifest.json").read_text())
     manifest["user_features"] = [{"name": "age", "num_ids": 7}]
-    (shards / "manifest.json").write_text(json.dumps(manifest))
+    (shards / "manifest.json").write_text(json.dumps(seal(manifest)))
     with pytest.raises(ShardError, match=r"lacks columns \['user_features'\]"):
         reader_for(shards, 0).reset()
 
@@ -559,7 +606,7 @@ def test_manifest_lists_user_features_the_files_lack(shards: Path) -> None:
 def test_manifest_user_feature_entry_is_checked(shards: Path) -> None:
     manifest = json.loads((shards / "manifest.json").read_text())
     manifest["user_features"] = [{"name": "age"}]
-    (shards / "manifest.json").write_text(json.dumps(manifest))
+    (shards / "manifest.json").write_text(json.dumps(seal(manifest)))
     with pytest.raises(ShardError, match="user_features entry .* needs a name and num_ids"):
         load_manifest(shards, 2)
 
@@ -578,10 +625,10 @@ def test_manifest_round_trips_through_its_dataclass(shards: Path) -> None:
 
 def test_manifest_field_of_wrong_type_is_named(shards: Path) -> None:
     raw = json.loads((shards / "manifest.json").read_text())
-    (shards / "manifest.json").write_text(json.dumps({**raw, "control": 3}))
+    (shards / "manifest.json").write_text(json.dumps(seal({**raw, "control": 3})))
     with pytest.raises(ShardError, match=r"manifest.json: control should be str \| None, found 3$"):
         load_manifest(shards, 2)
-    (shards / "manifest.json").write_text(json.dumps({**raw, "num_step": 3}))
+    (shards / "manifest.json").write_text(json.dumps(seal({**raw, "num_step": 3})))
     with pytest.raises(ShardError, match="unknown field 'num_step'"):
         load_manifest(shards, 2)
 
@@ -596,7 +643,7 @@ def test_column_of_another_type_is_refused(tmp_path: Path) -> None:
     pq.write_table(table, path)
     raw = json.loads((root / "manifest.json").read_text())
     raw["ranks"][0]["files"][0]["bytes"] = path.stat().st_size
-    (root / "manifest.json").write_text(json.dumps(raw))
+    (root / "manifest.json").write_text(json.dumps(seal(raw)))
     with pytest.raises(ShardError, match=f"{path} has column items: found list<int64>, expected "
                                          r"list<int32> \(not the shard format\)"):
         iter(open_loader(root, 0, 2, prefetch=0))  # footers are read and checked when iteration starts

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from shards.manifest import seal
+
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 
@@ -61,7 +63,7 @@ def test_exact_resume_matches_uninterrupted_run(movielens_shards, tmp_path, shar
         # The checkpoint's loader position means nothing in another shard set: refused.
         other = copy_shards(movielens_shards, tmp_path / "other")
         manifest["seed"] = manifest.get("seed", 0) + 1
-        (other / "manifest.json").write_text(json.dumps(manifest))
+        (other / "manifest.json").write_text(json.dumps(seal(manifest)))  # a deliberate edit, resealed
         elsewhere = freescale_train(other, "--max-steps", "6", "--checkpoint.folder", str(ckpt),
                                     *small_run_args(tmp_path, "elsewhere", *sharding_args))
         assert elsewhere.returncode != 0
@@ -113,7 +115,7 @@ def test_item_id_beyond_table_names_the_id(movielens_shards, tmp_path):
     shards = copy_shards(movielens_shards, tmp_path / "s")
     manifest = json.loads((shards / "manifest.json").read_text())
     manifest["num_items"] = 50
-    (shards / "manifest.json").write_text(json.dumps(manifest))
+    (shards / "manifest.json").write_text(json.dumps(seal(manifest)))  # a deliberate edit, resealed
     run = freescale_train(shards, "--max-steps", "2", *small_run_args(tmp_path, "x"), timeout=120)
     assert run.returncode != 0
     output = run.stdout + run.stderr
@@ -126,7 +128,7 @@ def test_empty_rank_shard_is_refused(movielens_shards, tmp_path):
     manifest = json.loads((shards / "manifest.json").read_text())
     manifest["ranks"][1]["rows"] = 0
     manifest["ranks"][1]["files"] = []
-    (shards / "manifest.json").write_text(json.dumps(manifest))
+    (shards / "manifest.json").write_text(json.dumps(seal(manifest)))  # a deliberate edit, resealed
     run = freescale_train(shards, "--max-steps", "2", *small_run_args(tmp_path, "x"), timeout=120)
     assert run.returncode != 0
     lines = error_lines(run)
