@@ -2,15 +2,42 @@
 
 A job that fails half-way leaves nothing at the output path, so a scheduler can
 rerun it; a finished output is never replaced unless the caller asked for it.
+As with Spark's output committers, what a killed run leaves (``<output>.tmp-<hex>``,
+or ``<output>.old-<hex>`` from a crash mid-swap) is removed by the next run of the
+job for that output (:func:`remove_stale_siblings`), and an output that would
+overwrite or sit inside one of the job's inputs is refused before any work
+(:func:`check_no_overlap`).
+
+Light module: nothing here imports pyspark, so the checks run before Spark starts.
 """
 from __future__ import annotations
 
+import re
 import uuid
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from jobs.hadoop_fs import HadoopFS
 from pipeline.errors import InputError
+from pipeline.paths import overlap
+
+if TYPE_CHECKING:
+    from jobs.hadoop_fs import HadoopFS
+
+_TAG_HEX = 12
+# The names atomic_output gives its temporary siblings: <name>.tmp-<tag> and <name>.old-<tag>.
+_SIBLING = r"\.(?:tmp|old)-[0-9a-f]{%d}" % _TAG_HEX
+
+
+def check_no_overlap(output: str, inputs: dict[str, str | None]) -> None:
+    """Refuse an output that is, is inside, or contains an input (``{flag: path}``; None
+    skipped), --overwrite or not: replacing the output would delete or corrupt the input."""
+    for flag, path in inputs.items():
+        if path is None:
+            continue
+        relation = overlap(output, path)
+        if relation is not None:
+            raise InputError(f"--output {output} {relation} {flag} {path}: a job never writes over "
+                             "its own input; choose another output")
 
 
 def check_output_free(fs: HadoopFS, output: str, overwrite: bool) -> None:
@@ -19,12 +46,42 @@ def check_output_free(fs: HadoopFS, output: str, overwrite: bool) -> None:
         raise InputError(f"output {output} already exists (pass --overwrite to replace it)")
 
 
+def stale_siblings(fs: HadoopFS, output: str) -> list[str]:
+    """``<output>.tmp-<tag>`` and ``<output>.old-<tag>`` folders next to ``output``: what an
+    interrupted :func:`atomic_output` leaves. Nothing else matches."""
+    output = output.rstrip("/")
+    parent, _, name = output.rpartition("/")
+    if not name or not parent or not fs.exists(parent):
+        return []
+    pattern = re.compile(re.escape(name) + _SIBLING)
+    return [d for d in fs.list_dirs(parent) if pattern.fullmatch(d.rstrip("/").rpartition("/")[2])]
+
+
+def remove_stale_siblings(fs: HadoopFS, output: str) -> int:
+    """Delete the temporary folders an interrupted run left next to ``output``; how many.
+
+    Like Spark's committers, this assumes one run per output at a time: a second run
+    started while the first is still writing would remove the first one's staging folder.
+    """
+    stale = stale_siblings(fs, output)
+    for path in stale:
+        fs.delete(path)
+    return len(stale)
+
+
+def stale_note(removed: int) -> str:
+    """The final log line's clause for :func:`remove_stale_siblings`' count ('' for none)."""
+    if not removed:
+        return ""
+    return f"; removed {removed} stale temporary folder{'s' if removed != 1 else ''} of an interrupted run"
+
+
 @contextmanager
 def atomic_output(fs: HadoopFS, output: str, overwrite: bool) -> Iterator[str]:
     """Yield a temporary directory; on success it becomes `output`, on error it is removed."""
     check_output_free(fs, output, overwrite)
     output = output.rstrip("/")
-    tag = uuid.uuid4().hex[:12]
+    tag = uuid.uuid4().hex[:_TAG_HEX]
     staging = f"{output}.tmp-{tag}"
     try:
         yield staging

@@ -109,6 +109,26 @@ def read_sequences(spark, fs, input_uri: str):
     return path, frame
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """What can be checked without Spark (local paths; Spark checks remote ones in
+    read_sequences): the output is not an input, and --input is a prepare output or a
+    sequences Parquet with REQUIRED_COLUMNS in every file's footer."""
+    from jobs.atomic_output import check_no_overlap
+    from pipeline import paths, preflight
+
+    capacities_file = args.capacities[1:] if args.capacities and args.capacities.startswith("@") else None
+    check_no_overlap(args.output, {"--input": args.input, "--cost-model": args.cost_model,
+                                   "--capacities": capacities_file})
+    local = paths.local_path(args.input)
+    if local is None:
+        return
+    sequences = Path(local) / "sequences"
+    path = f"{args.input.rstrip('/')}/sequences" if sequences.exists() else args.input
+    preflight.check_parquet_columns(path, REQUIRED_COLUMNS, "input ",
+                                    "expected the output of `freescale prepare` (holds sequences/) "
+                                    "or a sequences Parquet; run `freescale prepare` first")
+
+
 def prepared_metadata(fs, input_uri: str) -> dict:
     meta_path = f"{input_uri}/prepare.json"
     return json.loads(fs.read_text(meta_path)) if fs.exists(meta_path) else {}
@@ -117,12 +137,13 @@ def prepared_metadata(fs, input_uri: str) -> dict:
 def balance(args: argparse.Namespace) -> int:
     # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
     validate_args(args)
+    check_inputs(args)
     capacities = parse_capacities(args.capacities, args.world_size)
 
     from pyspark.sql import functions as F
 
     from jobs import shard_plan
-    from jobs.atomic_output import atomic_output, check_output_free
+    from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
     from jobs.manifest import describe_files, relative_to
     from jobs.tracking import log_job_run, resolve_tracking_uri
@@ -138,6 +159,7 @@ def balance(args: argparse.Namespace) -> int:
     fs = HadoopFS(spark)
     input_uri, output_uri = fs.qualify(args.input), fs.qualify(args.output)
     check_output_free(fs, output_uri, args.overwrite)
+    stale_removed = remove_stale_siblings(fs, output_uri)
     sequences_path, sequences = read_sequences(spark, fs, input_uri)
     prepared = prepared_metadata(fs, input_uri)
     if "user_features" in sequences.columns and not prepared.get("user_features"):
@@ -248,7 +270,8 @@ def balance(args: argparse.Namespace) -> int:
           f"{spec.world_size} ranks to {output_uri}; strategy {spec.strategy}"
           f"{' (control ' + args.control + ')' if args.control else ''}, predicted bubble "
           f"{stats['bubble']:.2%} vs {stats['bubble_contiguous']:.2%} contiguous; "
-          f"{leftover} leftover samples dropped ({args.leftover}), {summary['moved']} moved between steps")
+          f"{leftover} leftover samples dropped ({args.leftover}), {summary['moved']} moved between steps"
+          f"{stale_note(stale_removed)}")
     return 0
 
 

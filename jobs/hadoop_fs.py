@@ -3,6 +3,11 @@
 The jobs write wherever Spark can (local, HDFS, S3A, ABFS, GCS), so renames,
 existence checks and the small JSON files go through the same API Spark uses,
 reached over the py4j gateway, instead of Python's os module.
+
+Paths in and out are Hadoop path strings (``file:/x y/ä%``, ``hdfs://nn/x``): never
+percent-encoded, ``%`` literal. Where one must become a real URI (pyarrow, anything
+that parses URIs), ``pipeline.paths.to_uri`` converts it; no code here or in the jobs
+glues a path into a URI by hand.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ class HadoopFS:
         return self._path(path).getFileSystem(self._conf)
 
     def qualify(self, path: str) -> str:
-        """Absolute URI with scheme (file:/..., hdfs://...): stable across working directories."""
+        """Absolute path string with scheme (file:/..., hdfs://...): stable across working
+        directories. Hadoop's form, not percent-encoded: ``to_uri`` makes it a URI."""
         p = self._path(path)
         return str(self._fs(path).makeQualified(p))
 

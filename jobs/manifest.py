@@ -7,16 +7,20 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 
+from pipeline.paths import to_uri
+
 
 def arrow_uri(path: str) -> str:
-    """Hadoop writes local paths as file:/x; pyarrow wants file:///x."""
-    if path.startswith("file:/") and not path.startswith("file:///"):
-        return "file://" + path[len("file:"):]
-    return path
+    """Hadoop prints a local path as file:/x, never percent-encoded; pyarrow wants a real URI
+    (file:///x, a space as %20): ``pipeline.paths.to_uri``, the one conversion."""
+    return to_uri(path)
 
 
 def describe_file(uri: str) -> dict[str, Any]:
-    """Size, SHA-256 and Parquet row count of one file (runs on an executor)."""
+    """Size, SHA-256 and Parquet row count of one file (runs on an executor).
+
+    ``uri`` is a Hadoop path string as ``HadoopFS.list_files`` returns it, and comes back
+    unchanged as the result's ``uri``."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 

@@ -9,7 +9,10 @@ valid/test targets), <output>/item_vocab (raw item -> contiguous id) and
 With --user-features (a user table, e.g. MovieLens users.parquet) the sequences also
 carry one categorical id per user feature, <output>/user_feature_vocab maps values to
 ids, and prepare.json lists each feature's table size.
-The output appears atomically.
+Duplicate interactions (same user, item and timestamp) are dropped and counted in
+prepare.json (duplicates_dropped) unless --keep-duplicates.
+The output appears atomically; it may not be, be inside or contain an input. Local
+inputs are checked (existence, Parquet footers and columns) before Spark starts.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "(default: every column but the user column)")
     p.add_argument("--max-seq-len", type=int, default=1024,
                    help="keep the most recent N training items per user (default 1024)")
+    p.add_argument("--keep-duplicates", action="store_true",
+                   help="keep repeated (user, item, timestamp) rows; by default they are dropped and counted "
+                        "(a duplicated last event would make the test target equal the validation target)")
     g = p.add_argument_group("synthetic data (when --input is omitted)")
     g.add_argument("--synthetic-users", type=int, default=20_000, help="users (default 20000)")
     g.add_argument("--synthetic-items", type=int, default=10_000, help="catalog size (default 10000)")
@@ -65,16 +71,38 @@ def validate_args(args: argparse.Namespace) -> None:
             raise InputError(f"{flag} must be a positive integer, got {value}")
 
 
+def feature_columns(args: argparse.Namespace) -> list[str] | None:
+    if not args.user_feature_cols:
+        return None
+    return [c.strip() for c in args.user_feature_cols.split(",") if c.strip()]
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """What can be checked without Spark (local paths; remote ones are checked by Spark):
+    the output is not an input, the inputs exist, Parquet footers are readable and have
+    the needed columns."""
+    from jobs.atomic_output import check_no_overlap
+    from pipeline import preflight
+
+    check_no_overlap(args.output, {"--input": args.input, "--user-features": args.user_features})
+    if args.input is not None:
+        preflight.check_interactions(args.input, args.format, user_col=args.user_col, item_col=args.item_col,
+                                     time_col=args.time_col, rating_col=args.rating_col)
+    if args.user_features is not None:
+        preflight.check_user_table(args.user_features, feature_columns(args))
+
+
 def prepare(args: argparse.Namespace) -> int:
     # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
     validate_args(args)
+    check_inputs(args)
 
     from pyspark.sql import functions as F
 
-    from jobs.atomic_output import atomic_output, check_output_free
+    from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
     from jobs.tracking import log_job_run, resolve_tracking_uri
-    from pipeline.ingest import read_interactions
+    from pipeline.ingest import distinct_interactions, drop_duplicate_interactions, read_interactions
     from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences, sequence_stats
     from pipeline.session import build_spark_session
     from pipeline.synthetic import synthetic_interactions
@@ -91,6 +119,7 @@ def prepare(args: argparse.Namespace) -> int:
     fs = HadoopFS(spark)
     output_uri = fs.qualify(args.output)
     check_output_free(fs, output_uri, args.overwrite)
+    stale_removed = remove_stale_siblings(fs, output_uri)
 
     if args.input is None:
         source = {"kind": "synthetic", "users": args.synthetic_users, "items": args.synthetic_items,
@@ -104,15 +133,19 @@ def prepare(args: argparse.Namespace) -> int:
     interactions = interactions.localCheckpoint(eager=True)  # read the raw input once
     users, feature_names = None, []
     if args.user_features is not None:
-        columns = [c.strip() for c in args.user_feature_cols.split(",") if c.strip()] \
-            if args.user_feature_cols else None
+        columns = feature_columns(args)
         # The user table's user column is recognised by name (user_id, userId, ...):
         # --user-col names the interaction log's, which may differ.
         users, feature_names = read_user_table(spark, args.user_features, feature_cols=columns)
         users = users.localCheckpoint(eager=True)
         source["user_features"] = fs.qualify(args.user_features)
     counts = interactions.agg(F.count(F.lit(1)).alias("interactions"),
-                              F.countDistinct("user_id").alias("users")).first()
+                              F.countDistinct("user_id").alias("users"),
+                              distinct_interactions().alias("distinct")).first()
+    repeated = counts["interactions"] - counts["distinct"]
+    duplicates = 0 if args.keep_duplicates else repeated
+    if duplicates:
+        interactions = drop_duplicate_interactions(interactions).localCheckpoint(eager=True)
 
     with atomic_output(fs, output_uri, args.overwrite) as staging:
         vocab = build_item_vocab(interactions)
@@ -130,6 +163,7 @@ def prepare(args: argparse.Namespace) -> int:
             feature_stats = {"users_without_features": count_users_without_features(sequences, users)}
             feature_meta = {"user_features": feature_cardinalities(feature_vocab, feature_names)}
         stats = {"input_interactions": counts["interactions"], "input_users": counts["users"],
+                 "duplicates_dropped": duplicates,
                  "num_items": vocab.count(), **sequence_stats(sequences, interactions), **feature_stats}
         if stats["users"] == 0:
             raise InputError(f"input {source.get('uri', 'synthetic')}: no user has the 3 interactions "
@@ -149,7 +183,10 @@ def prepare(args: argparse.Namespace) -> int:
           f"{stats['users_dropped_short']} users dropped (fewer than 3 interactions), "
           f"{stats['users_truncated']} truncated to {args.max_seq_len} items"
           + (f"; user features {', '.join(feature_names)} ({stats['users_without_features']} users "
-             "without a row: unknown ids)" if users is not None else ""))
+             "without a row: unknown ids)" if users is not None else "")
+          + (f"; {duplicates} duplicate interactions dropped (same user, item and timestamp)" if duplicates
+             else f"; {repeated} duplicate interactions kept (--keep-duplicates)" if repeated else "")
+          + stale_note(stale_removed))
     return 0
 
 

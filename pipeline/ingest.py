@@ -11,11 +11,16 @@ failing later inside a Spark stage with a JVM stack trace.
 
 Validation costs one aggregate pass over the input (row count, null counts and
 unparseable counts together); nothing but that one-row result reaches the driver.
+The same rules, for what can be told from a local file's footer, run before Spark
+starts in ``pipeline.preflight``.
+
+Duplicate interactions (same user, item and timestamp) are not an error: the prepare
+job drops them with ``drop_duplicate_interactions`` and counts them with
+``distinct_interactions`` inside an aggregate it runs anyway.
 """
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from py4j.protocol import Py4JJavaError
 from pyspark.errors import PySparkException
@@ -25,13 +30,13 @@ from pyspark.sql import types as T
 
 from pipeline.errors import InputError
 from pipeline.layouts import (
-    FORMATS,
     ITEM_COLUMNS,
     MOVIELENS_LAYOUTS,
     RATING_COLUMNS,
     TIME_COLUMNS,
     USER_COLUMNS,
 )
+from pipeline.preflight import format_from_name, pick_column, resolve_input
 
 # Spark reports every column as nullable; validation guarantees user_id, item
 # and timestamp are never null in what read_interactions returns.
@@ -41,6 +46,33 @@ CANONICAL_SCHEMA = T.StructType([
     T.StructField("timestamp", T.LongType()),
     T.StructField("rating", T.FloatType()),
 ])
+
+# One interaction is one (user, item, timestamp): a row repeated with the same three is a
+# duplicate (a log written twice, a retried export). Left in, a user whose last event is
+# duplicated gets test_item == valid_item, the test target leaked into the history.
+INTERACTION_KEY = ("user_id", "item", "timestamp")
+
+
+def drop_duplicate_interactions(interactions: DataFrame) -> DataFrame:
+    """Canonical interactions with one row per ``INTERACTION_KEY`` (same columns, same order).
+
+    Duplicates that disagree elsewhere keep each other column's largest value (the highest
+    rating), so the result does not depend on row order or partitioning.
+    """
+    others = [c for c in interactions.columns if c not in INTERACTION_KEY]
+    if not others:
+        return interactions.dropDuplicates(list(INTERACTION_KEY))
+    return (interactions.groupBy(*INTERACTION_KEY)
+            .agg(*[F.max(c).alias(c) for c in others])
+            .select(*interactions.columns))
+
+
+def distinct_interactions() -> Column:
+    """Aggregate expression: distinct ``INTERACTION_KEY`` values, i.e. the rows
+    ``drop_duplicate_interactions`` keeps. Add it to an aggregate the caller runs anyway:
+    ``count - distinct`` is the number of duplicates dropped, without a pass of its own."""
+    return F.countDistinct(*[F.col(c) for c in INTERACTION_KEY])
+
 
 _LAYOUT_BY_FORMAT = {fmt: (name, sep, header, cols) for name, (fmt, sep, header, cols) in MOVIELENS_LAYOUTS.items()}
 
@@ -96,48 +128,10 @@ def read_interactions(
     return out.select(*CANONICAL_SCHEMA.fieldNames())
 
 
-def _resolve(path: str, fmt: str | None) -> tuple[str, str]:
-    """Return (format, concrete path to read), detecting the format when not given."""
-    if fmt is not None and fmt not in FORMATS:
-        raise InputError(f"{path}: unknown format {fmt!r} (expected one of {', '.join(FORMATS)})")
-    local = path.removeprefix("file://")
-    if "://" in local:
-        # Remote filesystems cannot be listed cheaply here; trust the caller or the suffix.
-        return fmt or _format_from_name(path), path
-    p = Path(local)
-    if not p.exists():
-        raise InputError(f"{path}: path does not exist")
-    if p.is_file():
-        return fmt or _format_from_name(path), path
-    # Directory: a MovieLens layout inside it, else a Parquet/CSV dataset directory.
-    if fmt in _LAYOUT_BY_FORMAT:
-        name = _LAYOUT_BY_FORMAT[fmt][0]
-        return fmt, str(p / name) if (p / name).is_file() else path
-    if fmt is None:
-        for name, layout in MOVIELENS_LAYOUTS.items():
-            if (p / name).is_file():
-                return layout[0], str(p / name)
-    if fmt in (None, "parquet") and (p / "ratings.parquet").exists():
-        return "parquet", str(p / "ratings.parquet")
-    if fmt is not None:
-        return fmt, path
-    names = [q.name for q in p.iterdir() if not q.name.startswith((".", "_"))]
-    if any(n.endswith(".parquet") for n in names):
-        return "parquet", path
-    if any(n.endswith(".csv") for n in names):
-        return "csv", path
-    raise InputError(f"{path}: unknown format (no u.data, ratings.dat, ratings.csv, *.parquet or *.csv inside; pass fmt)")
-
-
-def _format_from_name(path: str) -> str:
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    if name in MOVIELENS_LAYOUTS:
-        return MOVIELENS_LAYOUTS[name][0]
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith(".csv"):
-        return "csv"
-    raise InputError(f"{path}: unknown format (expected .parquet, .csv, u.data, ratings.dat or ratings.csv; pass fmt)")
+# The format and column rules live in pipeline.preflight (no Spark), so the jobs' checks
+# before Spark starts and the reads here give the same answers and the same messages.
+_resolve = resolve_input
+_format_from_name = format_from_name
 
 
 def _read_raw(spark: SparkSession, path: str, fmt: str) -> DataFrame:
@@ -167,23 +161,7 @@ def _spark_reason(err: Exception) -> str:
 def _pick(df: DataFrame, source: str, role: str, explicit: str | None,
           candidates: tuple[str, ...], *, required: bool) -> str | None:
     """Actual column name for ``role``: the explicit one, else the first recognised name."""
-    by_lower = {c.lower(): c for c in df.columns}
-    if explicit is not None:
-        if explicit in df.columns:
-            return explicit
-        if explicit.lower() in by_lower:
-            return by_lower[explicit.lower()]
-        raise InputError(f"{source}: {role} column {explicit!r} not found; available columns: {', '.join(df.columns)}")
-    for name in candidates:
-        if name.lower() in by_lower:
-            return by_lower[name.lower()]
-    if not required:
-        return None
-    flag = "--time-col" if role == "timestamp" else f"--{role}-col"
-    raise InputError(
-        f"{source}: missing {role} column (looked for {', '.join(candidates)}; use {flag}); "
-        f"available columns: {', '.join(df.columns)}"
-    )
+    return pick_column(df.columns, source, role, explicit, candidates, required=required)
 
 
 def _col(name: str) -> Column:

@@ -134,3 +134,43 @@ def test_corrupt_parquet(spark, tmp_path):
     (tmp_path / "part-0.parquet").write_text("not parquet")
     msg = _error(spark, tmp_path)
     assert str(tmp_path) in msg and "parquet" in msg
+
+
+# ---------------------------------------------------------------- duplicates, and the checks before Spark
+
+
+def test_drop_duplicate_interactions_keeps_one_row_per_user_item_timestamp(spark):
+    from pipeline.ingest import distinct_interactions, drop_duplicate_interactions
+
+    rows = [("1", "10", 100, 3.0), ("1", "10", 100, 5.0), ("1", "10", 100, None),  # one event, three rows
+            ("1", "10", 200, 4.0),  # the same item again later: a real repeat, kept
+            ("2", "10", 100, 1.0), ("2", "10", 100, 1.0)]
+    df = canonical(spark, rows)
+    out = drop_duplicate_interactions(df)
+    assert out.columns == df.columns
+    # The highest rating wins, whatever the row order: the output does not depend on partitioning.
+    expected = [("1", "10", 100, 5.0), ("1", "10", 200, 4.0), ("2", "10", 100, 1.0)]
+    assertDataFrameEqual(out, canonical(spark, expected))
+    assertDataFrameEqual(drop_duplicate_interactions(canonical(spark, rows[::-1]).repartition(3)),
+                         canonical(spark, expected))
+    counts = df.agg(F.count(F.lit(1)).alias("rows"), distinct_interactions().alias("distinct")).first()
+    assert counts["rows"] - counts["distinct"] == 3 == df.count() - out.count()
+
+
+def test_checks_before_spark_give_the_same_message_as_the_read(spark, tmp_path):
+    """pipeline.preflight and read_interactions share the format and column rules (and their text)."""
+    from pipeline.preflight import check_interactions
+
+    path = tmp_path / "r.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"user_id": ["u"], "item": ["i"]}), path)
+    with pytest.raises(InputError) as fast:
+        check_interactions(str(path), None)
+    assert str(fast.value) == _error(spark, path)
+    assert "missing timestamp column" in str(fast.value)
+    missing = tmp_path / "nope.parquet"
+    with pytest.raises(InputError) as fast:
+        check_interactions(str(missing), None)
+    assert str(fast.value) == _error(spark, missing)

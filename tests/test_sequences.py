@@ -118,3 +118,16 @@ def test_movielens_truncation(movielens):
     assert stats["length_max"] == 50
     assert stats["interactions"] == 100000
     assert 0 < stats["users_truncated"] < 943
+
+
+def test_duplicated_last_event_leaks_the_test_target_unless_dropped(spark, tiny):
+    """Why prepare drops duplicate interactions: a user's last event logged twice makes the
+    validation target equal the test target (the answer sits in the history)."""
+    from pipeline.ingest import drop_duplicate_interactions
+
+    last = [r for r in TINY if r[0] == "b" and r[2] == 100]
+    doubled = tiny.unionByName(spark.createDataFrame(last, CANONICAL_SCHEMA))
+    leaked = build_sequences(doubled, 10).where("user_id = 'b'").first()
+    assert leaked["valid_item"] == leaked["test_item"]
+    clean = build_sequences(drop_duplicate_interactions(doubled), 10)
+    assertDataFrameEqual(clean, build_sequences(tiny, 10))

@@ -1,0 +1,196 @@
+"""Input checks that need no Spark: run before the session starts, so bad input fails in
+a second instead of after Spark's ~10-30 s start.
+
+Local paths only (plain or ``file:``); a remote path is left to the Spark-side checks,
+which stay in place for every path. What is checked: the path exists, the input
+format can be told, and for Parquet every data file has a readable footer (pyarrow)
+and the columns the job needs. Errors are one-line :class:`InputError` naming the file
+and the column.
+
+No pyspark here; pyarrow is imported when a Parquet file is actually checked.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pipeline.errors import InputError
+from pipeline.layouts import (
+    FORMATS,
+    ITEM_COLUMNS,
+    MOVIELENS_LAYOUTS,
+    RATING_COLUMNS,
+    TIME_COLUMNS,
+    USER_COLUMNS,
+)
+from pipeline.paths import local_path
+
+_LAYOUT_FILES = {fmt: name for name, (fmt, *_rest) in MOVIELENS_LAYOUTS.items()}
+
+
+def format_from_name(path: str) -> str:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if name in MOVIELENS_LAYOUTS:
+        return MOVIELENS_LAYOUTS[name][0]
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".csv"):
+        return "csv"
+    raise InputError(f"{path}: unknown format (expected .parquet, .csv, u.data, ratings.dat or ratings.csv; pass fmt)")
+
+
+def resolve_input(path: str, fmt: str | None) -> tuple[str, str]:
+    """``(format, concrete path to read)`` of an interaction log, detecting the format when not given.
+
+    A directory holding a MovieLens file (or ``ratings.parquet``) resolves to that file.
+    """
+    if fmt is not None and fmt not in FORMATS:
+        raise InputError(f"{path}: unknown format {fmt!r} (expected one of {', '.join(FORMATS)})")
+    local = local_path(path)
+    if local is None:
+        # Remote filesystems cannot be listed cheaply here; trust the caller or the suffix.
+        return fmt or format_from_name(path), path
+    p = Path(local)
+    if not p.exists():
+        raise InputError(f"{path}: path does not exist")
+    if p.is_file():
+        return fmt or format_from_name(path), path
+    # Directory: a MovieLens layout inside it, else a Parquet/CSV dataset directory.
+    if fmt in _LAYOUT_FILES:
+        name = _LAYOUT_FILES[fmt]
+        return fmt, str(p / name) if (p / name).is_file() else path
+    if fmt is None:
+        for name, layout in MOVIELENS_LAYOUTS.items():
+            if (p / name).is_file():
+                return layout[0], str(p / name)
+    if fmt in (None, "parquet") and (p / "ratings.parquet").exists():
+        return "parquet", str(p / "ratings.parquet")
+    if fmt is not None:
+        return fmt, path
+    names = [q.name for q in p.iterdir() if not q.name.startswith((".", "_"))]
+    if any(n.endswith(".parquet") for n in names):
+        return "parquet", path
+    if any(n.endswith(".csv") for n in names):
+        return "csv", path
+    raise InputError(f"{path}: unknown format (no u.data, ratings.dat, ratings.csv, *.parquet or *.csv inside; pass fmt)")
+
+
+def pick_column(columns: list[str], source: str, role: str, explicit: str | None,
+                candidates: tuple[str, ...], *, required: bool) -> str | None:
+    """Actual column name for ``role``: the explicit one, else the first recognised name
+    (case-insensitive)."""
+    by_lower = {c.lower(): c for c in columns}
+    if explicit is not None:
+        if explicit in columns:
+            return explicit
+        if explicit.lower() in by_lower:
+            return by_lower[explicit.lower()]
+        raise InputError(f"{source}: {role} column {explicit!r} not found; available columns: {', '.join(columns)}")
+    for name in candidates:
+        if name.lower() in by_lower:
+            return by_lower[name.lower()]
+    if not required:
+        return None
+    flag = "--time-col" if role == "timestamp" else f"--{role}-col"
+    raise InputError(
+        f"{source}: missing {role} column (looked for {', '.join(candidates)}; use {flag}); "
+        f"available columns: {', '.join(columns)}"
+    )
+
+
+def _data_files(root: Path) -> list[tuple[Path, list[str]]]:
+    """Spark's view of a Parquet dataset directory: every file not starting with ``.`` or ``_``,
+    with the partition columns of the ``key=value`` folders above it."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
+        rel = Path(folder).relative_to(root).parts
+        keys = [part.split("=", 1)[0] for part in rel if "=" in part]
+        found.extend((Path(folder) / f, keys) for f in sorted(files) if not f.startswith((".", "_")))
+    return found
+
+
+def parquet_footers(path: str, what: str = "", hint: str = "") -> tuple[list[tuple[str, list[str]]], int] | None:
+    """Per data file ``(file, columns)`` and the total row count, read from the footers of a
+    local Parquet file or dataset directory; None for a remote path.
+
+    Raises InputError naming the file whose footer is unreadable, or the directory when it
+    holds no data file. ``what`` prefixes the messages (e.g. ``"input "``), ``hint`` ends them.
+    """
+    import pyarrow.parquet as pq
+
+    local = local_path(path)
+    if local is None:
+        return None
+    hint = f"; {hint}" if hint else ""
+    root = Path(local)
+    if not root.exists():
+        raise InputError(f"{what}{path} does not exist")
+    files = [(root, [])] if root.is_file() else _data_files(root)
+    if not files:
+        raise InputError(f"{what}{path}: no Parquet data files inside{hint}")
+    footers, rows = [], 0
+    for file, partition_keys in files:
+        try:
+            meta = pq.read_metadata(file)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise InputError(f"{what}{file} is not readable Parquet: {reason}{hint}") from None
+        footers.append((str(file), [*meta.schema.to_arrow_schema().names, *partition_keys]))
+        rows += meta.num_rows
+    return footers, rows
+
+
+def check_interactions(path: str, fmt: str | None, *, user_col: str | None = None, item_col: str | None = None,
+                       time_col: str | None = None, rating_col: str | None = None) -> None:
+    """What ``pipeline.ingest.read_interactions`` would reject first, found without Spark:
+    a missing path, an unknown format, and for Parquet an unreadable footer, a missing
+    user/item/timestamp column (or a named ``*_col`` absent) or zero rows."""
+    fmt, source = resolve_input(path, fmt)
+    if fmt != "parquet":
+        return
+    scanned = parquet_footers(source)
+    if scanned is None:
+        return
+    footers, rows = scanned
+    for file, columns in footers:
+        where = source if file == local_path(source) else file
+        for role, explicit, candidates, required in (("user", user_col, USER_COLUMNS, True),
+                                                     ("item", item_col, ITEM_COLUMNS, True),
+                                                     ("timestamp", time_col, TIME_COLUMNS, True),
+                                                     ("rating", rating_col, RATING_COLUMNS, False)):
+            pick_column(columns, where, role, explicit, candidates, required=required)
+    if rows == 0:
+        raise InputError(f"{source}: empty input (zero rows)")
+
+
+def check_user_table(path: str, feature_cols: list[str] | None = None) -> None:
+    """The user table (``--user-features``): exists; for Parquet, readable footers with a
+    user column and every named feature column."""
+    local = local_path(path)
+    if local is None:
+        return
+    if not os.path.exists(local):
+        raise InputError(f"{path}: path does not exist")
+    if not os.path.isdir(local) and format_from_name(path) != "parquet":
+        return
+    scanned = parquet_footers(path)
+    if scanned is None:
+        return
+    for file, columns in scanned[0]:
+        where = path if file == local else file
+        pick_column(columns, where, "user", None, USER_COLUMNS, required=True)
+        for name in feature_cols or ():
+            pick_column(columns, where, "user feature", name, (), required=True)
+
+
+def check_parquet_columns(path: str, required: tuple[str, ...], what: str, hint: str) -> None:
+    """A local Parquet file or dataset whose every data file has the ``required`` columns;
+    the message names the file and the first missing column, then ``hint``."""
+    scanned = parquet_footers(path, what, hint)
+    if scanned is None:
+        return
+    for file, columns in scanned[0]:
+        missing = [c for c in required if c not in columns]
+        if missing:
+            raise InputError(f"{what}{file} lacks column {missing[0]!r} (has {', '.join(columns)}); {hint}")
