@@ -60,3 +60,61 @@ def log_job_run(job: str, *, tracking_uri: str, experiment: str, params: Mapping
 def _param_value(value: Any) -> str:
     text = str(value)
     return text if len(text) <= 6000 else text[:5997] + "..."
+
+
+# ------------------------------------------------------- a server that does not answer
+
+CHECK_TIMEOUT_S = 5.0
+# mlflow's own HTTP client retries 7 times with a 120 s timeout: minutes per call on a
+# dead server. Once the server answered the check, a server that dies mid-job should
+# cost seconds; a user's own settings win.
+SHORT_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+
+
+def reachable_tracking_uri(job: str, cli_value: str | None) -> str:
+    """The job's tracking URI (see resolve_tracking_uri), or DISABLED when its server does not answer.
+
+    Called once before the job's work starts, so tracking never stops or stalls a job:
+    an unreachable server costs at most CHECK_TIMEOUT_S and one warning line, and the
+    job runs untracked.
+    """
+    uri = resolve_tracking_uri(cli_value)
+    if uri == DISABLED:
+        return uri
+    for name, value in SHORT_MLFLOW_RETRIES.items():
+        os.environ.setdefault(name, value)
+    reason = unreachable_reason(uri)
+    if reason is None:
+        return uri
+    sys.stderr.write(f"freescale {job}: warning: MLflow at {uri} is unreachable ({reason}); running untracked\n")
+    sys.stderr.flush()
+    return DISABLED
+
+
+def unreachable_reason(uri: str, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
+    """Why an http(s) tracking server does not answer, or None when it does.
+
+    A plain GET of its /health with a socket timeout, not mlflow's retrying client. An
+    MLflow server answers 200; 401/403 (an authenticating proxy in front of one) count as
+    reachable too, anything else as not (a 404 is some other server). Local stores
+    (sqlite, file) need no network and are not checked.
+    """
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    if urlsplit(uri).scheme not in ("http", "https"):
+        return None
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError as exc:
+        return None if exc.code in (401, 403) else f"HTTP {exc.code} from /health"
+    except TimeoutError:
+        return f"no answer in {timeout_s:g} s"
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, TimeoutError):
+            return f"no answer in {timeout_s:g} s"
+        return getattr(reason, "strerror", None) or str(reason) or type(reason).__name__

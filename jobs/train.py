@@ -4,18 +4,24 @@
     freescale train --shards out/shards --nproc-per-node 2 --max-steps 50
 
 Rank 0 records the run in MLflow: the full config as params, tags (strategy, world
-size, data, code version), per-step metrics, the summary under fixed names (loss,
-step_time_s, samples_per_s, bubble_fraction, imbalance, hr_at_10, ndcg_at_10, mrr)
-and a PNG of per-rank compute and wait over steps.
+size, data, code version), per-step metrics as it goes, the summary under fixed names
+(loss, step_time_s, samples_per_s, bubble_fraction, imbalance, hr_at_10, ndcg_at_10,
+mrr) and a PNG of per-rank compute and wait over steps. Tracking never stops the
+training: an unreachable server means one warning line and an untracked run. The run
+ends FINISHED, FAILED or KILLED; a resumed training continues its run.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import typing
 from pathlib import Path
 
@@ -29,50 +35,228 @@ SUMMARY_METRICS = ("loss", "step_time_s", "samples_per_s", "bubble_fraction", "i
                    "exposed_comm_s", "imbalance", "hr_at_10", "ndcg_at_10", "mrr")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # how torchrun (and a terminal) stop the ranks
+BATCH_METRICS = 1000  # MLflow's log_batch limit per request
+DRAIN_TIMEOUT_S = 15.0  # the most a run's end waits for unsent step metrics
+
+
+class Stopped(BaseException):
+    """A stop signal, raised in the main thread so the run ends KILLED (a BaseException:
+    no `except Exception` on the way may take it for an error)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+class RankJob:
+    """What must end with this rank, however it ends: rank 0's MLflow run and its checkpoint lock.
+
+    A stop signal ends them from its handler, before interrupting the main thread: a
+    peer stopped by the same signal makes this rank's collective fail at about the same
+    moment, and an ending already under way for that error must not be cut short.
+    """
+
+    def __init__(self):
+        self.sink: MLflowSink | None = None
+        self.trainer = None
+        self.stopped_by: int | None = None
+        self.ending = False
+
+    def end(self, status: str, summary: dict[str, float] | None = None, artifacts: list[Path] = ()) -> None:
+        """FINISHED, FAILED or KILLED (a stop signal turns a failure into KILLED); runs once."""
+        self.ending = True
+        sink, self.sink = self.sink, None
+        trainer, self.trainer = self.trainer, None
+        if sink is not None:
+            sink.finish("KILLED" if self.stopped_by is not None and status == "FAILED" else status,
+                        summary, artifacts)
+        if trainer is not None:
+            trainer.close()
+
+    def stop_on_signals(self) -> None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._stop)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        # One signal is enough: torchrun forwards what its process group already received.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        self.stopped_by = signum
+        if not self.ending:
+            self.end("KILLED")
+            raise Stopped(signum)
+
+
 class MLflowSink:
-    """Rank 0's MLflow run; per-step metrics are buffered and sent in batches."""
+    """Rank 0's MLflow run, recorded as it goes without ever holding up a step.
 
-    def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict):
+    ``log_step`` only queues; one background thread sends the queue in batches
+    (``log_batch``). A tracking error becomes one warning line and the run continues
+    untracked. ``state_dict`` (part of rank 0's checkpoint) names the run and holds the
+    steps not yet sent, so a resumed training continues this run -- even after a
+    ``kill -9`` -- with every step once: steps the run already has are skipped.
+    """
+
+    def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict,
+                 resumed: dict | None = None):
         import mlflow
+        from mlflow.tracking import MlflowClient
 
-        self.mlflow = mlflow
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(experiment)
-        self.run = mlflow.start_run(run_name=run_name)
-        mlflow.set_tags(tags)
-        items = list(params.items())
+        # The client API only: mlflow's fluent one prints to stdout when a run ends, which
+        # fails once a stopped launcher took the ranks' stdout with it.
+        self.mlflow, self.uri = mlflow, uri
+        self.client = MlflowClient(uri)
+        resumed = resumed or {}
+        self.run = self._reopen(resumed.get("run_id")) or self._start(experiment, run_name)
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, value)
+        self._log_new_params(params)
+        self.sent_through = self._last_logged_step()
+        self.failed = False
+        self._unsent: collections.deque[tuple[int, int, dict[str, float]]] = collections.deque()
+        self._stopping = False
+        self._changed = threading.Condition()
+        for step, timestamp, metrics in resumed.get("unsent", []):
+            self._queue(step, timestamp, metrics)
+        self._sender = threading.Thread(target=self._send_loop, name="mlflow-sink", daemon=True)
+        self._sender.start()
+
+    @property
+    def run_id(self) -> str:
+        return self.run.info.run_id
+
+    def _start(self, experiment: str, run_name: str):
+        from mlflow.tracking.context.registry import resolve_tags  # the user/source tags of mlflow.start_run
+
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        return self.client.create_run(experiment_id, run_name=run_name, tags=resolve_tags({}))
+
+    def _reopen(self, run_id: str | None):
+        """The resumed job's run, RUNNING again; None (start a new one) when this server lacks it."""
+        if not run_id:
+            return None
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+            return self.client.get_run(run_id)
+        except self.mlflow.exceptions.MlflowException as exc:
+            _warn(f"MLflow run {run_id} of the resumed job is not at {self.uri} ({_reason(exc)}); "
+                  "starting a new run")
+            return None
+
+    def _log_new_params(self, params: dict) -> None:
+        """Params the run lacks (MLflow refuses to change one; a resume may change max_steps)."""
+        from mlflow.entities import Param
+
+        known = self.client.get_run(self.run_id).data.params
+        items = [Param(k, str(v)) for k, v in params.items() if k not in known]
         for start in range(0, len(items), 90):  # MLflow caps params per request
-            mlflow.log_params({k: str(v) for k, v in items[start:start + 90]})
-        self._buffer: list = []
+            self.client.log_batch(self.run_id, params=items[start:start + 90])
+        changed = [f"{k}={v}" for k, v in params.items() if k in known and known[k] != str(v)]
+        if changed:
+            self.client.set_tag(self.run_id, "freescale.resumed_with", ", ".join(changed)[:5000])
+
+    def _last_logged_step(self) -> int:
+        history = self.client.get_metric_history(self.run_id, "step/loss")
+        return max((m.step for m in history), default=-1)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.failed and step > self.sent_through:
+            self._queue(step, int(time.time() * 1000), {k: float(v) for k, v in metrics.items()})
+
+    def _queue(self, step: int, timestamp: int, metrics: dict[str, float]) -> None:
+        with self._changed:
+            if not self._unsent or step > self._unsent[-1][0]:
+                self._unsent.append((step, timestamp, metrics))
+                self._changed.notify_all()
+
+    def state_dict(self) -> dict:
+        with self._changed:
+            return {"run_id": self.run_id, "unsent": list(self._unsent)}
+
+    def _next_batch(self) -> list[tuple[int, int, dict[str, float]]]:
+        """Whole steps from the queue's head, up to BATCH_METRICS metrics (at least one step)."""
+        batch, size = [], 0
+        for entry in self._unsent:
+            if batch and size + len(entry[2]) > BATCH_METRICS:
+                break
+            batch.append(entry)
+            size += len(entry[2])
+        return batch
+
+    def _send_loop(self) -> None:
         from mlflow.entities import Metric
-        import time as _time
 
-        now = int(_time.time() * 1000)
-        self._buffer.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
-        if len(self._buffer) >= 500:
-            self.flush()
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._unsent or self._stopping)
+                batch = self._next_batch()
+            if not batch:
+                return  # stopping, everything sent
+            try:
+                self.client.log_batch(self.run_id, metrics=[Metric(k, v, timestamp, step)
+                                                            for step, timestamp, m in batch for k, v in m.items()])
+            except Exception as exc:  # noqa: BLE001 - tracking must not stop the training
+                self._fail(exc)
+                return
+            with self._changed:  # sent: off the queue (kept until now, so a checkpoint has them)
+                for _ in batch:
+                    self._unsent.popleft()
+                self.sent_through = batch[-1][0]
+                self._changed.notify_all()
 
-    def flush(self) -> None:
-        if self._buffer:
-            self.mlflow.tracking.MlflowClient().log_batch(self.run.info.run_id, metrics=self._buffer)
-            self._buffer = []
+    def _fail(self, exc: Exception) -> None:
+        with self._changed:
+            self.failed = True
+            self._unsent.clear()
+            self._changed.notify_all()
+        _warn(f"MLflow at {self.uri} failed ({_reason(exc)}); the run continues untracked")
 
-    def finish(self, summary: dict[str, float], artifacts: list[Path]) -> None:
-        self.flush()
-        self.mlflow.log_metrics({k: float(v) for k, v in summary.items() if v == v})
-        for path in artifacts:
-            self.mlflow.log_artifact(str(path))
-        self.mlflow.end_run()
+    def finish(self, status: str, summary: dict[str, float] | None = None, artifacts: list[Path] = ()) -> None:
+        """Send what is queued (at most DRAIN_TIMEOUT_S), then end the run FINISHED, FAILED or KILLED."""
+        from mlflow.entities import Metric
+
+        if self._stopping:
+            return  # ended already
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
+        self._sender.join(DRAIN_TIMEOUT_S)
+        if self.failed:
+            return
+        try:
+            if summary:
+                now = int(time.time() * 1000)
+                self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0)
+                                                            for k, v in summary.items() if v == v])
+            for path in artifacts:
+                self.client.log_artifact(self.run_id, str(path))
+            self.client.set_terminated(self.run_id, status)
+        except Exception as exc:  # noqa: BLE001 - the training is done: tracking must not fail it
+            self.failed = True
+            _warn(f"MLflow at {self.uri} failed ending the run ({_reason(exc)})")
 
 
-def build_sink(config, manifest, rank: int, comm: str):
-    from jobs.tracking import DISABLED, code_version, resolve_tracking_uri
+def _warn(message: str) -> None:
+    try:
+        sys.stderr.write(f"freescale train: warning: {message}\n")  # one write: ranks share stderr
+        sys.stderr.flush()
+    except OSError:
+        pass  # the launcher is gone with our stderr: the run's ending still matters
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def build_sink(config, trainer, uri: str) -> MLflowSink | None:
+    """Rank 0's run (continuing the resumed job's), or None: other ranks, tracking off or failing."""
+    from jobs.tracking import DISABLED, code_version
     from training.config import to_flat_dict
 
-    uri = resolve_tracking_uri(config.tracking.uri or None)
-    if rank != 0 or uri == DISABLED:
+    manifest = trainer.manifest
+    if trainer.env.rank != 0 or uri == DISABLED:
         return None
     strategy = manifest.control or manifest.strategy
     run_name = config.tracking.run_name or f"train-{strategy}-k{manifest.world_size}"
@@ -80,16 +264,19 @@ def build_sink(config, manifest, rank: int, comm: str):
             "freescale.world_size": str(manifest.world_size),
             "freescale.data": str(Path(config.data.shards).resolve()),
             "freescale.code_version": code_version(), "freescale.comm_mode": config.comm.mode,
-            "freescale.comm_path": comm}
-    return MLflowSink(uri, config.tracking.experiment, run_name, to_flat_dict(config), tags)
+            "freescale.comm_path": trainer.describe_comm()}
+    try:
+        return MLflowSink(uri, config.tracking.experiment, run_name, to_flat_dict(config), tags,
+                          trainer.resumed_sink_state)
+    except Exception as exc:  # noqa: BLE001 - it answered the check, then failed: run untracked
+        _warn(f"MLflow at {uri} failed opening the run ({_reason(exc)}); running untracked")
+        return None
 
 
 def train(argv: list[str]) -> int:
-    import torch.distributed as dist
-
-    from training.bubbles import TIMING_FIELDS
+    """One rank's job. Rank 0's run ends FINISHED, FAILED (an exception) or KILLED (a stop
+    signal, exit status 128 + signal); the checkpoint folder is released in every case."""
     from training.config import load_config
-    from training.trainer import Trainer
 
     parser = argparse.ArgumentParser(prog="jobs.train", description="one training rank (run under torchrun)")
     parser.add_argument("--config", help="TOML config (configs/*.toml)")
@@ -99,28 +286,52 @@ def train(argv: list[str]) -> int:
     if not config.data.shards:
         from pipeline.errors import InputError
         raise InputError("no shard directory: set data.shards in the config or pass --data.shards DIR")
-    trainer = Trainer(config)
-    sink = build_sink(config, trainer.manifest, trainer.env.rank, trainer.describe_comm())
-    if sink is not None:
-        trainer.sink = sink
+    job = RankJob()
+    job.stop_on_signals()
+    status = "FAILED"
+    try:
+        code = _train_rank(config, args.summary_json, job)
+        status = "FINISHED"
+        return code
+    except Stopped as stopped:
+        return 128 + stopped.signum
+    finally:
+        job.end(status)
+
+
+def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
+    import torch.distributed as dist
+
+    from jobs.tracking import DISABLED, reachable_tracking_uri
+    from training.bubbles import TIMING_FIELDS
+    from training.trainer import NullSink, Trainer
+
+    # Only rank 0 records the run: it checks the server before any work (RANK is what
+    # the trainer's process group reads too), so an unreachable one costs seconds.
+    rank0 = os.environ.get("RANK", "0") == "0"
+    uri = reachable_tracking_uri("train", config.tracking.uri or None) if rank0 else DISABLED
+    trainer = job.trainer = Trainer(config)
+    sink = job.sink = build_sink(config, trainer, uri)
+    trainer.sink = sink if sink is not None else NullSink(trainer.resumed_sink_state)
     result = trainer.train()
-    if trainer.env.rank == 0:
-        summary = dict(result.summary)
-        summary["predicted_bubble"] = trainer.manifest.stats.get("bubble", float("nan"))
-        print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
-        if args.summary_json:
-            Path(args.summary_json).write_text(json.dumps(
-                {"summary": summary, "losses": result.losses, "steps": result.steps,
-                 "comm": trainer.describe_comm(), "comm_issue_order": result.comm_issue_order,
-                 "timings": {"fields": list(TIMING_FIELDS), "steps_ranks_fields": result.timings.tolist()}},
-                indent=1))
+    summary, artifacts = None, []
+    with tempfile.TemporaryDirectory() as tmp:
+        if trainer.env.rank == 0:
+            summary = dict(result.summary)
+            summary["predicted_bubble"] = trainer.manifest.stats.get("bubble", float("nan"))
+            print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
+            if summary_json:
+                Path(summary_json).write_text(json.dumps(
+                    {"summary": summary, "losses": result.losses, "steps": result.steps,
+                     "comm": trainer.describe_comm(), "comm_issue_order": result.comm_issue_order,
+                     "timings": {"fields": list(TIMING_FIELDS), "steps_ranks_fields": result.timings.tolist()}},
+                    indent=1))
         if sink is not None:
             from training.bubble_plot import plot_rank_timelines
 
-            with tempfile.TemporaryDirectory() as tmp:
-                png = plot_rank_timelines(result.timings, result.steps, Path(tmp) / "rank_timelines.png",
-                                          title=f"{sink.run.info.run_name}")
-                sink.finish(summary, [png])
+            artifacts = [plot_rank_timelines(result.timings, result.steps, Path(tmp) / "rank_timelines.png",
+                                             title=f"{sink.run.info.run_name}")]
+        job.end("FINISHED", summary, artifacts)
     dist.barrier()
     dist.destroy_process_group()
     return 0

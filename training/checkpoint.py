@@ -6,12 +6,21 @@ saves sharded tensors once across ranks and loads them in place; each rank's *ow
 ones go into its own file. A checkpoint is `<folder>/step_<n>/`: the DCP files, one
 `rank_<r>.pt` per rank with what only that rank knows, `SHARDS` (the SHA-256 of the shard
 manifest it trained on: a loader position means nothing in other shards), and
-`COMPLETE`, written last by rank 0 after every rank finished. A folder without
-`COMPLETE` (a crash mid-save) is ignored.
+`CONFIG` (the run's flat config), and `COMPLETE`, written last by rank 0 after every
+rank finished. A folder without `COMPLETE` (a crash mid-save) is ignored.
+
+One job at a time: rank 0 holds `<folder>/LOCK` (host, PID) while it trains, so a
+second job on the same folder is refused instead of overwriting the first one's
+checkpoints. A resume into another model shape is refused; one with changed
+hyperparameters continues with a warning (SHAPE_KEYS, HYPERPARAMETER_KEYS).
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +31,24 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shards.manifest import ShardError
+from training.config import ConfigError
 
 COMPLETE = "COMPLETE"
 SHARDS = "SHARDS"
+CONFIG = "CONFIG"
+LOCK = "LOCK"
+
+# Config keys the saved tensors' shapes depend on: a checkpoint cannot be loaded into a
+# model or optimizer built with other values, so a resume with any of them changed is
+# refused. max_seq_len is not one (it changes the position bucketing, not a shape).
+SHAPE_KEYS = ("model.hstu.embedding_dim", "model.hstu.num_layers", "model.hstu.num_heads",
+              "model.hstu.attention_dim", "model.hstu.linear_dim", "model.hstu.num_position_buckets",
+              "model.hstu.num_time_buckets", "model.hstu.use_rating_feature",
+              "optimizer.sparse_optimizer")  # adagrad, sgd and adam keep differently shaped state
+# Keys (prefixes) that change what the saved numbers mean without changing their shapes:
+# a resume with any of them changed continues, with a warning naming them. Everything
+# else (steps, logging, comm mode, tracking, paths) may change freely.
+HYPERPARAMETER_KEYS = ("model.", "loss.", "optimizer.", "training.seed")
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -49,14 +73,17 @@ class Checkpointer:
                  if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()]
         return max(steps, default=None)
 
-    def save(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful], shards_sha256: str) -> None:
-        """`shared`: state saved through DCP (sharded or replicated tensors); `own`: this rank's."""
+    def save(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful], shards_sha256: str,
+             config: dict[str, Any]) -> None:
+        """`shared`: state saved through DCP (sharded or replicated tensors); `own`: this rank's;
+        `config`: the run's flat config (``to_flat_dict``), checked on resume."""
         target = self.step_dir(step)
         dcp.save(shared, checkpoint_id=str(target))
         torch.save({name: state.state_dict() for name, state in own.items()}, target / f"rank_{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
             (target / SHARDS).write_text(f"{shards_sha256}\n")
+            (target / CONFIG).write_text(json.dumps(config, indent=1, default=str) + "\n")
             (target / COMPLETE).write_text(f"{step}\n")
         dist.barrier()
 
@@ -67,6 +94,66 @@ class Checkpointer:
             raise ShardError(f"checkpoint {self.step_dir(step)} was written for other shards (manifest sha256 "
                              f"{found[:12]}..., these are {shards_sha256[:12]}...): use another "
                              "checkpoint.folder, or remove this one to start over")
+
+    def check_config(self, step: int, config: dict[str, Any]) -> list[str]:
+        """Refuse a resume into another model shape; return the changed hyperparameters as
+        ``key old -> new`` (a checkpoint from before CONFIG was recorded is not checked)."""
+        recorded = self.step_dir(step) / CONFIG
+        if not recorded.exists():
+            return []
+        saved = json.loads(recorded.read_text())
+        changed = {key: f"{key} {saved[key]} -> {config.get(key)}" for key in saved
+                   if key.startswith(HYPERPARAMETER_KEYS) and saved[key] != config.get(key)}
+        shapes = [changed.pop(key) for key in SHAPE_KEYS if key in changed]
+        if shapes:
+            raise ConfigError(f"checkpoint {self.step_dir(step)} holds another model shape ({', '.join(shapes)}): "
+                              "use another checkpoint.folder, or the checkpoint's values")
+        return list(changed.values())
+
+    # ------------------------------------------------------------------ lock
+
+    def lock(self) -> None:
+        """Rank 0 takes the folder's lock; every rank stops with the same line when another job holds it.
+
+        Rank 0 decides and tells the others, so no rank goes on into a collective alone.
+        """
+        refusal = self._take_lock() if self.rank == 0 and self.folder is not None else None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            shared = [refusal]
+            dist.broadcast_object_list(shared, src=0)
+            refusal = shared[0]
+        if refusal:
+            raise FileExistsError(refusal)
+
+    def unlock(self) -> None:
+        """Release the lock if this process holds it (rank 0; safe to call more than once)."""
+        if self.rank != 0 or self.folder is None:
+            return
+        path = self.folder / LOCK
+        if _read_lock(path) == _this_process():
+            path.unlink(missing_ok=True)
+
+    def _take_lock(self) -> str | None:
+        """Create the lock; None when taken, else the one-line refusal naming the holder."""
+        assert self.folder is not None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / LOCK
+        for _ in range(3):  # a stale lock is removed, then taken like a free one
+            if _create_exclusive(path, _this_process()):
+                return None
+            holder = _read_lock(path)
+            if holder is None and not path.exists():
+                continue  # released between our two looks
+            if holder is not None and _alive(holder):
+                return (f"checkpoint folder {self.folder} is in use by PID {holder['pid']} on {holder['host']} "
+                        f"(lock {path}): wait for that job, or use another checkpoint.folder")
+            if holder is not None and holder.get("host") != socket.gethostname():
+                return (f"checkpoint folder {self.folder} is locked by PID {holder['pid']} on {holder['host']} "
+                        f"(lock {path}); if that job is gone, remove the lock")
+            print(f"freescale train: note: checkpoint folder {self.folder}: taking over the stale lock of "
+                  f"{_describe(holder)} (that process is gone)", file=sys.stderr, flush=True)
+            path.unlink(missing_ok=True)
+        return f"checkpoint folder {self.folder}: another job took the lock {path} at the same time"
 
     def load(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful]) -> None:
         """Load every state saved by :meth:`save` into the same objects."""
@@ -82,6 +169,65 @@ class Checkpointer:
         saved = torch.load(own_path, weights_only=False)
         for name, state in own.items():
             state.load_state_dict(saved[name])
+
+
+def _this_process() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks (Linux), which tells a reused PID from its first
+    owner; None when unknown (no /proc) or when the process is a zombie (dead, not yet reaped)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    """Whether the lock's holder still runs; a holder on another host is assumed to."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    pid = int(holder.get("pid", -1))
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: it exists
+    if not Path("/proc").is_dir():
+        return True
+    started = _start_time(pid)
+    return started is not None and holder.get("start") in (None, started)
+
+
+def _describe(holder: dict[str, Any] | None) -> str:
+    return "an unreadable holder" if holder is None else f"PID {holder.get('pid')} on {holder.get('host')}"
+
+
+def _create_exclusive(path: Path, holder: dict[str, Any]) -> bool:
+    """Create `path` holding `holder`, complete or not at all (hard link of a written
+    file): a reader never sees a half-written lock. False when it already exists."""
+    staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    staging.write_text(json.dumps(holder) + "\n")
+    try:
+        os.link(staging, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def _read_lock(path: Path) -> dict[str, Any] | None:
+    try:
+        holder = json.loads(path.read_text())
+        return holder if isinstance(holder, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -35,7 +35,7 @@ from training.batch import SequenceBatch
 from training.comm_layer import build_comm_layer
 from shards.manifest import Manifest, ShardError, load_manifest
 from training.checkpoint import Checkpointer, materialize_optimizer_state
-from training.config import TrainConfig
+from training.config import TrainConfig, to_flat_dict
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
 from training.evaluator import evaluate
 from training.model import build_model
@@ -48,10 +48,22 @@ WARMUP_STEPS = 2  # first steps pay allocator and first-touch costs no plan cont
 class MetricsSink(Protocol):
     def log_step(self, step: int, metrics: dict[str, float]) -> None: ...
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue this record (part of rank 0's checkpoint)."""
+        ...
+
 
 class NullSink:
+    """No record; keeps a resumed record's state, so a later tracked resume still continues it."""
+
+    def __init__(self, state: dict[str, Any] | None = None):
+        self.state = state or {}
+
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
 
 
 @dataclass
@@ -104,8 +116,14 @@ class Trainer:
         self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank)
         self.step = 0
         self.max_steps = config.training.max_steps or self.manifest.num_steps
-        if config.checkpoint.resume:
-            self.resume()
+        self.resumed_sink_state: dict[str, Any] = {}
+        self.checkpointer.lock()  # one job per checkpoint folder, until close()
+        try:
+            if config.checkpoint.resume:
+                self.resume()
+        except BaseException:
+            self.close()
+            raise
         if self.env.rank == 0:
             print(f"freescale train: {self.describe_comm()}", file=sys.stderr, flush=True)
 
@@ -151,12 +169,15 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's progress (the trainer is one of its checkpoint's ``Stateful`` objects)."""
-        return {"step": self.step, "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state()}
+        return {"step": self.step, "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                "sink": self.sink.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
+        # The sink is built after the resume (it continues the record named here).
+        self.resumed_sink_state = state.get("sink") or {}
 
     def checkpoint_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(shared, own)`` ``Stateful`` objects for the checkpointer.
@@ -177,13 +198,21 @@ class Trainer:
         return shared, own
 
     def save(self) -> None:
-        self.checkpointer.save(self.step, *self.checkpoint_states(), self.manifest.sha256)
+        self.checkpointer.save(self.step, *self.checkpoint_states(), self.manifest.sha256, to_flat_dict(self.config))
+
+    def close(self) -> None:
+        """Release the checkpoint folder (also after a failure; safe to call twice)."""
+        self.checkpointer.unlock()
 
     def resume(self) -> None:
         step = self.checkpointer.latest_step()
         if step is None:
             return
         self.checkpointer.check_shards(step, self.manifest.sha256)
+        changed = self.checkpointer.check_config(step, to_flat_dict(self.config))
+        if changed and self.env.rank == 0:
+            print(f"freescale train: warning: resuming {self.checkpointer.step_dir(step)} with changed "
+                  f"settings: {', '.join(changed)}", file=sys.stderr, flush=True)
         materialize_optimizer_state(self.dense_optimizer)
         self.checkpointer.load(step, *self.checkpoint_states())
         if self.step >= self.max_steps and self.env.rank == 0:
@@ -340,17 +369,15 @@ class Trainer:
             self._record_comm(timing, start, start + timing.step_s)
             if self.comm is not None and self.step == 1:
                 self.comm_issue_order = list(self.comm.clock.step_issue_log)
-            gathered = self.meter.record(self.step, timing)
+            self._report(self.meter.record(self.step, timing), log_every)
             self.step += 1
-            if gathered is not None and self.env.rank == 0:
-                self._log_steps(gathered, self.meter.steps[-len(gathered):], log_every)
             if self._checkpoint_after(self.step - 1) and self.step < self.max_steps:
+                # Every trained step reaches the sink before the checkpoint holds the sink's state.
+                self._report(self.meter.flush(), log_every)
                 self.save()
         assert self._next is None, "an exchange was left in flight past the last step"
         stop_prefetch(self.loader)
-        tail = self.meter.flush()
-        if tail is not None and self.env.rank == 0:
-            self._log_steps(tail, self.meter.steps[-len(tail):], log_every)
+        self._report(self.meter.flush(), log_every)
         if self.checkpointer.enabled:
             self.save()
         table = self.meter.table()
@@ -363,6 +390,11 @@ class Trainer:
                                 self.config.training.eval_max_samples or None))
         return TrainResult(summary, table, list(self.meter.steps), list(losses), self.manifest,
                            self.comm_issue_order)
+
+    def _report(self, gathered: np.ndarray | None, log_every: int) -> None:
+        """Rank 0 prints and records the steps just gathered (None: none were)."""
+        if gathered is not None and self.env.rank == 0:
+            self._log_steps(gathered, self.meter.steps[-len(gathered):], log_every)
 
     def _log_steps(self, gathered: np.ndarray, steps: list[int], log_every: int) -> None:
         losses = step_losses(gathered)
@@ -400,4 +432,7 @@ def step_losses(table: np.ndarray) -> np.ndarray:
 
 def run(config: TrainConfig, sink: MetricsSink | None = None) -> TrainResult:
     trainer = Trainer(config, sink)
-    return trainer.train()
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
