@@ -6,10 +6,16 @@
     freescale calibrate ... this machine -> cost model and rank speeds for balance (jobs/calibrate.py)
     freescale calibrate ... fit the cost model and rank speeds to this machine (jobs/calibrate.py)
     freescale demo          calibrate, prepare, balance, train on the embedded synthetic default
+
+A failing job prints one line last, `freescale JOB: error: MESSAGE (details: LOG)`, and exits
+0 done, 2 bad input or arguments, 3 an environment problem (CUDA, Java/Spark, a comm backend,
+tracking), 1 anything else. Stack traces go to LOG ($FREESCALE_LOG_DIR, default out/logs);
+--verbose, accepted by every subcommand, leaves them on the terminal.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -69,11 +75,31 @@ def demo(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jobs.job_errors import run_job
+    from pipeline import logs
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verbose" in argv:  # every subcommand's flag, handled here so no job parser needs it
+        argv = [arg for arg in argv if arg != "--verbose"]
+        logs.set_verbose()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
+    # One log per invocation, named after the subcommand, shared with every process the job starts
+    # (Spark's JVM and workers, torchrun's ranks); the variable is put back when the command ends.
+    saved = os.environ.get(logs.LOG_FILE_ENV)
+    os.environ[logs.LOG_FILE_ENV] = str(logs.log_file(command).absolute())
+    try:
+        return run_job(command, lambda: _dispatch(command, rest))
+    finally:
+        if saved is None:
+            del os.environ[logs.LOG_FILE_ENV]
+        else:
+            os.environ[logs.LOG_FILE_ENV] = saved
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
     if command == "prepare":
         from jobs.prepare import main as run
     elif command == "balance":

@@ -147,6 +147,11 @@ class TrainingConfig:
     threads: int = 0
     """torch intra-op threads per rank; 0 = cores / local ranks."""
 
+    def __post_init__(self) -> None:
+        # Also run by load_config after a file or override changed the fields.
+        if self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0 (0 = one pass over the shards), got {self.max_steps}")
+
 
 @dataclass
 class ParallelConfig:

@@ -41,6 +41,11 @@ def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = choose_backend(config.backend)
+    if backend == "nccl" and not torch.cuda.is_available():
+        from comm.errors import BackendUnavailable
+
+        raise BackendUnavailable("parallel.backend nccl needs CUDA: torch.cuda.is_available() is False "
+                                 "on this machine (gloo runs on CPU)")
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
