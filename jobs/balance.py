@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -146,11 +147,12 @@ def balance(args: argparse.Namespace) -> int:
     from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
     from jobs.manifest import describe_files, relative_to
-    from jobs.tracking import log_job_run, resolve_tracking_uri
+    from jobs.tracking import log_job_run, reachable_tracking_uri, resolve_tracking_uri
     from pipeline.cost_model import CostModel, cost_column, default_cost_model
     from pipeline.session import build_spark_session
     from shards.manifest import UserFeature, build_rank_shards, new_manifest
     from shards.schema import MANIFEST_NAME, STEP_STATS_DIR, rank_dir
+    args.tracking_uri = reachable_tracking_uri("balance", args.tracking_uri)  # unreachable: one warning, untracked
 
     model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
     started = time.perf_counter()
@@ -179,6 +181,10 @@ def balance(args: argparse.Namespace) -> int:
     if num_samples < g and (args.leftover == "drop" or args.control):
         raise InputError(f"input {sequences_path} has {num_samples} samples, fewer than one global batch "
                          f"(world size {spec.world_size} x local batch {spec.local_batch_size} = {g})")
+    if num_samples < spec.world_size:
+        # Every rank must hold samples: the trainer refuses an empty rank shard.
+        raise InputError(f"input {sequences_path} has {num_samples} samples for --world-size {spec.world_size}: "
+                         f"{spec.world_size - num_samples} ranks would get none")
 
     if spec.token_cap is not None:
         longest = costs.orderBy(F.col("length").desc(), "user_id").select("user_id", "length").first()
@@ -213,6 +219,14 @@ def balance(args: argparse.Namespace) -> int:
     rank_totals = {int(r["rank"]): {"tokens": r["tokens"], "cost": r["cost"]} for r in (
         assignment.join(costs, "user_id").groupBy("rank")
         .agg(F.sum("length").alias("tokens"), F.sum("cost").alias("cost")).collect())}
+    empty = sorted(set(range(spec.world_size)) - set(rank_totals))
+    if empty:
+        raise InputError(f"the {spec.strategy} plan of {sequences_path} leaves {len(empty)} of {spec.world_size} ranks "
+                         f"without samples (first: rank {empty[0]}); use fewer ranks or --equal-counts")
+    total_cost = sum(t["cost"] for t in rank_totals.values())
+    if not math.isfinite(total_cost) or total_cost <= 0:
+        raise InputError(f"the cost model gives {sequences_path} a total cost of {total_cost}: "
+                         "nothing to balance (check --cost-model)")
 
     # Next-item targets per step over all ranks: the trainer divides each rank's loss
     # sum by it, so every plan weights every target the same.

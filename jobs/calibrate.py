@@ -312,11 +312,12 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     import numpy as np
 
-    from jobs.tracking import log_job_run, resolve_tracking_uri
+    from jobs.tracking import log_job_run, reachable_tracking_uri, resolve_tracking_uri
     from pipeline.calibration import default_lengths
     from pipeline.cost_model import KINDS
     from pipeline.rank_speeds import estimate_rank_speeds, rank_speeds_document, write_rank_speeds
     from training.calibrate import FIT_CLOCK, CalibrationSettings, machine_info, run_calibration
+    args.tracking_uri = reachable_tracking_uri("calibrate", args.tracking_uri)  # unreachable: one warning, untracked
 
     lengths = parse_lengths(args.lengths) if args.lengths else default_lengths(config.model.hstu.max_seq_len)
     settings = CalibrationSettings(

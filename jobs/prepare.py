@@ -101,7 +101,7 @@ def prepare(args: argparse.Namespace) -> int:
 
     from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
-    from jobs.tracking import log_job_run, resolve_tracking_uri
+    from jobs.tracking import log_job_run, reachable_tracking_uri, resolve_tracking_uri
     from pipeline.ingest import distinct_interactions, drop_duplicate_interactions, read_interactions
     from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences, sequence_stats
     from pipeline.session import build_spark_session
@@ -113,6 +113,7 @@ def prepare(args: argparse.Namespace) -> int:
         feature_cardinalities,
         read_user_table,
     )
+    args.tracking_uri = reachable_tracking_uri("prepare", args.tracking_uri)  # unreachable: one warning, untracked
 
     started = time.perf_counter()
     spark = build_spark_session(args.master, "freescale-prepare")

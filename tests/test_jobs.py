@@ -74,6 +74,10 @@ def test_balance_movielens_every_sample_once(prepared_ml, tmp_path):
     assert manifest["num_samples"] == len(rows) == 943 - 943 % 64
     assert rows["user_id"].is_unique
     assert manifest["num_steps"] == 943 // 64 and manifest["num_items"] == 1682
+    # what the trainer loads: sealed, typed, totals consistent with the files
+    from shards.manifest import load_manifest as load_checked
+    checked = load_checked(out, 4)
+    assert checked.num_rows == len(rows) and checked.strategy == "kk" and len(checked.user_features) == 4
     # each step holds exactly one global batch, and knows its targets over all ranks
     assert (rows.groupby("step").size() == 64).all()
     per_step = rows.groupby("step").agg(targets=("length", lambda x: int((x - 1).sum())),
@@ -155,6 +159,24 @@ def assert_one_line_error(capsys, rc: int, *fragments: str) -> None:
     assert len(err.splitlines()) == 1, err
     for fragment in fragments:
         assert fragment in err, err
+
+
+def test_keep_that_would_leave_ranks_empty_is_refused(prepared_ml, tmp_path, capsys):
+    """It used to write 4,057 empty rank shards that the trainer then refused."""
+    rc = run_balance(prepared_ml, tmp_path / "out", "--world-size", "5000", "--local-batch-size", "1",
+                     "--leftover", "keep")
+    assert_one_line_error(capsys, rc, "943 samples for --world-size 5000: 4057 ranks would get none")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_all_zero_cost_model_is_refused(prepared_ml, tmp_path, capsys):
+    """It used to write NaN bubbles into the manifest."""
+    model = tmp_path / "zero.json"
+    model.write_text(json.dumps({"format": "freescale.cost_model/1", "kind": "quadratic", "a": 0, "b": 0, "c": 0}))
+    rc = run_balance(prepared_ml, tmp_path / "out", "--world-size", "2", "--local-batch-size", "4",
+                     "--cost-model", str(model))
+    assert_one_line_error(capsys, rc, str(model), "predicts zero cost at every length")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("flag,value", [("--world-size", "0"), ("--local-batch-size", "-3"),
