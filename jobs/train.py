@@ -448,11 +448,19 @@ def _launch(argv: list[str] | None) -> int:
 
 
 def _wait(proc: subprocess.Popen) -> int:
-    """torchrun's status; a Ctrl-C reached torchrun too, which stops its ranks: wait for that."""
+    """torchrun's status. A Ctrl-C reaches torchrun too (one process group); a SIGTERM sent to the
+    launcher alone (a scheduler stopping the job) is passed on to torchrun. Either way torchrun
+    stops its ranks, which end their runs KILLED, and the launcher keeps reading their output
+    until they are gone rather than dying with the pipes."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        return proc.wait()
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class RankOutput:

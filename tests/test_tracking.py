@@ -108,9 +108,18 @@ def read_until_step(proc: subprocess.Popen, step: int) -> list[str]:
     raise AssertionError(f"training ended before step {step}:\n" + "".join(lines[-40:]))
 
 
+def ctrl_c(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal signals the whole foreground group
+
+
+def scheduler_stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)  # a scheduler signals the process it started, the launcher alone
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("stop", [ctrl_c, scheduler_stop], ids=["ctrl-c", "sigterm-to-launcher"])
 def test_steps_are_recorded_as_they_go_and_a_stop_signal_ends_the_run_killed(movielens_shards, tmp_path,
-                                                                       mlflow_server):  # noqa: F811
+                                                                       mlflow_server, stop):  # noqa: F811
     proc = start_training(movielens_shards, tmp_path, mlflow_server, "--max-steps", "100000")
     try:
         read_until_step(proc, 3)
@@ -124,8 +133,8 @@ def test_steps_are_recorded_as_they_go_and_a_stop_signal_ends_the_run_killed(mov
         [run] = runs_of(mlflow_server)
         assert run.info.status == "RUNNING"
         assert [s for s, _ in logged_steps(mlflow_server, run.info.run_id)][:3] == [0, 1, 2]
-        # A terminal's Ctrl-C: the launcher waits while torchrun stops the ranks with the signal.
-        os.killpg(proc.pid, signal.SIGINT)
+        # The launcher waits while torchrun stops the ranks with the signal.
+        stop(proc)
         proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
