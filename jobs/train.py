@@ -465,9 +465,10 @@ def _wait(proc: subprocess.Popen) -> int:
 
 class RankOutput:
     """torchrun's output, sorted line by line: all of it to the log; to the terminal, on the same
-    stream, what is not a trace. A line of ours (``freescale ...``) always reaches the terminal;
-    torchrun's own logging and library warnings stay in the log, and so does everything after a
-    traceback (Python's, faulthandler's, a C++ abort) on that stream."""
+    stream, what is not a trace. Our lines (``freescale ...``) reach the terminal, except a rank's
+    error line: the ranks' errors are gathered into the launch's one last line. torchrun's own
+    logging and library warnings stay in the log, and so does everything after a traceback
+    (Python's, faulthandler's, a C++ abort) on that stream."""
 
     TRACE = re.compile(r"(Traceback \(most recent call last\):|Fatal Python error|Current thread 0x|Thread 0x|"
                        r"terminate called|Exception in thread|\[rank\d+\]:)")
@@ -481,7 +482,7 @@ class RankOutput:
 
     def __init__(self, log: Path):
         self.log_path = log
-        self.reported: set[int] = set()  # ranks that printed their error line
+        self.reported: dict[int, str] = {}  # rank -> the message of its error line
         self.hidden: collections.deque[str] = collections.deque(maxlen=5000)
         self._lock = threading.Lock()
 
@@ -502,11 +503,13 @@ class RankOutput:
     def _pump(self, stream, terminal) -> None:
         in_trace = in_warning = False
         for line in stream:
+            reported = self.RANK_ERROR.match(line)
             ours = line.startswith("freescale ")
             if not ours and not in_trace and self.TRACE.match(line):
                 in_trace = True
             in_warning = bool(self.WARNING.match(line)) or (in_warning and line.startswith("  "))
-            show = ours or not (in_trace or in_warning or self.TORCHRUN_LOG.match(line))
+            # A rank's error line waits for the launch's last line, which gathers them.
+            show = not reported and (ours or not (in_trace or in_warning or self.TORCHRUN_LOG.match(line)))
             with self._lock:
                 self._log.write(line)
                 self._log.flush()
@@ -515,9 +518,8 @@ class RankOutput:
                     terminal.flush()
                 else:
                     self.hidden.append(line)
-                reported = self.RANK_ERROR.match(line)
                 if reported:
-                    self.reported.add(int(reported.group(1)))
+                    self.reported[int(reported.group(1))] = line[reported.end():].strip()
 
     def torchrun_failures(self) -> dict[int, int]:
         """rank -> exit code of the ranks torchrun reported as failed."""
@@ -539,8 +541,9 @@ def _describe_exit(code: int) -> str:
 
 
 def conclude_ranks(rc: int, statuses: dict[int, int], output: RankOutput | None, nproc: int) -> int:
-    """The launch's exit status from the ranks' own (torchrun only says 1), with one line for each
-    failed rank that did not print its own, then the last line naming the log."""
+    """The launch's exit status from the ranks' own (torchrun only says 1), and its one last line:
+    the failed ranks' reasons (once when they agree), naming the log. Under --verbose the ranks
+    printed their own lines already, and the last line only counts them."""
     from jobs.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK, error_line
 
     if rc == 0:
@@ -554,17 +557,24 @@ def conclude_ranks(rc: int, statuses: dict[int, int], output: RankOutput | None,
         # not a failure of its own; one that died of any other signal or status is.
         stopped = {rank for rank, code in reported.items()
                    if code in STOPPED_CODES or statuses.get(rank, 0) >= 128}
+        reasons = dict(output.reported)
         for rank, code in sorted(reported.items()):
-            if rank in failed or rank in output.reported or (rank in stopped and (failed or set(reported) - stopped)):
+            if rank in failed or rank in reasons or (rank in stopped and (failed or set(reported) - stopped)):
                 continue
             failed[rank] = EXIT_FAILED
-            sys.stderr.write(f"freescale train (rank {rank}): error: {_describe_exit(code)}\n")
+            reasons[rank] = _describe_exit(code)
     kinds = set(failed.values())
     code = next((kind for kind in (EXIT_ENVIRONMENT, EXIT_BAD_INPUT) if kind in kinds), EXIT_FAILED)
     if failed:
         ranks = sorted(failed)
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         message = f"{who} of {nproc} failed"
+        if output is not None:
+            said = {rank: reasons[rank] for rank in ranks if rank in reasons}
+            if len(set(said.values())) == 1 and len(said) == len(ranks):
+                message = f"{next(iter(said.values()))} ({message})"
+            elif said:
+                message = "; ".join(f"rank {rank}: {reason}" for rank, reason in said.items()) + f" ({message})"
     elif statuses and all(status >= 128 for status in statuses.values() if status):
         message, code = "stopped by a signal", max(statuses.values())
     else:

@@ -178,7 +178,7 @@ def test_config_max_steps_must_not_be_negative(fresh_log, tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("verbose", [False, True])
-def test_a_training_failure_is_one_line_per_rank_and_one_naming_the_log(tmp_path, verbose):
+def test_a_training_failure_is_one_line_naming_the_ranks_and_the_log(tmp_path, verbose):
     empty = tmp_path / "no-shards"
     empty.mkdir()
     run = freescale("train", "--shards", str(empty), "--nproc-per-node", "2", "--tracking-uri", "none",
@@ -186,17 +186,19 @@ def test_a_training_failure_is_one_line_per_rank_and_one_naming_the_log(tmp_path
     assert run.returncode == EXIT_BAD_INPUT, run.stderr[-3000:]
     lines = terminal_lines(run)
     last = lines[-1]
-    assert last.startswith("freescale train: error: ranks 0, 1 of 2 failed"), lines
-    ranks = sorted(line for line in lines if line.startswith("freescale train (rank"))
-    assert [line[:25] for line in ranks] == ["freescale train (rank 0):", "freescale train (rank 1):"]
-    assert all("no manifest.json in shard directory" in line for line in ranks), ranks
-    if verbose:  # the ranks' and torchrun's output as it comes, then the same last line
+    if verbose:  # each rank's line, the ranks' and torchrun's output as it comes, then a last line
+        assert last.startswith("freescale train: error: ranks 0, 1 of 2 failed"), lines
+        ranks = sorted(line[:25] for line in lines if line.startswith("freescale train (rank"))
+        assert ranks == ["freescale train (rank 0):", "freescale train (rank 1):"], lines
         assert "ChildFailedError" in run.stderr and not DETAILS.search(last)
         return
-    assert len(lines) == 3 and sorted(lines[:2]) == ranks, lines  # nothing else on the terminal
+    assert lines == [last], lines  # nothing else on the terminal: the ranks' agreeing reasons, once
+    assert last.startswith(f"freescale train: error: no manifest.json in shard directory {empty}"), last
+    assert "(ranks 0, 1 of 2 failed) (details: " in last, last
     assert not any(marker in run.stdout + run.stderr for marker in TRACE_MARKERS)
     text = logged(last, tmp_path / "logs")
     assert "ChildFailedError" in text and "ShardError: no manifest.json" in text and "Traceback" in text
+    assert "freescale train (rank 0): error: no manifest.json" in text  # each rank's own line, in the log
 
 
 @pytest.mark.slow
@@ -209,9 +211,8 @@ def test_a_comm_backend_this_machine_lacks_exits_3(movielens_shards, tmp_path):
                     "--model.hstu.num_layers", "1", "--comm.backend", "nccl", logs_dir=tmp_path / "logs")
     assert run.returncode == EXIT_ENVIRONMENT, run.stderr[-3000:]
     lines = terminal_lines(run)
-    assert lines[-1].startswith("freescale train: error: ranks 0, 1 of 2 failed (details: "), lines
-    failures = [line for line in lines if line.startswith("freescale train (rank")]
-    assert len(failures) == 2 and all("comm.backend nccl needs CUDA" in line for line in failures), lines
+    assert len(lines) == 1 and "comm.backend nccl needs CUDA" in lines[0], lines
+    assert "(ranks 0, 1 of 2 failed) (details: " in lines[0], lines
     assert not any(marker in run.stdout + run.stderr for marker in TRACE_MARKERS)
 
 
