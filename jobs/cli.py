@@ -30,7 +30,7 @@ def demo(argv: list[str]) -> int:
     """
     from jobs import balance, calibrate, prepare
     from shards.schema import MANIFEST_NAME
-    from jobs.train import launch
+    from jobs.launch import launch
 
     p = argparse.ArgumentParser(prog="freescale demo", description=demo.__doc__)
     p.add_argument("--workdir", default="out/demo", help="where the stages write (default out/demo)")
@@ -105,7 +105,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
     elif command == "balance":
         from jobs.balance import main as run
     elif command == "train":
-        from jobs.train import launch as run
+        from jobs.launch import launch as run
     elif command == "calibrate":
         from jobs.calibrate import main as run
     else:

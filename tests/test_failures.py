@@ -146,7 +146,7 @@ def test_an_expected_error_without_details_names_no_log(fresh_log, capsys):
 
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_max_steps_must_be_positive_before_torchrun_starts(fresh_log, tmp_path, capsys, value):
-    from jobs.train import launch
+    from jobs.launch import launch
 
     assert launch(["--shards", str(tmp_path), "--nproc-per-node", "2", "--max-steps", value]) == EXIT_BAD_INPUT
     captured = capsys.readouterr()
@@ -157,7 +157,7 @@ def test_max_steps_must_be_positive_before_torchrun_starts(fresh_log, tmp_path, 
 
 
 def test_config_max_steps_must_not_be_negative(fresh_log, tmp_path, capsys):
-    from jobs.train import launch
+    from jobs.launch import launch
     from training.config import ConfigError, load_config
 
     assert load_config(None, ["--training.max_steps", "0"]).training.max_steps == 0  # 0 = one pass
