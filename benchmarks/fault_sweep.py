@@ -1,0 +1,317 @@
+"""Reliability sweep: bad inputs, bad values and kills, tried as a new user would.
+
+Every case runs a real `freescale` command in a fresh process on small synthetic
+data (and MovieLens-100K where a case needs real files), then records its exit code,
+the lines it printed on stderr, what it left at the output, and whether the inputs
+are intact. A case passes when it either succeeds and its output checks out, or fails
+with exit 2 (bad input) or 3 (environment) and a single `freescale <job>: error:` line
+last, having left nothing at its output and no temporary folder behind. At the end,
+no MLflow run may be left RUNNING.
+
+Usage: python benchmarks/fault_sweep.py [--workdir out/fault-sweep] [--only NAME ...]
+
+Prints a markdown table; exits 1 when any case misses its target.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+MOVIELENS = (REPO / ".." / "shared" / "data" / "movielens-100k").resolve()
+FREESCALE = str(Path(sys.executable).parent / "freescale")
+UNREACHABLE = "http://127.0.0.1:9/"  # the discard port: nothing listens there
+
+
+@dataclass
+class Outcome:
+    code: int
+    stderr: list[str]
+    seconds: float
+
+
+@dataclass
+class Case:
+    name: str
+    expect: str  # "ok" or "fail"
+    run: Callable[["Sweep"], Outcome]
+    output: Callable[["Sweep"], Path | None] = lambda s: None
+    """The case's output path: must be absent after a failure (nothing half-written)."""
+    check: Callable[["Sweep", Outcome], str] = lambda s, o: ""
+    """Extra check on a success: "" when fine, else what is wrong."""
+    guarded: list[Path] = field(default_factory=list)
+
+
+class Sweep:
+    def __init__(self, work: Path):
+        self.work = work
+        self.db = work / "mlflow.db"
+        self.tracking = f"sqlite:///{self.db}"
+
+    def path(self, name: str) -> Path:
+        return self.work / name
+
+    def freescale(self, *args: str, timeout: float = 300) -> Outcome:
+        """Run one command; every run records to the sweep's own MLflow database."""
+        argv = [FREESCALE, *args, *(() if "--tracking-uri" in args else ("--tracking-uri", self.tracking))]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+        start = time.perf_counter()
+        done = subprocess.run(argv, cwd=self.work, env=env, capture_output=True, text=True, timeout=timeout)
+        return Outcome(done.returncode, done.stderr.strip().splitlines(), time.perf_counter() - start)
+
+
+def digest(path: Path) -> str:
+    """A content hash of a file or a directory tree (names and bytes)."""
+    h = hashlib.sha256()
+    for p in sorted([path] if path.is_file() else path.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path.parent)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def leftovers(sweep: Sweep) -> list[str]:
+    """Temporary siblings any job left anywhere in the work folder."""
+    return sorted(str(p.relative_to(sweep.work)) for p in sweep.work.rglob("*")
+                  if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def running_runs(sweep: Sweep) -> int:
+    if not sweep.db.exists():
+        return 0
+    import sqlite3
+
+    with sqlite3.connect(sweep.db) as db:
+        return db.execute("select count(*) from runs where status = 'RUNNING'").fetchone()[0]
+
+
+# ------------------------------------------------------------------- set-up
+
+
+def setup(s: Sweep) -> None:
+    """One small prepared dataset and its shards, shared by the cases that need valid inputs."""
+    ok = s.freescale("prepare", "--output", str(s.path("prepared")), "--synthetic-users", "400",
+                     "--synthetic-items", "200", "--max-seq-len", "200")
+    assert ok.code == 0, ok.stderr[-5:]
+    ok = s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(s.path("shards")),
+                     "--world-size", "2", "--local-batch-size", "8")
+    assert ok.code == 0, ok.stderr[-5:]
+    raw = s.path("raw")
+    raw.mkdir()
+    shutil.copy(MOVIELENS / "ratings.parquet", raw / "ratings.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ratings = pq.read_table(raw / "ratings.parquet")
+    pq.write_table(pa.concat_tables([ratings, ratings.slice(0, 20_000), ratings.slice(0, 20_000)]),
+                   s.path("duplicated.parquet"))
+    s.path("not-prepared").mkdir()
+    s.path("not-prepared/notes.txt").write_text("not a dataset\n")
+    zero = {"format": "freescale.cost_model/1", "kind": "quadratic", "a": 0, "b": 0, "c": 0}
+    s.path("zero_cost.json").write_text(json.dumps(zero))
+
+
+def copy_shards(s: Sweep, name: str, edit: Callable[[dict], None] | None = None) -> Path:
+    dst = s.path(name)
+    shutil.copytree(s.path("shards"), dst)
+    if edit is not None:
+        manifest = json.loads((dst / "manifest.json").read_text())
+        edit(manifest)
+        (dst / "manifest.json").write_text(json.dumps(manifest))  # a hand edit, not resealed
+    return dst
+
+
+def train(s: Sweep, shards: Path, *extra: str, timeout: float = 300) -> Outcome:
+    return s.freescale("train", "--shards", str(shards), "--nproc-per-node", "2", "--max-steps", "4",
+                       "--config", str(REPO / "configs" / "demo.toml"), *extra, timeout=timeout)
+
+
+def kill_balance_then_rerun(s: Sweep) -> Outcome:
+    """kill -9 a balance once its staging folder exists; the rerun must succeed and clean up."""
+    out = s.path("killed-shards")
+    argv = [FREESCALE, "balance", "--input", str(s.path("prepared")), "--output", str(out),
+            "--world-size", "2", "--local-batch-size", "8", "--tracking-uri", s.tracking]
+    proc = subprocess.Popen(argv, cwd=s.work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not list(s.work.glob("killed-shards.tmp-*")):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(out),
+                       "--world-size", "2", "--local-batch-size", "8")
+
+
+def manifest_ok(s: Sweep, out: Path, world_size: int = 2) -> str:
+    sys.path.insert(0, str(REPO))
+    from shards.manifest import ShardError, load_manifest
+
+    try:
+        load_manifest(out, world_size)
+    except ShardError as exc:
+        return str(exc)
+    return ""
+
+
+def prepared_meta(s: Sweep, name: str) -> dict:
+    return json.loads((s.path(name) / "prepare.json").read_text())
+
+
+CASES = [
+    # 1. data loss: the output is the input folder
+    Case("prepare --output = its --input folder, --overwrite", "fail",
+         lambda s: s.freescale("prepare", "--input", str(s.path("raw")), "--output", str(s.path("raw")), "--overwrite"),
+         guarded=[Path("raw")]),
+    Case("prepare --output inside its --input folder", "fail",
+         lambda s: s.freescale("prepare", "--input", str(s.path("raw")), "--output", str(s.path("raw/out"))),
+         output=lambda s: s.path("raw/out"), guarded=[Path("raw")]),
+    Case("balance --output = its --input", "fail",
+         lambda s: s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(s.path("prepared")),
+                               "--world-size", "2", "--local-batch-size", "8", "--overwrite"),
+         guarded=[Path("prepared")]),
+    # 2. paths that need quoting
+    *[Case(f"balance --output with {what}", "ok",
+           lambda s, d=name: s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(s.path(d)),
+                                         "--world-size", "2", "--local-batch-size", "8"),
+           output=lambda s, d=name: s.path(d), check=lambda s, o, d=name: manifest_ok(s, s.path(d)))
+      for what, name in (("a space", "with space"), ("a non-ASCII character", "shards-ä"),
+                         ("a percent sign", "shards-100%"))],
+    # 3. duplicate interactions
+    Case("prepare, 40,000 duplicated interactions", "ok",
+         lambda s: s.freescale("prepare", "--input", str(s.path("duplicated.parquet")), "--output",
+                               str(s.path("dedup"))),
+         output=lambda s: s.path("dedup"),
+         check=lambda s, o: "" if prepared_meta(s, "dedup").get("duplicates_dropped") == 40_000
+         else f"duplicates_dropped = {prepared_meta(s, 'dedup').get('duplicates_dropped')}"),
+    # 4. tracking unreachable
+    Case("balance, MLflow unreachable", "ok",
+         lambda s: s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(s.path("untracked")),
+                               "--world-size", "2", "--local-batch-size", "8", "--tracking-uri", UNREACHABLE),
+         output=lambda s: s.path("untracked"),
+         check=lambda s, o: "" if o.seconds < 90 else f"took {o.seconds:.0f} s"),
+    Case("train, MLflow unreachable", "ok",
+         lambda s: train(s, s.path("shards"), "--tracking-uri", UNREACHABLE),
+         check=lambda s, o: "" if o.seconds < 120 else f"took {o.seconds:.0f} s"),
+    # 5. checkpoints
+    Case("train, checkpoint folder locked by a live job", "fail",
+         lambda s: (s.path("locked").mkdir(exist_ok=True),
+                    # the sweep's own live process holds the lock, as a running job would
+                    (s.path("locked") / "LOCK").write_text(json.dumps({"pid": os.getpid(),
+                                                                        "host": socket.gethostname()})),
+                    train(s, s.path("shards"), "--checkpoint.folder", str(s.path("locked"))))[-1]),
+    Case("train resumed with another embedding_dim", "fail",
+         lambda s: (train(s, s.path("shards"), "--checkpoint.folder", str(s.path("ckpt"))),
+                    train(s, s.path("shards"), "--checkpoint.folder", str(s.path("ckpt")),
+                          "--max-steps", "6", "--model.hstu.embedding_dim", "48"))[-1]),  # demo.toml has 32
+    # 6. silent values
+    Case("train --max-steps 0", "fail", lambda s: s.freescale("train", "--shards", str(s.path("shards")),
+                                                              "--max-steps", "0")),
+    Case("train --max-steps -3", "fail", lambda s: s.freescale("train", "--shards", str(s.path("shards")),
+                                                               "--max-steps", "-3")),
+    Case("balance, all-zero cost model", "fail",
+         lambda s: s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(s.path("zero-out")),
+                               "--world-size", "2", "--local-batch-size", "8",
+                               "--cost-model", str(s.path("zero_cost.json"))),
+         output=lambda s: s.path("zero-out")),
+    Case("balance --world-size 5000 --leftover keep", "fail",
+         lambda s: s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(s.path("wide")),
+                               "--world-size", "5000", "--local-batch-size", "1", "--leftover", "keep"),
+         output=lambda s: s.path("wide")),
+    Case("train, manifest local_batch_size edited", "fail",
+         lambda s: train(s, copy_shards(s, "edited-batch", lambda m: m.update(local_batch_size=9)))),
+    Case("train, manifest file sha256 edited", "fail",
+         lambda s: train(s, copy_shards(s, "edited-sha", lambda m: m["ranks"][0]["files"][0].update(sha256="0" * 64)))),
+    # 7. errors that used to be buried
+    Case("train, no manifest", "fail",
+         lambda s: train(s, (lambda d: ((d / "manifest.json").unlink(), d)[1])(copy_shards(s, "no-manifest")))),
+    Case("balance --input: a folder that is not a prepared dataset", "fail",
+         lambda s: s.freescale("balance", "--input", str(s.path("not-prepared")), "--output", str(s.path("np-out")),
+                               "--world-size", "2", "--local-batch-size", "8"),
+         output=lambda s: s.path("np-out")),
+    Case("balance, infeasible --token-cap", "fail",
+         lambda s: s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(s.path("capped")),
+                               "--world-size", "2", "--local-batch-size", "32", "--equal-counts",
+                               "--token-cap", "201"),
+         output=lambda s: s.path("capped")),
+    Case("train --comm.backend nccl on a CPU machine", "fail",
+         lambda s: train(s, s.path("shards"), "--comm.backend", "nccl")),
+    # 8. fast failure
+    Case("prepare, missing input file", "fail",
+         lambda s: s.freescale("prepare", "--input", str(s.path("absent.parquet")), "--output", str(s.path("p-out"))),
+         output=lambda s: s.path("p-out"),
+         check=lambda s, o: ""),
+    # 9. kill -9, then rerun
+    Case("balance killed with -9, then rerun", "ok", kill_balance_then_rerun,
+         output=lambda s: s.path("killed-shards"), check=lambda s, o: manifest_ok(s, s.path("killed-shards"))),
+]
+
+
+def judge(s: Sweep, case: Case, outcome: Outcome, intact: bool) -> str:
+    """'' when the case met its target, else why not."""
+    if not intact:
+        return "input changed"
+    if case.expect == "ok":
+        if outcome.code != 0:
+            return f"exit {outcome.code}: {outcome.stderr[-1] if outcome.stderr else ''}"
+        return case.check(s, outcome)
+    if outcome.code not in (2, 3):
+        return f"exit {outcome.code}"
+    if len(outcome.stderr) != 1 or ": error: " not in outcome.stderr[-1]:
+        return f"{len(outcome.stderr)} stderr lines"
+    out = case.output(s)
+    if out is not None and out.exists():
+        return f"left {out.name}"
+    return ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default=str(REPO / "out" / "fault-sweep"))
+    parser.add_argument("--only", nargs="*", help="run only cases whose name contains one of these words")
+    args = parser.parse_args()
+    work = Path(args.workdir).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    sweep = Sweep(work)
+    started = time.perf_counter()
+    setup(sweep)
+    rows, misses = [], 0
+    for case in CASES:
+        if args.only and not any(w in case.name for w in args.only):
+            continue
+        before = {p: digest(work / p) for p in case.guarded}
+        outcome = case.run(sweep)
+        intact = all(digest(work / p) == d for p, d in before.items())
+        verdict = judge(sweep, case, outcome, intact)
+        misses += bool(verdict)
+        out = case.output(sweep)
+        rows.append((case.name, case.expect, outcome.code, len(outcome.stderr), f"{outcome.seconds:.1f}",
+                     "yes" if out is not None and out.exists() else "no", "yes" if intact else "NO",
+                     verdict or "met", outcome.stderr[-1] if outcome.stderr else ""))
+        print(f"{case.name}: exit {outcome.code}, {verdict or 'met'}", file=sys.stderr, flush=True)
+    left, running = leftovers(sweep), running_runs(sweep)
+    print("| case | expected | exit | stderr lines | seconds | output left | data intact | target | last stderr line |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        last = row[-1].replace("|", "\\|")
+        last = last if len(last) <= 110 else last[:107] + "..."
+        print("| " + " | ".join(str(x) for x in row[:-1]) + f" | {last} |")
+    print(f"\n{len(rows)} cases, {len(rows) - misses} met their target; temporary folders left: "
+          f"{len(left)}{' ' + str(left) if left else ''}; MLflow runs left RUNNING: {running}; "
+          f"total {time.perf_counter() - started:.0f} s")
+    return 1 if misses or left or running else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
