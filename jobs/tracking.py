@@ -52,9 +52,14 @@ def log_job_run(job: str, *, tracking_uri: str, experiment: str, params: Mapping
                 mlflow.log_text(text, name)
             return run.info.run_id
     except Exception as exc:  # noqa: BLE001 - tracking must not turn a finished job into a failure
-        print(f"freescale {job}: warning: MLflow logging to {tracking_uri} failed: "
-              f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        print(f"freescale {job}: warning: MLflow logging to {tracking_uri} failed: {failure(exc)}", file=sys.stderr)
         return None
+
+
+def failure(exc: BaseException) -> str:
+    """A tracking error as warnings name it: its type and the first line of its message."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _param_value(value: Any) -> str:

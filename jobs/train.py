@@ -26,6 +26,8 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jobs.tracking import failure as tracking_failure  # noqa: E402  (no mlflow import until used)
+
 SUMMARY_METRICS = ("loss", "step_time_s", "samples_per_s", "bubble_fraction", "idle_fraction", "comm_s",
                    "exposed_comm_s", "imbalance", "hr_at_10", "ndcg_at_10", "mrr")
 
@@ -135,7 +137,7 @@ class MLflowSink:
             self.client.update_run(run_id, status="RUNNING")
             return self.client.get_run(run_id)
         except self.mlflow.exceptions.MlflowException as exc:
-            _warn(f"MLflow run {run_id} of the resumed job is not at {self.uri} ({_reason(exc)}); "
+            _warn(f"MLflow run {run_id} of the resumed job is not at {self.uri} ({tracking_failure(exc)}); "
                   "starting a new run")
             return None
 
@@ -205,7 +207,7 @@ class MLflowSink:
             self.failed = True
             self._unsent.clear()
             self._changed.notify_all()
-        _warn(f"MLflow at {self.uri} failed ({_reason(exc)}); the run continues untracked")
+        _warn(f"MLflow at {self.uri} failed ({tracking_failure(exc)}); the run continues untracked")
 
     def finish(self, status: str, summary: dict[str, float] | None = None, artifacts: list[Path] = ()) -> None:
         """Send what is queued (at most DRAIN_TIMEOUT_S), then end the run FINISHED, FAILED or KILLED."""
@@ -229,7 +231,7 @@ class MLflowSink:
             self.client.set_terminated(self.run_id, status)
         except Exception as exc:  # noqa: BLE001 - the training is done: tracking must not fail it
             self.failed = True
-            _warn(f"MLflow at {self.uri} failed ending the run ({_reason(exc)})")
+            _warn(f"MLflow at {self.uri} failed ending the run ({tracking_failure(exc)})")
 
 
 def _warn(message: str) -> None:
@@ -238,11 +240,6 @@ def _warn(message: str) -> None:
         sys.stderr.flush()
     except OSError:
         pass  # the launcher is gone with our stderr: the run's ending still matters
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def build_sink(config, trainer, uri: str) -> MLflowSink | None:
@@ -264,7 +261,7 @@ def build_sink(config, trainer, uri: str) -> MLflowSink | None:
         return MLflowSink(uri, config.tracking.experiment, run_name, to_flat_dict(config), tags,
                           trainer.resumed_sink_state)
     except Exception as exc:  # noqa: BLE001 - it answered the check, then failed: run untracked
-        _warn(f"MLflow at {uri} failed opening the run ({_reason(exc)}); running untracked")
+        _warn(f"MLflow at {uri} failed opening the run ({tracking_failure(exc)}); running untracked")
         return None
 
 

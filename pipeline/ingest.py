@@ -31,12 +31,12 @@ from pyspark.sql import types as T
 from pipeline.errors import InputError
 from pipeline.layouts import (
     ITEM_COLUMNS,
-    MOVIELENS_LAYOUTS,
+    LAYOUT_BY_FORMAT,
     RATING_COLUMNS,
     TIME_COLUMNS,
     USER_COLUMNS,
 )
-from pipeline.preflight import format_from_name, pick_column, resolve_input
+from pipeline.preflight import pick_column, resolve_input
 
 # Spark reports every column as nullable; validation guarantees user_id, item
 # and timestamp are never null in what read_interactions returns.
@@ -74,7 +74,6 @@ def distinct_interactions() -> Column:
     return F.countDistinct(*[F.col(c) for c in INTERACTION_KEY])
 
 
-_LAYOUT_BY_FORMAT = {fmt: (name, sep, header, cols) for name, (fmt, sep, header, cols) in MOVIELENS_LAYOUTS.items()}
 
 # What Spark raises for unreadable files (missing, corrupt, not the format).
 _READ_ERRORS = (PySparkException, Py4JJavaError)
@@ -100,7 +99,9 @@ def read_interactions(
     names default to the first recognised name (``USER_COLUMNS`` etc.);
     ``*_col`` arguments override. Raises ``InputError`` on bad input.
     """
-    fmt, source = _resolve(str(path), fmt)
+    # The format and column rules live in pipeline.preflight (no Spark), so the jobs' checks
+    # before Spark starts and this read give the same answers and the same messages.
+    fmt, source = resolve_input(str(path), fmt)
     raw = _read_raw(spark, source, fmt)
     if not raw.columns:
         raise InputError(f"{source}: empty input (no columns and no rows)")
@@ -128,12 +129,6 @@ def read_interactions(
     return out.select(*CANONICAL_SCHEMA.fieldNames())
 
 
-# The format and column rules live in pipeline.preflight (no Spark), so the jobs' checks
-# before Spark starts and the reads here give the same answers and the same messages.
-_resolve = resolve_input
-_format_from_name = format_from_name
-
-
 def _read_raw(spark: SparkSession, path: str, fmt: str) -> DataFrame:
     try:
         if fmt == "parquet":
@@ -141,8 +136,8 @@ def _read_raw(spark: SparkSession, path: str, fmt: str) -> DataFrame:
         # Text formats are read as strings and parsed below, so one code path
         # decides what a malformed value is and reports it by name.
         sep, header, cols = ",", True, None
-        if fmt in _LAYOUT_BY_FORMAT:
-            _, sep, header, cols = _LAYOUT_BY_FORMAT[fmt]
+        if fmt in LAYOUT_BY_FORMAT:
+            _, sep, header, cols = LAYOUT_BY_FORMAT[fmt]
         reader = spark.read.option("sep", sep).option("header", header).option("inferSchema", False)
         if cols:
             reader = reader.schema(", ".join(f"{c} string" for c in cols))

@@ -13,7 +13,10 @@ MOVIELENS_LAYOUTS: dict[str, tuple[str, str, bool, tuple[str, ...] | None]] = {
     "ratings.csv": ("ml-csv", ",", True, None),  # header: userId,movieId,rating,timestamp
 }
 
-FORMATS: tuple[str, ...] = ("parquet", "csv", *(fmt for fmt, *_ in MOVIELENS_LAYOUTS.values()))
+# The same table keyed by format: (file name, separator, header, column names).
+LAYOUT_BY_FORMAT = {fmt: (name, sep, header, cols) for name, (fmt, sep, header, cols) in MOVIELENS_LAYOUTS.items()}
+
+FORMATS: tuple[str, ...] = ("parquet", "csv", *LAYOUT_BY_FORMAT)
 
 # Recognised column names, matched case-insensitively, first match wins.
 USER_COLUMNS = ("user_id", "userId", "user", "uid")

@@ -18,6 +18,7 @@ from pipeline.errors import InputError
 from pipeline.layouts import (
     FORMATS,
     ITEM_COLUMNS,
+    LAYOUT_BY_FORMAT,
     MOVIELENS_LAYOUTS,
     RATING_COLUMNS,
     TIME_COLUMNS,
@@ -25,7 +26,6 @@ from pipeline.layouts import (
 )
 from pipeline.paths import local_path
 
-_LAYOUT_FILES = {fmt: name for name, (fmt, *_rest) in MOVIELENS_LAYOUTS.items()}
 
 
 def format_from_name(path: str) -> str:
@@ -56,8 +56,8 @@ def resolve_input(path: str, fmt: str | None) -> tuple[str, str]:
     if p.is_file():
         return fmt or format_from_name(path), path
     # Directory: a MovieLens layout inside it, else a Parquet/CSV dataset directory.
-    if fmt in _LAYOUT_FILES:
-        name = _LAYOUT_FILES[fmt]
+    if fmt in LAYOUT_BY_FORMAT:
+        name = LAYOUT_BY_FORMAT[fmt][0]
         return fmt, str(p / name) if (p / name).is_file() else path
     if fmt is None:
         for name, layout in MOVIELENS_LAYOUTS.items():

@@ -22,8 +22,10 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from pipeline.errors import InputError
-from pipeline.ingest import _col, _format_from_name, _id_expr, _pick, _read_raw, _short
+from pipeline.ingest import _col, _id_expr, _pick, _read_raw, _short
 from pipeline.layouts import USER_COLUMNS
+from pipeline.paths import local_path
+from pipeline.preflight import format_from_name
 
 USER_FEATURES_COLUMN = "user_features"
 UNKNOWN_ID = 0
@@ -46,10 +48,10 @@ def read_user_table(
     a null user id, or a user listed twice.
     """
     source = str(path)
-    local = source.removeprefix("file://")
-    if "://" not in local and not os.path.exists(local):
+    local = local_path(source)
+    if local is not None and not os.path.exists(local):
         raise InputError(f"{source}: path does not exist")
-    fmt = "parquet" if os.path.isdir(local) else _format_from_name(source)
+    fmt = "parquet" if local is not None and os.path.isdir(local) else format_from_name(source)
     raw = _read_raw(spark, source, fmt)
     user = _pick(raw, source, "user", user_col, USER_COLUMNS, required=True)
     if feature_cols is None:
