@@ -21,7 +21,7 @@ demo: install
 	$(VENV)/bin/freescale demo
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests

@@ -3,8 +3,10 @@
     freescale prepare ...   raw logs -> sequences          (jobs/prepare.py)
     freescale balance ...   sequences -> balanced shards   (jobs/balance.py)
     freescale train ...     shards -> trained model, measured bubbles (jobs/train.py, torchrun)
-    freescale calibrate ... this machine -> cost model and rank speeds for balance (jobs/calibrate.py)
     freescale calibrate ... fit the cost model and rank speeds to this machine (jobs/calibrate.py)
+    freescale compare ...   contiguous vs balanced (vs mirror control) training, one MLflow parent run (jobs/compare.py)
+    freescale pipeline ...  prepare, calibrate, balance, train [, compare] from one TOML, rerun-safe (jobs/workflow.py)
+    freescale simulate ...  predicted step time and bubbles of a plan on K ranks (jobs/simulate.py)
     freescale demo          calibrate, prepare, balance, train on the embedded synthetic default
 
 A failing job prints one line last, `freescale JOB: error: MESSAGE (details: LOG)`, and exits
@@ -20,7 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "demo")
+SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline", "simulate", "demo")
 
 
 def demo(argv: list[str]) -> int:
@@ -108,6 +110,12 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from jobs.launch import launch as run
     elif command == "calibrate":
         from jobs.calibrate import main as run
+    elif command == "compare":
+        from jobs.compare import main as run
+    elif command == "pipeline":
+        from jobs.workflow import main as run
+    elif command == "simulate":
+        from jobs.simulate import main as run
     else:
         run = demo
     return run(rest)

@@ -203,6 +203,22 @@ class TrackingConfig:
     """MLflow experiment name."""
     run_name: str = ""
     """MLflow run name; empty = derived from the shards and strategy."""
+    parent_run_id: str = ""
+    """Nest this run under that MLflow run (``freescale compare``'s parent run); empty = a top-level run."""
+    comparison: str = ""
+    """The ``freescale compare`` this run belongs to (its tag ``freescale.comparison``); empty = none."""
+
+
+@dataclass
+class EvaluationConfig:
+    sampled_negatives: int = 0
+    """0: rank the held-out item against the whole catalog. N > 0: also rank it against N items
+    drawn uniformly from those the user never interacted with in training (the protocol of
+    SASRec and its successors, N = 100); validation and test use the same protocol."""
+
+    def __post_init__(self) -> None:
+        if self.sampled_negatives < 0:
+            raise ValueError(f"sampled_negatives must be >= 0 (0 = full-catalog ranking), got {self.sampled_negatives}")
 
 
 @dataclass
@@ -225,6 +241,8 @@ class TrainConfig:
     """``[checkpoint]``: where and how often to save, and whether to resume."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """``[tracking]``: the MLflow run."""
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    """``[evaluation]``: the ranking protocol of validation and test."""
 
 
 class ConfigError(ValueError):
