@@ -1,0 +1,430 @@
+"""`freescale simulate`: predicted step time, bubble_fraction and idle_fraction on K ranks.
+
+    freescale simulate --input PREPARED --world-sizes 256,1024 --local-batch-size 16 \\
+        --cost-model cost_model.json --noise-from control.json --calibrate-from control.json
+    freescale simulate --lengths lognormal:4.2,0.9 --world-sizes 8,64,512,4096 --noise-cv 0.1
+    freescale simulate --shards SHARDS --noise-from control.json --calibrate-from control.json
+
+With --input or --lengths, every K gets two plans from the real planner (balancing.window.plan):
+`contiguous` (the data-parallel baseline) and `balanced` (--strategy over windows of
+--window-steps steps), on K x B x --steps sample lengths: a seeded shuffle of the dataset's, or,
+when it has fewer, drawn with replacement from its length distribution (the output says so).
+With --shards, the shard set's own plan at its world size. Each plan's per-step loads go through
+the Monte Carlo of balancing/simulate.py: seconds per cost unit, per-rank noise and the
+non-compute part of a step, each fitted on measured runs (`freescale train --summary-json`) or
+given explicitly. Output: a table (per K and plan, and the balanced/contiguous reduction),
+--json, and one MLflow run with the numbers and a bubble-vs-K plot.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from balancing.simulate import NOISE_DISTS, Noise, TimeModel  # noqa: E402  (numpy only)
+from balancing.strategies import STRATEGIES  # noqa: E402
+from jobs.job_errors import run_job  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
+
+LENGTHS_SPEC = re.compile(r"^lognormal:([^,]+),([^,]+)$")
+PLOT_NAME = "bubble_vs_k.png"
+# `--lengths lognormal:` clips as pipeline/synthetic.py's generator does by default (its module
+# imports Spark, so its defaults are not imported here).
+MIN_LEN, MAX_LEN = 20, 1024
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freescale simulate", description=__doc__.split("\n\n")[0])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", help="a prepared dataset (`freescale prepare`'s output): its sample lengths")
+    source.add_argument("--lengths", help="synthetic sample lengths, lognormal:MU,SIGMA (L = round(exp(MU + SIGMA z)))")
+    source.add_argument("--shards", help="a shard directory (`freescale balance`'s output): its own plan")
+    p.add_argument("--world-sizes", help="ranks K to simulate, comma separated (default 8,64,256,1024; "
+                                         "with --shards: the manifest's)")
+    p.add_argument("--local-batch-size", type=int, help="samples per rank per step B (default 16; "
+                                                        "with --shards: the manifest's)")
+    p.add_argument("--steps", type=int, default=16, help="steps planned per K (default 16)")
+    p.add_argument("--window-steps", type=int, help="the balanced plan's window (default: --steps)")
+    p.add_argument("--strategy", choices=[s for s in STRATEGIES if s != "contiguous"], default="kk",
+                   help="the balanced plan's strategy (default kk)")
+    p.add_argument("--cost-model", help="cost-model JSON (default: the built-in analytic model; with --shards: "
+                                        "the manifest's); runs given to --calibrate-from must use the same")
+    p.add_argument("--min-seq-len", type=int, default=MIN_LEN, help=f"--lengths clip (default {MIN_LEN})")
+    p.add_argument("--max-seq-len", type=int, default=MAX_LEN, help=f"--lengths clip (default {MAX_LEN})")
+    noise = p.add_mutually_exclusive_group()
+    noise.add_argument("--noise-from", help="a mirror-control run's --summary-json: the per-rank noise")
+    noise.add_argument("--noise-cv", type=float, help="per-rank noise: normal with this coefficient of variation")
+    p.add_argument("--noise-dist", choices=NOISE_DISTS,
+                   help="with --noise-from: draw the measured values (empirical, default) or a normal of their spread")
+    p.add_argument("--calibrate-from", nargs="+", metavar="SUMMARY",
+                   help="runs' --summary-json: seconds per cost unit and the comm term (latency + per sample)")
+    p.add_argument("--seconds-per-cost", type=float, help="seconds per cost unit (overrides --calibrate-from)")
+    p.add_argument("--comm-latency-s", type=float, help="seconds per step outside compute (overrides --calibrate-from)")
+    p.add_argument("--comm-bytes-per-sample", type=float, help="bytes a rank moves per sample per step "
+                                                               "(with --comm-bandwidth; overrides --calibrate-from)")
+    p.add_argument("--comm-bandwidth", type=float, default=1e9, help="bytes/s per rank (default 1e9)")
+    p.add_argument("--seed", type=int, default=0, help="sample draw, plan and noise seed (default 0)")
+    p.add_argument("--json", help="write the predictions here")
+    p.add_argument("--plot", help="also write the bubble-vs-K PNG here")
+    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; "
+                                          "'none' disables)")
+    p.add_argument("--experiment", default="freescale", help="MLflow experiment (default freescale)")
+    p.add_argument("--run-name", help="MLflow run name (default simulate)")
+    return p
+
+
+# ----------------------------------------------------------------------- arguments
+
+
+def parse_world_sizes(text: str) -> list[int]:
+    sizes = []
+    for item in text.split(","):
+        try:
+            k = int(item.strip())
+        except ValueError:
+            raise InputError(f"--world-sizes: {item.strip()!r} is not an integer") from None
+        if k < 1:
+            raise InputError(f"--world-sizes: {k} is not a positive integer")
+        sizes.append(k)
+    return sorted(set(sizes))
+
+
+def parse_lengths(text: str) -> tuple[float, float]:
+    """``lognormal:MU,SIGMA`` -> (mu, sigma)."""
+    match = LENGTHS_SPEC.match(text.strip())
+    try:
+        mu, sigma = (float(match.group(1)), float(match.group(2))) if match else (math.nan, math.nan)
+    except ValueError:
+        mu = sigma = math.nan
+    if not (math.isfinite(mu) and math.isfinite(sigma) and sigma >= 0):
+        raise InputError(f"--lengths {text!r}: expected lognormal:MU,SIGMA with finite MU and SIGMA >= 0")
+    return mu, sigma
+
+
+def check_args(args: argparse.Namespace) -> None:
+    positive = [("--steps", args.steps), ("--window-steps", args.window_steps), ("--local-batch-size",
+                args.local_batch_size), ("--min-seq-len", args.min_seq_len), ("--max-seq-len", args.max_seq_len)]
+    for flag, value in positive:
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be a positive integer, got {value}")
+    if args.min_seq_len > args.max_seq_len:
+        raise InputError(f"--min-seq-len {args.min_seq_len} is above --max-seq-len {args.max_seq_len}")
+    for flag, value in (("--noise-cv", args.noise_cv), ("--comm-latency-s", args.comm_latency_s),
+                        ("--comm-bytes-per-sample", args.comm_bytes_per_sample)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise InputError(f"{flag} must be a finite number >= 0, got {value}")
+    for flag, value in (("--seconds-per-cost", args.seconds_per_cost), ("--comm-bandwidth", args.comm_bandwidth)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise InputError(f"{flag} must be a positive number, got {value}")
+    seconds = args.seconds_per_cost is not None or args.calibrate_from
+    for flag, value in (("--comm-latency-s", args.comm_latency_s), ("--comm-bytes-per-sample", args.comm_bytes_per_sample)):
+        if value is not None and not seconds:
+            raise InputError(f"{flag} is in seconds: give --seconds-per-cost or --calibrate-from so compute is too")
+    if args.noise_dist and not args.noise_from:
+        raise InputError("--noise-dist applies to --noise-from (--noise-cv is normal)")
+    if args.lengths:
+        parse_lengths(args.lengths)
+    if args.world_sizes:
+        parse_world_sizes(args.world_sizes)
+
+
+# ----------------------------------------------------------------------- measured runs
+
+
+@dataclass(frozen=True)
+class RunTimings:
+    """One training run's measured steps (warm-up steps left out, as its summary does), [steps, K]."""
+
+    path: str
+    compute: np.ndarray
+    cost: np.ndarray
+    samples: np.ndarray
+    step_time: np.ndarray
+    """Per step: the slowest rank's whole step, as the trainer's bubbles divide by."""
+
+
+def read_run(path: str) -> RunTimings:
+    """A `freescale train --summary-json` file's per-step, per-rank timings."""
+    from pipeline.json_files import read_json
+
+    data = read_json(path, "run summary (freescale train --summary-json)")
+    try:
+        fields = list(data["timings"]["fields"])
+        table = np.asarray(data["timings"]["steps_ranks_fields"], dtype=np.float64)
+        measured = int(data["summary"]["measured_steps"])
+    except (KeyError, TypeError, ValueError):
+        raise InputError(f"{path}: not a run summary (no timings.fields, timings.steps_ranks_fields "
+                         "and summary.measured_steps)") from None
+    missing = [n for n in ("dense_compute_s", "cost", "samples", "step_s") if n not in fields]
+    if missing:
+        raise InputError(f"{path}: timings lack field {missing[0]!r}")
+    if table.ndim != 3 or table.shape[2] != len(fields) or not 0 < measured <= table.shape[0]:
+        raise InputError(f"{path}: timings are not [steps, ranks, fields] with {measured} measured steps")
+    table = table[table.shape[0] - measured:]
+    column = {name: table[..., i] for i, name in enumerate(fields)}
+    return RunTimings(path, column["dense_compute_s"], column["cost"], column["samples"],
+                      column["step_s"].max(axis=1))
+
+
+def build_noise(args: argparse.Namespace) -> tuple[Noise, dict]:
+    from balancing.simulate import rank_noise
+
+    if args.noise_cv is not None:
+        return Noise("normal", args.noise_cv), {"noise": "normal", "noise_cv": args.noise_cv}
+    if not args.noise_from:
+        return Noise(), {"noise": "none"}
+    run = read_run(args.noise_from)
+    if run.cost.shape[1] < 2:
+        raise InputError(f"{args.noise_from}: a 1-rank run shows no noise between ranks")
+    uneven = np.flatnonzero(~np.isclose(run.cost, run.cost[:, :1], rtol=1e-9).all(axis=1))
+    if uneven.size:
+        raise InputError(f"{args.noise_from}: not a mirror-control run (the ranks' planned costs differ in "
+                         f"measured step {int(uneven[0])}); balance with --control mirror")
+    noise = Noise.measured(rank_noise(run.compute), args.noise_dist or "empirical")
+    return noise, {"noise": noise.dist, "noise_cv": noise.cv, "noise_from": args.noise_from,
+                   "noise_samples": int(noise.residuals.size)}
+
+
+def build_time_model(args: argparse.Namespace) -> tuple[TimeModel, dict]:
+    """The fitted and explicit parts of the model, and where each came from."""
+    from balancing.simulate import fit_comm, fit_seconds_per_cost, non_compute_s
+
+    noise, described = build_noise(args)
+    spc, latency, per_sample = 1.0, 0.0, 0.0
+    if args.calibrate_from:
+        runs = [read_run(path) for path in args.calibrate_from]
+        spc = fit_seconds_per_cost(np.concatenate([r.cost.ravel() for r in runs]),
+                                   np.concatenate([r.compute.ravel() for r in runs]))
+        latency, per_sample = fit_comm(np.array([r.samples.mean() for r in runs]),
+                                       np.array([non_compute_s(r.compute, r.step_time).mean() for r in runs]))
+        described["calibrate_from"] = list(args.calibrate_from)
+    if args.seconds_per_cost is not None:
+        spc = args.seconds_per_cost
+    if args.comm_latency_s is not None:
+        latency = args.comm_latency_s
+    if args.comm_bytes_per_sample is not None:
+        per_sample = args.comm_bytes_per_sample / args.comm_bandwidth
+    described.update(seconds_per_cost=spc, comm_latency_s=latency, comm_seconds_per_sample=per_sample,
+                     times_in="seconds" if args.calibrate_from or args.seconds_per_cost else "cost units")
+    return TimeModel(spc, latency, per_sample, noise), described
+
+
+# ----------------------------------------------------------------------- plans
+
+
+def load_cost_model(path: str | None):
+    from pipeline.cost_model import CostModel, default_cost_model
+
+    return CostModel.load(path) if path else default_cost_model()
+
+
+def shard_plan(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The shard set's own plan: {plan name: [steps, K] loads} and what it is."""
+    import pyarrow.parquet as pq
+
+    from pipeline.cost_model import CostModel
+    from pipeline.json_files import read_json
+    from shards.manifest import ShardError, load_manifest
+    from shards.schema import MANIFEST_NAME
+
+    raw = read_json(Path(args.shards) / MANIFEST_NAME, "shard manifest (freescale balance output)")
+    if not isinstance(raw, dict) or not isinstance(raw.get("world_size"), int):
+        raise ShardError(f"{Path(args.shards) / MANIFEST_NAME}: no world_size")
+    manifest = load_manifest(args.shards, raw["world_size"])
+    k, b = manifest.world_size, manifest.local_batch_size
+    if args.world_sizes and parse_world_sizes(args.world_sizes) != [k]:
+        raise InputError(f"--world-sizes {args.world_sizes}: shard set {args.shards} is planned for {k} ranks")
+    if args.local_batch_size not in (None, b):
+        raise InputError(f"--local-batch-size {args.local_batch_size}: shard set {args.shards} has {b}")
+    model = load_cost_model(args.cost_model) if args.cost_model else CostModel.from_json(
+        manifest.cost_model, f"{args.shards} manifest's cost model")
+    loads = np.zeros((manifest.num_steps, k))
+    for rank in range(k):
+        for path in manifest.rank_paths(rank):
+            table = pq.read_table(path, columns=["step", "length"]).to_pydict()
+            np.add.at(loads[:, rank], np.asarray(table["step"], dtype=np.int64),
+                      model.predict(np.asarray(table["length"])))
+    name = manifest.control or manifest.strategy
+    return {k: {name: loads}}, {"source": "shards", "shards": args.shards, "local_batch_size": b,
+                                "plan": name, "cost_model": model.provenance.get("source", model.kind)}
+
+
+def prepared_lengths(path: str) -> np.ndarray:
+    """Every sample's history length from a prepared dataset (local Parquet, read with pyarrow)."""
+    import pyarrow.parquet as pq
+
+    root = Path(path)
+    if not root.exists():
+        raise InputError(f"--input {path} does not exist")
+    sequences = root / "sequences" if (root / "sequences").exists() else root
+    try:
+        table = pq.read_table(sequences, columns=["length"])
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for unreadable input
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"--input {sequences}: no readable Parquet with column 'length' ({reason})") from None
+    lengths = table.column("length").to_numpy(zero_copy_only=False)
+    if lengths.size == 0:
+        raise InputError(f"--input {sequences} holds no samples")
+    return lengths.astype(np.int64)
+
+
+def built_plans(args: argparse.Namespace) -> tuple[dict, dict]:
+    """{K: {"contiguous": loads, "balanced": loads}} from the real planner, and what they are."""
+    from balancing.simulate import lognormal_lengths, plan_loads, sample_lengths
+
+    sizes = parse_world_sizes(args.world_sizes or "8,64,256,1024")
+    b = args.local_batch_size or 16
+    window = args.window_steps or args.steps
+    model = load_cost_model(args.cost_model)
+    pool = prepared_lengths(args.input) if args.input else None
+    resampled = []
+    plans = {}
+    for k in sizes:
+        n = k * b * args.steps
+        if pool is not None:
+            lengths, drawn = sample_lengths(pool, n, args.seed)
+            if drawn:
+                resampled.append(k)
+        else:
+            mu, sigma = parse_lengths(args.lengths)
+            lengths = lognormal_lengths(mu, sigma, n, args.seed, args.min_seq_len, args.max_seq_len)
+        costs = model.predict(lengths)
+        plans[k] = {"contiguous": plan_loads(costs, k, b, "contiguous", 1, args.seed),
+                    "balanced": plan_loads(costs, k, b, args.strategy, window, args.seed)}
+    what = {"source": "input" if args.input else "lengths", "lengths": args.input or args.lengths,
+            "local_batch_size": b, "steps": args.steps, "balanced": f"{args.strategy}, window {window} steps",
+            "cost_model": model.provenance.get("source", model.kind)}
+    if pool is not None:
+        what.update(dataset_samples=int(pool.size), resampled_world_sizes=resampled)
+    return plans, what
+
+
+# ----------------------------------------------------------------------- the job
+
+
+def predict(plans: dict, model: TimeModel, b: int, seed: int) -> list[dict]:
+    from balancing.simulate import simulate
+
+    return [{"plan": name, **simulate(loads, model, b, seed=seed).to_json()}
+            for k, by_plan in plans.items() for name, loads in by_plan.items()]
+
+
+def reductions(rows: list[dict]) -> list[dict]:
+    """Per K with both plans: how much of contiguous's bubble, idle time and step time balancing removes."""
+    by_k: dict[int, dict[str, dict]] = {}
+    for row in rows:
+        by_k.setdefault(row["world_size"], {})[row["plan"]] = row
+    out = []
+    for k, plans in by_k.items():
+        if {"contiguous", "balanced"} <= plans.keys():
+            c, bal = plans["contiguous"], plans["balanced"]
+            out.append({"world_size": k,
+                        "bubble_reduction": 1 - bal["bubble_fraction"] / c["bubble_fraction"]
+                        if c["bubble_fraction"] > 0 else 0.0,
+                        "idle_reduction": 1 - bal["idle_fraction"] / c["idle_fraction"] if c["idle_fraction"] > 0 else 0.0,
+                        "speedup": c["step_time_s"] / bal["step_time_s"]})
+    return out
+
+
+def print_report(what: dict, described: dict, rows: list[dict], reduced: list[dict]) -> None:
+    unit, scale = ("ms", 1e3) if described["times_in"] == "seconds" else ("cost units", 1.0)
+    print(f"freescale simulate: {what['source']} {what.get('lengths') or what.get('shards')}, "
+          f"B={what['local_batch_size']}, cost model {what['cost_model']}; noise {described['noise']}"
+          f" (cv {described.get('noise_cv', 0.0):.3f}); "
+          + (f"{described['seconds_per_cost']:.4g} s per cost unit; " if unit == "ms" else
+             "times in cost units (no --calibrate-from or --seconds-per-cost); ")
+          + f"non-compute {described['comm_latency_s'] * scale:.3g} {unit} + "
+          f"{described['comm_seconds_per_sample'] * scale:.3g} {unit} per sample")
+    if what.get("resampled_world_sizes"):
+        print(f"freescale simulate: the dataset has {what['dataset_samples']} samples, fewer than K x B x steps for "
+              f"K = {', '.join(map(str, what['resampled_world_sizes']))}: their lengths are drawn with "
+              "replacement from its length distribution")
+    print(f"\n| K | plan | plan bubble | step time ({unit}) | bubble_fraction | idle_fraction | slowest rank's noise |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['world_size']} | {r['plan']} | {r['plan_bubble']:.4f} | {r['step_time_s'] * scale:.4g} | "
+              f"{r['bubble_fraction']:.4f} | {r['idle_fraction']:.4f} | x{r['noise_max_factor']:.3f} |")
+    if reduced:
+        print("\n| K | bubble removed (1 - balanced / contiguous) | idle removed | step-time speedup |")
+        print("| --- | --- | --- | --- |")
+        for r in reduced:
+            print(f"| {r['world_size']} | {r['bubble_reduction']:.1%} | {r['idle_reduction']:.1%} | "
+                  f"x{r['speedup']:.3f} |")
+
+
+def plot_bubbles(rows: list[dict], path: Path, title: str) -> Path:
+    """bubble_fraction (solid) and idle_fraction (dashed) vs K, one colour per plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, name in enumerate(dict.fromkeys(r["plan"] for r in rows)):
+        mine = sorted((r for r in rows if r["plan"] == name), key=lambda r: r["world_size"])
+        ks = [r["world_size"] for r in mine]
+        ax.plot(ks, [r["bubble_fraction"] for r in mine], "o-", color=f"C{i}", label=f"{name} bubble_fraction")
+        ax.plot(ks, [r["idle_fraction"] for r in mine], "s--", color=f"C{i}", alpha=0.6, label=f"{name} idle_fraction")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks K")
+    ax.set_ylabel("fraction of rank-time")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def simulate_job(args: argparse.Namespace) -> int:
+    from jobs.tracking import job_run, reachable_tracking_uri
+    from pipeline.json_files import write_json
+
+    check_args(args)
+    model, described = build_time_model(args)  # measured runs first: a bad file fails before planning
+    uri = reachable_tracking_uri("simulate", args.tracking_uri)
+    params = {k: v for k, v in vars(args).items() if v is not None and k not in ("tracking_uri", "json", "plot")}
+    with job_run("simulate", tracking_uri=uri, experiment=args.experiment, params=params,
+                 run_name=args.run_name or "simulate") as run:
+        plans, what = shard_plan(args) if args.shards else built_plans(args)
+        rows = predict(plans, model, what["local_batch_size"], args.seed)
+        reduced = reductions(rows)
+        print_report(what, described, rows, reduced)
+        result = {"what": what, "model": described, "predictions": rows, "reductions": reduced}
+        if args.json:
+            write_json(args.json, result)
+        run.log_metrics({f"k{r['world_size']}/{r['plan']}/{name}": r[name] for r in rows
+                         for name in ("bubble_fraction", "idle_fraction", "step_time_s", "plan_bubble")})
+        run.log_metrics({f"k{r['world_size']}/{name}": r[name] for r in reduced
+                         for name in ("bubble_reduction", "idle_reduction", "speedup")})
+        run.log_text(json.dumps(result, indent=2), "simulation.json")
+        if args.plot or run.active:
+            title = f"{what['source']} {what.get('lengths') or what.get('shards')}, B={what['local_batch_size']}"
+            with tempfile.TemporaryDirectory() as tmp:
+                picture = plot_bubbles(rows, Path(tmp) / PLOT_NAME, title)
+                if args.plot:
+                    shutil.copyfile(picture, args.plot)
+                run.log_artifact(picture)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_job("simulate", lambda: simulate_job(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
