@@ -17,9 +17,7 @@ hyperparameters continues with a warning (SHAPE_KEYS, HYPERPARAMETER_KEYS).
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
+from pipeline import locks
 from shards.manifest import ShardError
 from training.config import ConfigError
 
@@ -129,30 +128,24 @@ class Checkpointer:
         """Release the lock if this process holds it (rank 0; safe to call more than once)."""
         if self.rank != 0 or self.folder is None:
             return
-        path = self.folder / LOCK
-        if _read_lock(path) == _this_process():
-            path.unlink(missing_ok=True)
+        locks.release(self.folder / LOCK)
 
     def _take_lock(self) -> str | None:
         """Create the lock; None when taken, else the one-line refusal naming the holder."""
         assert self.folder is not None
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / LOCK
-        for _ in range(3):  # a stale lock is removed, then taken like a free one
-            if _create_exclusive(path, _this_process()):
-                return None
-            holder = _read_lock(path)
-            if holder is None and not path.exists():
-                continue  # released between our two looks
-            if holder is not None and _alive(holder):
-                return (f"checkpoint folder {self.folder} is in use by PID {holder['pid']} on {holder['host']} "
-                        f"(lock {path}): wait for that job, or use another checkpoint.folder")
-            if holder is not None and holder.get("host") != socket.gethostname():
-                return (f"checkpoint folder {self.folder} is locked by PID {holder['pid']} on {holder['host']} "
-                        f"(lock {path}); if that job is gone, remove the lock")
-            print(f"freescale train: note: checkpoint folder {self.folder}: taking over the stale lock of "
-                  f"{_describe(holder)} (that process is gone)", file=sys.stderr, flush=True)
-            path.unlink(missing_ok=True)
+        refused = locks.acquire(path, on_stale=lambda holder: print(
+            f"freescale train: note: checkpoint folder {self.folder}: taking over the stale lock of "
+            f"{holder} (that process is gone)", file=sys.stderr, flush=True))
+        if refused is None:
+            return None
+        if refused.reason == "alive":
+            return (f"checkpoint folder {self.folder} is in use by PID {refused.holder['pid']} on "
+                    f"{refused.holder['host']} (lock {path}): wait for that job, or use another checkpoint.folder")
+        if refused.reason == "other_host":
+            return (f"checkpoint folder {self.folder} is locked by PID {refused.holder['pid']} on "
+                    f"{refused.holder['host']} (lock {path}); if that job is gone, remove the lock")
         return f"checkpoint folder {self.folder}: another job took the lock {path} at the same time"
 
     def load(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful]) -> None:
@@ -169,65 +162,6 @@ class Checkpointer:
         saved = torch.load(own_path, weights_only=False)
         for name, state in own.items():
             state.load_state_dict(saved[name])
-
-
-def _this_process() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks (Linux), which tells a reused PID from its first
-    owner; None when unknown (no /proc) or when the process is a zombie (dead, not yet reaped)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return None if fields[0] in ("Z", "X") else int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _alive(holder: dict[str, Any]) -> bool:
-    """Whether the lock's holder still runs; a holder on another host is assumed to."""
-    if holder.get("host") != socket.gethostname():
-        return True
-    pid = int(holder.get("pid", -1))
-    if pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process: it exists
-    if not Path("/proc").is_dir():
-        return True
-    started = _start_time(pid)
-    return started is not None and holder.get("start") in (None, started)
-
-
-def _describe(holder: dict[str, Any] | None) -> str:
-    return "an unreadable holder" if holder is None else f"PID {holder.get('pid')} on {holder.get('host')}"
-
-
-def _create_exclusive(path: Path, holder: dict[str, Any]) -> bool:
-    """Create `path` holding `holder`, complete or not at all (hard link of a written
-    file): a reader never sees a half-written lock. False when it already exists."""
-    staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    staging.write_text(json.dumps(holder) + "\n")
-    try:
-        os.link(staging, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        staging.unlink(missing_ok=True)
-
-
-def _read_lock(path: Path) -> dict[str, Any] | None:
-    try:
-        holder = json.loads(path.read_text())
-        return holder if isinstance(holder, dict) else None
-    except (OSError, ValueError):
-        return None
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
