@@ -286,6 +286,13 @@ def _apply(obj: Any, values: dict[str, Any], source: str, prefix: str = "") -> N
             raise ConfigError(f"{source}: {prefix.rstrip('.')}: {exc}") from None
 
 
+def apply_table(obj: Any, values: dict[str, Any], source: str) -> None:
+    """Set a TOML table on any typed config dataclass with this module's checks (unknown keys,
+    Literal choices, types, ``__post_init__``), errors reading ``SOURCE: section.key ...``: the one
+    loader of every command's typed config (also `freescale pipeline`'s, jobs/workflow.py)."""
+    _apply(obj, values, source)
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """`value` as the field's type; `where` is ``SOURCE: section.key`` for the error."""
     if typing.get_origin(hint) is Literal:
