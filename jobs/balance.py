@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables)")
     p.add_argument("--experiment", default="freescale", help="MLflow experiment (default freescale)")
+    p.add_argument("--comparison", help="the `freescale compare` this run belongs to (MLflow tag freescale.comparison)")
     return p
 
 
@@ -147,139 +148,141 @@ def balance(args: argparse.Namespace) -> int:
     from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
     from jobs.manifest import describe_files, relative_to
-    from jobs.tracking import log_job_run, reachable_tracking_uri, resolve_tracking_uri
+    from jobs.tracking import job_run, reachable_tracking_uri, run_tags
     from pipeline.cost_model import CostModel, cost_column, default_cost_model
     from pipeline.session import build_spark_session
     from shards.manifest import UserFeature, build_rank_shards, new_manifest
     from shards.schema import MANIFEST_NAME, STEP_STATS_DIR, rank_dir
     args.tracking_uri = reachable_tracking_uri("balance", args.tracking_uri)  # unreachable: one warning, untracked
 
-    model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
-    started = time.perf_counter()
+    # The run spans the job's work: opened before Spark starts, FAILED if the job fails.
+    params = {k: v for k, v in vars(args).items()
+              if k not in ("overwrite", "tracking_uri", "experiment", "comparison")}
+    tags = {**run_tags(args.strategy, args.control, args.comparison), "freescale.world_size": str(args.world_size)}
+    with job_run("balance", tracking_uri=args.tracking_uri, experiment=args.experiment, params=params, tags=tags,
+                 run_name=f"balance-{args.control or args.strategy}-k{args.world_size}") as run:
+        model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
+        started = time.perf_counter()
 
-    spark = build_spark_session(args.master, "freescale-balance")
-    fs = HadoopFS(spark)
-    input_uri, output_uri = fs.qualify(args.input), fs.qualify(args.output)
-    check_output_free(fs, output_uri, args.overwrite)
-    stale_removed = remove_stale_siblings(fs, output_uri)
-    sequences_path, sequences = read_sequences(spark, fs, input_uri)
-    prepared = prepared_metadata(fs, input_uri)
-    if "user_features" in sequences.columns and not prepared.get("user_features"):
-        raise InputError(f"input {sequences_path} has a user_features column but {input_uri}/prepare.json "
-                         "does not list the features; rerun `freescale prepare`")
-    spec = shard_plan.PlanSpec(world_size=args.world_size, local_batch_size=args.local_batch_size,
-                               window_steps=args.window_steps, strategy=args.strategy, seed=args.seed,
-                               token_cap=args.token_cap, equal_counts=args.equal_counts,
-                               capacities=capacities, time_limit_s=args.time_limit)
+        spark = build_spark_session(args.master, "freescale-balance")
+        fs = HadoopFS(spark)
+        input_uri, output_uri = fs.qualify(args.input), fs.qualify(args.output)
+        check_output_free(fs, output_uri, args.overwrite)
+        stale_removed = remove_stale_siblings(fs, output_uri)
+        sequences_path, sequences = read_sequences(spark, fs, input_uri)
+        prepared = prepared_metadata(fs, input_uri)
+        if "user_features" in sequences.columns and not prepared.get("user_features"):
+            raise InputError(f"input {sequences_path} has a user_features column but {input_uri}/prepare.json "
+                             "does not list the features; rerun `freescale prepare`")
+        spec = shard_plan.PlanSpec(world_size=args.world_size, local_batch_size=args.local_batch_size,
+                                   window_steps=args.window_steps, strategy=args.strategy, seed=args.seed,
+                                   token_cap=args.token_cap, equal_counts=args.equal_counts,
+                                   capacities=capacities, time_limit_s=args.time_limit)
 
-    costs = sequences.select("user_id", "length", cost_column(model, "length").alias("cost"))
-    positioned = shard_plan.with_global_position(costs, args.seed)
-    num_samples = positioned.count()
-    g = spec.global_batch_size
-    if num_samples == 0:
-        raise InputError(f"input {sequences_path} has no samples")
-    if num_samples < g and (args.leftover == "drop" or args.control):
-        raise InputError(f"input {sequences_path} has {num_samples} samples, fewer than one global batch "
-                         f"(world size {spec.world_size} x local batch {spec.local_batch_size} = {g})")
-    if num_samples < spec.world_size:
-        # Every rank must hold samples: the trainer refuses an empty rank shard.
-        raise InputError(f"input {sequences_path} has {num_samples} samples for --world-size {spec.world_size}: "
-                         f"{spec.world_size - num_samples} ranks would get none")
+        costs = sequences.select("user_id", "length", cost_column(model, "length").alias("cost"))
+        positioned = shard_plan.with_global_position(costs, args.seed)
+        num_samples = positioned.count()
+        g = spec.global_batch_size
+        if num_samples == 0:
+            raise InputError(f"input {sequences_path} has no samples")
+        if num_samples < g and (args.leftover == "drop" or args.control):
+            raise InputError(f"input {sequences_path} has {num_samples} samples, fewer than one global batch "
+                             f"(world size {spec.world_size} x local batch {spec.local_batch_size} = {g})")
+        if num_samples < spec.world_size:
+            # Every rank must hold samples: the trainer refuses an empty rank shard.
+            raise InputError(f"input {sequences_path} has {num_samples} samples for --world-size {spec.world_size}: "
+                             f"{spec.world_size - num_samples} ranks would get none")
 
-    if spec.token_cap is not None:
-        longest = costs.orderBy(F.col("length").desc(), "user_id").select("user_id", "length").first()
-        if longest["length"] > spec.token_cap:
-            raise InputError(f"--token-cap {spec.token_cap} is below the history of user {longest['user_id']} "
-                             f"({longest['length']} items): no rank can hold it")
+        if spec.token_cap is not None:
+            longest = costs.orderBy(F.col("length").desc(), "user_id").select("user_id", "length").first()
+            if longest["length"] > spec.token_cap:
+                raise InputError(f"--token-cap {spec.token_cap} is below the history of user {longest['user_id']} "
+                                 f"({longest['length']} items): no rank can hold it")
 
-    plan_started = time.perf_counter()
-    if args.control == "mirror":
-        num_steps = num_samples // g
-        assignment = shard_plan.mirror_assignment(positioned, spec, num_steps)
-        planned = positioned.where(F.col("position") < num_steps * spec.local_batch_size)
-    else:
-        planned = shard_plan.apply_leftover_policy(positioned, num_samples, g, args.leftover)
-        assignment = shard_plan.plan_windows(planned, spec)
-    assignment = assignment.localCheckpoint(eager=True)
-    plan_seconds = time.perf_counter() - plan_started
+        plan_started = time.perf_counter()
+        if args.control == "mirror":
+            num_steps = num_samples // g
+            assignment = shard_plan.mirror_assignment(positioned, spec, num_steps)
+            planned = positioned.where(F.col("position") < num_steps * spec.local_batch_size)
+        else:
+            planned = shard_plan.apply_leftover_policy(positioned, num_samples, g, args.leftover)
+            assignment = shard_plan.plan_windows(planned, spec)
+        assignment = assignment.localCheckpoint(eager=True)
+        plan_seconds = time.perf_counter() - plan_started
 
-    summary = assignment.agg(F.count(F.lit(1)).alias("rows"), F.countDistinct("user_id").alias("users"),
-                             F.max("step").alias("last_step"),
-                             F.sum((F.col("step") != F.col("origin_step")).cast("long")).alias("moved")).first()
-    planned_samples = planned.count()
-    expected_rows = planned_samples * (spec.world_size if args.control else 1)
-    if summary["rows"] != expected_rows or summary["users"] != planned_samples:
-        raise RuntimeError(f"plan lost or duplicated samples: {summary['rows']} rows for {planned_samples} samples")
-    num_steps = int(summary["last_step"]) + 1
+        summary = assignment.agg(F.count(F.lit(1)).alias("rows"), F.countDistinct("user_id").alias("users"),
+                                 F.max("step").alias("last_step"),
+                                 F.sum((F.col("step") != F.col("origin_step")).cast("long")).alias("moved")).first()
+        planned_samples = planned.count()
+        expected_rows = planned_samples * (spec.world_size if args.control else 1)
+        if summary["rows"] != expected_rows or summary["users"] != planned_samples:
+            raise RuntimeError(f"plan lost or duplicated samples: {summary['rows']} rows for {planned_samples} samples")
+        num_steps = int(summary["last_step"]) + 1
 
-    step_table = shard_plan.step_loads(assignment, costs, spec).toPandas()
-    baseline = shard_plan.contiguous_assignment(planned, spec) if not args.control else assignment
-    baseline_table = shard_plan.step_loads(baseline, costs, spec).toPandas()
-    imbalance = step_table["max_time"] / step_table["mean_time"] - 1.0
-    rank_totals = {int(r["rank"]): {"tokens": r["tokens"], "cost": r["cost"]} for r in (
-        assignment.join(costs, "user_id").groupBy("rank")
-        .agg(F.sum("length").alias("tokens"), F.sum("cost").alias("cost")).collect())}
-    empty = sorted(set(range(spec.world_size)) - set(rank_totals))
-    if empty:
-        raise InputError(f"the {spec.strategy} plan of {sequences_path} leaves {len(empty)} of {spec.world_size} ranks "
-                         f"without samples (first: rank {empty[0]}); use fewer ranks or --equal-counts")
-    total_cost = sum(t["cost"] for t in rank_totals.values())
-    if not math.isfinite(total_cost) or total_cost <= 0:
-        raise InputError(f"the cost model gives {sequences_path} a total cost of {total_cost}: "
-                         "nothing to balance (check --cost-model)")
+        step_table = shard_plan.step_loads(assignment, costs, spec).toPandas()
+        baseline = shard_plan.contiguous_assignment(planned, spec) if not args.control else assignment
+        baseline_table = shard_plan.step_loads(baseline, costs, spec).toPandas()
+        imbalance = step_table["max_time"] / step_table["mean_time"] - 1.0
+        rank_totals = {int(r["rank"]): {"tokens": r["tokens"], "cost": r["cost"]} for r in (
+            assignment.join(costs, "user_id").groupBy("rank")
+            .agg(F.sum("length").alias("tokens"), F.sum("cost").alias("cost")).collect())}
+        empty = sorted(set(range(spec.world_size)) - set(rank_totals))
+        if empty:
+            raise InputError(f"the {spec.strategy} plan of {sequences_path} leaves {len(empty)} of {spec.world_size} ranks "
+                             f"without samples (first: rank {empty[0]}); use fewer ranks or --equal-counts")
+        total_cost = sum(t["cost"] for t in rank_totals.values())
+        if not math.isfinite(total_cost) or total_cost <= 0:
+            raise InputError(f"the cost model gives {sequences_path} a total cost of {total_cost}: "
+                             "nothing to balance (check --cost-model)")
 
-    # Next-item targets per step over all ranks: the trainer divides each rank's loss
-    # sum by it, so every plan weights every target the same.
-    step_targets = (assignment.join(costs, "user_id").groupBy("step")
-                    .agg(F.sum(F.col("length") - 1).alias("step_targets")))
-    rows = (sequences.join(assignment, "user_id")
-            .join(F.broadcast(step_targets), "step")
-            .withColumn("cost", cost_column(model, "length")))
-    rows = shard_plan.shard_rows(rows)
-    stats = {
-        "bubble": shard_plan.bubble_of(step_table),
-        "bubble_contiguous": shard_plan.bubble_of(baseline_table),
-        "imbalance_mean": float(imbalance.mean()),
-        "imbalance_p50": float(imbalance.median()),
-        "imbalance_p95": float(imbalance.quantile(0.95)),
-        "imbalance_max": float(imbalance.max()),
-        "plan_seconds": plan_seconds,
-    }
-    leftover = num_samples - planned_samples
-    with atomic_output(fs, output_uri, args.overwrite) as staging:
-        (rows.repartition(min(spec.world_size, 256), "rank")
-         .sortWithinPartitions("rank", "step", "slot")
-         .write.option("parquet.block.size", ROW_GROUP_BYTES)
-         .partitionBy("rank").parquet(staging))
-        spark.createDataFrame(step_table).coalesce(1).write.parquet(f"{staging}/{STEP_STATS_DIR}")
-        uris = []
-        for rank in range(spec.world_size):
-            if fs.exists(directory := f"{staging}/{rank_dir(rank)}"):
-                uris.extend(fs.list_files(directory, ".parquet"))
-        files = [{**d, "path": relative_to(staging, d["uri"])} for d in describe_files(spark, uris)]
-        manifest = new_manifest(
-            ranks=build_rank_shards(files, rank_totals, spec.world_size),
-            world_size=spec.world_size, local_batch_size=spec.local_batch_size, global_batch_size=g,
-            num_steps=num_steps, window_steps=spec.window_steps, strategy=spec.strategy,
-            control=args.control, seed=args.seed, equal_counts=spec.equal_counts, token_cap=spec.token_cap,
-            capacities=list(capacities) if capacities else None, cost_model=model.to_json(),
-            num_items=prepared.get("num_items"),
-            user_features=tuple(UserFeature(f["name"], f["num_ids"]) for f in prepared.get("user_features", [])),
-            input={"uri": input_uri, "samples": num_samples},
-            num_samples=planned_samples, num_rows=summary["rows"],
-            leftover={"policy": args.leftover, "samples": leftover},
-            moved_samples=int(summary["moved"]), columns=["rank", *rows.columns[1:]], stats=stats,
-            step_stats=STEP_STATS_DIR)
-        fs.write_text(f"{staging}/{MANIFEST_NAME}", manifest.dumps())
+        # Next-item targets per step over all ranks: the trainer divides each rank's loss
+        # sum by it, so every plan weights every target the same.
+        step_targets = (assignment.join(costs, "user_id").groupBy("step")
+                        .agg(F.sum(F.col("length") - 1).alias("step_targets")))
+        rows = (sequences.join(assignment, "user_id")
+                .join(F.broadcast(step_targets), "step")
+                .withColumn("cost", cost_column(model, "length")))
+        rows = shard_plan.shard_rows(rows)
+        stats = {
+            "bubble": shard_plan.bubble_of(step_table),
+            "bubble_contiguous": shard_plan.bubble_of(baseline_table),
+            "imbalance_mean": float(imbalance.mean()),
+            "imbalance_p50": float(imbalance.median()),
+            "imbalance_p95": float(imbalance.quantile(0.95)),
+            "imbalance_max": float(imbalance.max()),
+            "plan_seconds": plan_seconds,
+        }
+        leftover = num_samples - planned_samples
+        with atomic_output(fs, output_uri, args.overwrite) as staging:
+            (rows.repartition(min(spec.world_size, 256), "rank")
+             .sortWithinPartitions("rank", "step", "slot")
+             .write.option("parquet.block.size", ROW_GROUP_BYTES)
+             .partitionBy("rank").parquet(staging))
+            spark.createDataFrame(step_table).coalesce(1).write.parquet(f"{staging}/{STEP_STATS_DIR}")
+            uris = []
+            for rank in range(spec.world_size):
+                if fs.exists(directory := f"{staging}/{rank_dir(rank)}"):
+                    uris.extend(fs.list_files(directory, ".parquet"))
+            files = [{**d, "path": relative_to(staging, d["uri"])} for d in describe_files(spark, uris)]
+            manifest = new_manifest(
+                ranks=build_rank_shards(files, rank_totals, spec.world_size),
+                world_size=spec.world_size, local_batch_size=spec.local_batch_size, global_batch_size=g,
+                num_steps=num_steps, window_steps=spec.window_steps, strategy=spec.strategy,
+                control=args.control, seed=args.seed, equal_counts=spec.equal_counts, token_cap=spec.token_cap,
+                capacities=list(capacities) if capacities else None, cost_model=model.to_json(),
+                num_items=prepared.get("num_items"),
+                user_features=tuple(UserFeature(f["name"], f["num_ids"]) for f in prepared.get("user_features", [])),
+                input={"uri": input_uri, "samples": num_samples},
+                num_samples=planned_samples, num_rows=summary["rows"],
+                leftover={"policy": args.leftover, "samples": leftover},
+                moved_samples=int(summary["moved"]), columns=["rank", *rows.columns[1:]], stats=stats,
+                step_stats=STEP_STATS_DIR)
+            fs.write_text(f"{staging}/{MANIFEST_NAME}", manifest.dumps())
 
-    log_job_run(
-        "balance", tracking_uri=resolve_tracking_uri(args.tracking_uri), experiment=args.experiment,
-        params={k: v for k, v in vars(args).items() if k not in ("overwrite", "tracking_uri", "experiment")},
-        metrics={**stats, "num_samples": planned_samples, "num_steps": num_steps, "leftover_samples": leftover,
-                 "moved_samples": summary["moved"], "job_seconds": time.perf_counter() - started},
-        tags={"freescale.strategy": spec.strategy, "freescale.world_size": str(spec.world_size),
-              "freescale.output": output_uri},
-        artifacts={MANIFEST_NAME: manifest.dumps()})
+        run.set_tags({"freescale.output": output_uri})
+        run.log_metrics({**stats, "num_samples": planned_samples, "num_steps": num_steps, "leftover_samples": leftover,
+                         "moved_samples": summary["moved"], "job_seconds": time.perf_counter() - started})
+        run.log_text(manifest.dumps(), MANIFEST_NAME)
     print(f"freescale balance: wrote {planned_samples} samples ({summary['rows']} rows) in {num_steps} steps x "
           f"{spec.world_size} ranks to {output_uri}; strategy {spec.strategy}"
           f"{' (control ' + args.control + ')' if args.control else ''}, predicted bubble "

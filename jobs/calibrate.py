@@ -309,82 +309,88 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     config = load_config(args.config, overrides)
 
     import dataclasses
+    import socket
 
     import numpy as np
 
-    from jobs.tracking import log_job_run, reachable_tracking_uri, resolve_tracking_uri
+    from jobs.tracking import job_run, reachable_tracking_uri
     from pipeline.calibration import default_lengths
     from pipeline.cost_model import KINDS
     from pipeline.rank_speeds import estimate_rank_speeds, rank_speeds_document, write_rank_speeds
     from training.calibrate import FIT_CLOCK, CalibrationSettings, machine_info, run_calibration
     args.tracking_uri = reachable_tracking_uri("calibrate", args.tracking_uri)  # unreachable: one warning, untracked
 
-    lengths = parse_lengths(args.lengths) if args.lengths else default_lengths(config.model.hstu.max_seq_len)
-    settings = CalibrationSettings(
-        lengths=tuple(lengths), num_items=args.num_items, repeats=args.repeats, warmup=args.warmup,
-        replicates=args.replicates, held_out_batches=args.held_out_batches,
-        num_negatives=config.loss.num_negatives, full_softmax=config.loss.full_softmax, seed=args.seed)
-    config_record = {"model": dataclasses.asdict(config.model), "loss": dataclasses.asdict(config.loss),
-                     "config_file": args.config, "overrides": overrides}
-    def log(message: str) -> None:
-        print(f"freescale calibrate: {message}", flush=True)
+    # The run spans the job's work (profiling, rank speeds), FAILED if the job fails.
+    with job_run("calibrate", tracking_uri=args.tracking_uri, experiment=args.experiment,
+                 tags={"freescale.output": str(Path(args.output))},
+                 run_name=args.run_name or f"calibrate-{socket.gethostname()}") as run:
+        lengths = parse_lengths(args.lengths) if args.lengths else default_lengths(config.model.hstu.max_seq_len)
+        settings = CalibrationSettings(
+            lengths=tuple(lengths), num_items=args.num_items, repeats=args.repeats, warmup=args.warmup,
+            replicates=args.replicates, held_out_batches=args.held_out_batches,
+            num_negatives=config.loss.num_negatives, full_softmax=config.loss.full_softmax, seed=args.seed)
+        config_record = {"model": dataclasses.asdict(config.model), "loss": dataclasses.asdict(config.loss),
+                         "config_file": args.config, "overrides": overrides}
+        def log(message: str) -> None:
+            print(f"freescale calibrate: {message}", flush=True)
 
-    result = run_calibration(config.model, settings, config_record, log=log)
-    model_text = result.model.save(args.output)
-    report = format_calibration_report(result, args.output)
-    print("\n" + report + "\n", flush=True)
+        result = run_calibration(config.model, settings, config_record, log=log)
+        model_text = result.model.save(args.output)
+        report = format_calibration_report(result, args.output)
+        print("\n" + report + "\n", flush=True)
 
-    artifacts = {"cost_model.json": model_text}
-    fit = result.fits[FIT_CLOCK]
-    quad = fit.final["quadratic"].form.model
-    metrics: dict[str, float] = {
-        "quadratic_a": quad.a, "quadratic_b": quad.b, "quadratic_c": quad.c,
-        "step_constant_s": result.chosen.step_constant, "calibration_seconds": result.seconds,
-        **{f"r2_{k}": fit.final[k].r2 for k in KINDS},
-        **{f"cv_rms_relative_error_{k}": fit.choice.scores[k].cv_rms for k in KINDS},
-    }
-    if result.validation is not None:
-        quality = result.validation.quality[fit.choice.chosen]
-        metrics.update(heldout_correlation=quality.correlation, heldout_median_ratio_error=quality.median_abs_error,
-                       heldout_p90_ratio_error=quality.p90_abs_error)
+        artifacts = {"cost_model.json": model_text}
+        fit = result.fits[FIT_CLOCK]
+        quad = fit.final["quadratic"].form.model
+        metrics: dict[str, float] = {
+            "quadratic_a": quad.a, "quadratic_b": quad.b, "quadratic_c": quad.c,
+            "step_constant_s": result.chosen.step_constant, "calibration_seconds": result.seconds,
+            **{f"r2_{k}": fit.final[k].r2 for k in KINDS},
+            **{f"cv_rms_relative_error_{k}": fit.choice.scores[k].cv_rms for k in KINDS},
+        }
+        if result.validation is not None:
+            quality = result.validation.quality[fit.choice.chosen]
+            metrics.update(heldout_correlation=quality.correlation, heldout_median_ratio_error=quality.median_abs_error,
+                           heldout_p90_ratio_error=quality.p90_abs_error)
 
-    if args.rank_speeds_output:
-        log(f"measuring rank speeds: {args.nproc_per_node} gloo ranks x {args.rank_speed_repeats} repeats")
-        try:
-            raw = measure_rank_speeds(args, overrides)
-        except RuntimeError as err:
-            print(f"freescale calibrate: error: {err}\n(the cost model {args.output} was written; "
-                  "no rank speeds were)", file=sys.stderr)
-            return 1
-        wall, cpu = np.asarray(raw["wall"]), np.asarray(raw["cpu"])
-        speeds = estimate_rank_speeds(wall, seed=args.seed)
-        cpu_speeds = estimate_rank_speeds(cpu, seed=args.seed)
-        provenance = {**machine_info(), "torch_threads": raw["threads_per_rank"], "created": result.created,
-                      "config": config_record, "repeats": int(wall.shape[0]), "world_size": int(wall.shape[1]),
-                      "hosts": raw["hosts"], "batches": raw["batches"],
-                      "mean_wall_s": wall.mean(axis=0).tolist(), "mean_cpu_s": cpu.mean(axis=0).tolist(),
-                      "cpu_clock_capacities": list(cpu_speeds.capacities), "wall_s": raw["wall"], "cpu_s": raw["cpu"]}
-        document = rank_speeds_document(speeds, provenance)
-        artifacts["rank_speeds.json"] = write_rank_speeds(args.rank_speeds_output, document)
-        speeds_report = format_rank_speeds_report(document)
-        print(speeds_report + "\n", flush=True)
-        report += "\n\n" + speeds_report
-        metrics["rank_speed_spread"] = speeds.spread
-        metrics["rank_speeds_significant"] = float(speeds.significant)
-        metrics.update({f"rank{r}_capacity": c for r, c in enumerate(speeds.capacities)})
+        if args.rank_speeds_output:
+            log(f"measuring rank speeds: {args.nproc_per_node} gloo ranks x {args.rank_speed_repeats} repeats")
+            try:
+                raw = measure_rank_speeds(args, overrides)
+            except RuntimeError as err:
+                print(f"freescale calibrate: error: {err}\n(the cost model {args.output} was written; "
+                      "no rank speeds were)", file=sys.stderr)
+                run.end("FAILED")
+                return 1
+            wall, cpu = np.asarray(raw["wall"]), np.asarray(raw["cpu"])
+            speeds = estimate_rank_speeds(wall, seed=args.seed)
+            cpu_speeds = estimate_rank_speeds(cpu, seed=args.seed)
+            provenance = {**machine_info(), "torch_threads": raw["threads_per_rank"], "created": result.created,
+                          "config": config_record, "repeats": int(wall.shape[0]), "world_size": int(wall.shape[1]),
+                          "hosts": raw["hosts"], "batches": raw["batches"],
+                          "mean_wall_s": wall.mean(axis=0).tolist(), "mean_cpu_s": cpu.mean(axis=0).tolist(),
+                          "cpu_clock_capacities": list(cpu_speeds.capacities), "wall_s": raw["wall"], "cpu_s": raw["cpu"]}
+            document = rank_speeds_document(speeds, provenance)
+            artifacts["rank_speeds.json"] = write_rank_speeds(args.rank_speeds_output, document)
+            speeds_report = format_rank_speeds_report(document)
+            print(speeds_report + "\n", flush=True)
+            report += "\n\n" + speeds_report
+            metrics["rank_speed_spread"] = speeds.spread
+            metrics["rank_speeds_significant"] = float(speeds.significant)
+            metrics.update({f"rank{r}_capacity": c for r, c in enumerate(speeds.capacities)})
 
-    artifacts["calibration_report.txt"] = report + "\n"
-    params = {**{k: v for k, v in to_flat_dict(config).items() if k.startswith(("model.", "loss."))},
-              "lengths": ",".join(map(str, result.grid)), "repeats": args.repeats, "warmup": args.warmup,
-              "replicates": args.replicates, "num_items": args.num_items, "held_out_batches": args.held_out_batches,
-              "seed": args.seed, "output": args.output, "config": args.config,
-              "rank_speeds_output": args.rank_speeds_output,
-              "nproc_per_node": args.nproc_per_node if args.rank_speeds_output else None}
-    log_job_run("calibrate", tracking_uri=resolve_tracking_uri(args.tracking_uri), experiment=args.experiment,
-                params=params, metrics=metrics, artifacts=artifacts,
-                tags={"freescale.cost_model_kind": fit.choice.chosen, "freescale.output": str(Path(args.output)),
-                      "freescale.host": result.machine["host"]},
-                run_name=args.run_name or f"calibrate-{result.machine['host']}")
+        artifacts["calibration_report.txt"] = report + "\n"
+        params = {**{k: v for k, v in to_flat_dict(config).items() if k.startswith(("model.", "loss."))},
+                  "lengths": ",".join(map(str, result.grid)), "repeats": args.repeats, "warmup": args.warmup,
+                  "replicates": args.replicates, "num_items": args.num_items, "held_out_batches": args.held_out_batches,
+                  "seed": args.seed, "output": args.output, "config": args.config,
+                  "rank_speeds_output": args.rank_speeds_output,
+                  "nproc_per_node": args.nproc_per_node if args.rank_speeds_output else None}
+        run.log_params(params)
+        run.log_metrics(metrics)
+        for name, text in artifacts.items():
+            run.log_text(text, name)
+        run.set_tags({"freescale.cost_model_kind": fit.choice.chosen, "freescale.host": result.machine["host"]})
     log(f"wrote {args.output} ({fit.choice.chosen})"
         + (f" and {args.rank_speeds_output}" if args.rank_speeds_output else ""))
     return 0

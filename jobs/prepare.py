@@ -101,7 +101,7 @@ def prepare(args: argparse.Namespace) -> int:
 
     from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
-    from jobs.tracking import log_job_run, reachable_tracking_uri, resolve_tracking_uri
+    from jobs.tracking import job_run, reachable_tracking_uri
     from pipeline.ingest import distinct_interactions, drop_duplicate_interactions, read_interactions
     from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences, sequence_stats
     from pipeline.session import build_spark_session
@@ -115,71 +115,71 @@ def prepare(args: argparse.Namespace) -> int:
     )
     args.tracking_uri = reachable_tracking_uri("prepare", args.tracking_uri)  # unreachable: one warning, untracked
 
-    started = time.perf_counter()
-    spark = build_spark_session(args.master, "freescale-prepare")
-    fs = HadoopFS(spark)
-    output_uri = fs.qualify(args.output)
-    check_output_free(fs, output_uri, args.overwrite)
-    stale_removed = remove_stale_siblings(fs, output_uri)
+    # The run spans the job's work: opened before Spark starts, FAILED if the job fails.
+    params = {k: v for k, v in vars(args).items() if k not in ("overwrite", "tracking_uri", "experiment")}
+    with job_run("prepare", tracking_uri=args.tracking_uri, experiment=args.experiment, params=params) as run:
+        started = time.perf_counter()
+        spark = build_spark_session(args.master, "freescale-prepare")
+        fs = HadoopFS(spark)
+        output_uri = fs.qualify(args.output)
+        check_output_free(fs, output_uri, args.overwrite)
+        stale_removed = remove_stale_siblings(fs, output_uri)
 
-    if args.input is None:
-        source = {"kind": "synthetic", "users": args.synthetic_users, "items": args.synthetic_items,
-                  "seed": args.seed}
-        interactions = synthetic_interactions(spark, args.synthetic_users, args.synthetic_items, seed=args.seed)
-    else:
-        source = {"kind": "file", "uri": fs.qualify(args.input), "format": args.format}
-        interactions = read_interactions(spark, args.input, fmt=args.format, user_col=args.user_col,
-                                         item_col=args.item_col, time_col=args.time_col,
-                                         rating_col=args.rating_col)
-    interactions = interactions.localCheckpoint(eager=True)  # read the raw input once
-    users, feature_names = None, []
-    if args.user_features is not None:
-        columns = feature_columns(args)
-        # The user table's user column is recognised by name (user_id, userId, ...):
-        # --user-col names the interaction log's, which may differ.
-        users, feature_names = read_user_table(spark, args.user_features, feature_cols=columns)
-        users = users.localCheckpoint(eager=True)
-        source["user_features"] = fs.qualify(args.user_features)
-    counts = interactions.agg(F.count(F.lit(1)).alias("interactions"),
-                              F.countDistinct("user_id").alias("users"),
-                              distinct_interactions().alias("distinct")).first()
-    repeated = counts["interactions"] - counts["distinct"]
-    duplicates = 0 if args.keep_duplicates else repeated
-    if duplicates:
-        interactions = drop_duplicate_interactions(interactions).localCheckpoint(eager=True)
+        if args.input is None:
+            source = {"kind": "synthetic", "users": args.synthetic_users, "items": args.synthetic_items,
+                      "seed": args.seed}
+            interactions = synthetic_interactions(spark, args.synthetic_users, args.synthetic_items, seed=args.seed)
+        else:
+            source = {"kind": "file", "uri": fs.qualify(args.input), "format": args.format}
+            interactions = read_interactions(spark, args.input, fmt=args.format, user_col=args.user_col,
+                                             item_col=args.item_col, time_col=args.time_col,
+                                             rating_col=args.rating_col)
+        interactions = interactions.localCheckpoint(eager=True)  # read the raw input once
+        users, feature_names = None, []
+        if args.user_features is not None:
+            columns = feature_columns(args)
+            # The user table's user column is recognised by name (user_id, userId, ...):
+            # --user-col names the interaction log's, which may differ.
+            users, feature_names = read_user_table(spark, args.user_features, feature_cols=columns)
+            users = users.localCheckpoint(eager=True)
+            source["user_features"] = fs.qualify(args.user_features)
+        counts = interactions.agg(F.count(F.lit(1)).alias("interactions"),
+                                  F.countDistinct("user_id").alias("users"),
+                                  distinct_interactions().alias("distinct")).first()
+        repeated = counts["interactions"] - counts["distinct"]
+        duplicates = 0 if args.keep_duplicates else repeated
+        if duplicates:
+            interactions = drop_duplicate_interactions(interactions).localCheckpoint(eager=True)
 
-    with atomic_output(fs, output_uri, args.overwrite) as staging:
-        vocab = build_item_vocab(interactions)
-        vocab.write.parquet(f"{staging}/item_vocab")
-        vocab = spark.read.parquet(f"{staging}/item_vocab")
-        sequences = build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len)
-        if users is not None:
-            build_user_feature_vocab(users, feature_names).write.parquet(f"{staging}/user_feature_vocab")
-            feature_vocab = spark.read.parquet(f"{staging}/user_feature_vocab")
-            sequences = encode_user_features(sequences, users, feature_vocab, feature_names)
-        sequences.write.parquet(f"{staging}/sequences")
-        sequences = spark.read.parquet(f"{staging}/sequences")
-        feature_stats, feature_meta = {}, {}
-        if users is not None:
-            feature_stats = {"users_without_features": count_users_without_features(sequences, users)}
-            feature_meta = {"user_features": feature_cardinalities(feature_vocab, feature_names)}
-        stats = {"input_interactions": counts["interactions"], "input_users": counts["users"],
-                 "duplicates_dropped": duplicates,
-                 "num_items": vocab.count(), **sequence_stats(sequences, interactions), **feature_stats}
-        if stats["users"] == 0:
-            raise InputError(f"input {source.get('uri', 'synthetic')}: no user has the 3 interactions "
-                             "a leave-one-out split needs")
-        meta = {"format": PREPARE_FORMAT, "source": source, "max_seq_len": args.max_seq_len, **stats,
-                **feature_meta}
-        fs.write_text(f"{staging}/prepare.json", json.dumps(meta, indent=2) + "\n")
+        with atomic_output(fs, output_uri, args.overwrite) as staging:
+            vocab = build_item_vocab(interactions)
+            vocab.write.parquet(f"{staging}/item_vocab")
+            vocab = spark.read.parquet(f"{staging}/item_vocab")
+            sequences = build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len)
+            if users is not None:
+                build_user_feature_vocab(users, feature_names).write.parquet(f"{staging}/user_feature_vocab")
+                feature_vocab = spark.read.parquet(f"{staging}/user_feature_vocab")
+                sequences = encode_user_features(sequences, users, feature_vocab, feature_names)
+            sequences.write.parquet(f"{staging}/sequences")
+            sequences = spark.read.parquet(f"{staging}/sequences")
+            feature_stats, feature_meta = {}, {}
+            if users is not None:
+                feature_stats = {"users_without_features": count_users_without_features(sequences, users)}
+                feature_meta = {"user_features": feature_cardinalities(feature_vocab, feature_names)}
+            stats = {"input_interactions": counts["interactions"], "input_users": counts["users"],
+                     "duplicates_dropped": duplicates,
+                     "num_items": vocab.count(), **sequence_stats(sequences, interactions), **feature_stats}
+            if stats["users"] == 0:
+                raise InputError(f"input {source.get('uri', 'synthetic')}: no user has the 3 interactions "
+                                 "a leave-one-out split needs")
+            meta = {"format": PREPARE_FORMAT, "source": source, "max_seq_len": args.max_seq_len, **stats,
+                    **feature_meta}
+            fs.write_text(f"{staging}/prepare.json", json.dumps(meta, indent=2) + "\n")
 
-    log_job_run(
-        "prepare", tracking_uri=resolve_tracking_uri(args.tracking_uri), experiment=args.experiment,
-        params={k: v for k, v in vars(args).items() if k not in ("overwrite", "tracking_uri", "experiment")},
-        metrics={**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
-                 "job_seconds": time.perf_counter() - started},
-        tags={"freescale.output": output_uri, "freescale.data": source.get("uri", "synthetic")},
-        artifacts={"prepare.json": json.dumps(meta, indent=2)})
+        run.set_tags({"freescale.output": output_uri, "freescale.data": source.get("uri", "synthetic")})
+        run.log_metrics({**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
+                         "job_seconds": time.perf_counter() - started})
+        run.log_text(json.dumps(meta, indent=2), "prepare.json")
     print(f"freescale prepare: {stats['users']} sequences over {stats['num_items']} items to {output_uri}; "
           f"{stats['users_dropped_short']} users dropped (fewer than 3 interactions), "
           f"{stats['users_truncated']} truncated to {args.max_seq_len} items"

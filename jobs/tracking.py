@@ -1,12 +1,14 @@
-"""MLflow records of the jobs: one run per job invocation, parameters, statistics, artifacts."""
+"""MLflow records of the jobs: one run per job invocation, open while the job works (parameters,
+statistics, artifacts), and the tags that line up the runs of one `freescale compare`."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "freescale"
@@ -28,32 +30,149 @@ def code_version() -> str:
         return "unknown"
 
 
-def log_job_run(job: str, *, tracking_uri: str, experiment: str, params: Mapping[str, Any],
-                metrics: Mapping[str, float], tags: Mapping[str, str] | None = None,
-                artifacts: Mapping[str, str] | None = None, run_name: str | None = None) -> str | None:
-    """Record one finished job; return the run id, or None when tracking is disabled.
+# Tags every run of a comparison carries, so runs line up in MLflow whichever job made them.
+STRATEGY_TAG, CONTROL_TAG, COMPARISON_TAG = "freescale.strategy", "freescale.control", "freescale.comparison"
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under that run
+PARAMS_PER_REQUEST = 90  # under MLflow's cap of params per log_batch
 
-    Tracking never fails a job whose output is already committed: an unreachable
-    server is reported on stderr and the job still exits 0.
+
+def run_tags(strategy: str | None = None, control: str | None = None, comparison: str | None = None) -> dict[str, str]:
+    """The comparison tags of a run: its strategy, its control (``none`` when it has a strategy
+    but no control) and the comparison it belongs to; absent values are left out."""
+    tags = {}
+    if strategy:
+        tags[STRATEGY_TAG] = strategy
+        tags[CONTROL_TAG] = control or "none"
+    if comparison:
+        tags[COMPARISON_TAG] = comparison
+    return tags
+
+
+def ended_status(exc: BaseException | None) -> str:
+    """How a run ends: FINISHED, KILLED (Ctrl-C, or a stop signal raised as an exception with a
+    ``signum``) or FAILED."""
+    if exc is None:
+        return "FINISHED"
+    return "KILLED" if isinstance(exc, KeyboardInterrupt) or hasattr(exc, "signum") else "FAILED"
+
+
+class JobRun:
+    """One job's MLflow run, opened when its work starts and ended when it ends.
+
+    Every call is guarded: the first tracking error is one warning line and the rest of the
+    job runs untracked (``run_id`` stays, ``active`` turns False). A disabled run does nothing.
     """
-    if tracking_uri == DISABLED:
-        return None
-    try:
-        import mlflow
 
-        logging.getLogger("mlflow").setLevel(logging.WARNING)
-        mlflow.set_tracking_uri(tracking_uri)
-        mlflow.set_experiment(experiment)
-        with mlflow.start_run(run_name=run_name or job) as run:
-            mlflow.set_tags({"freescale.job": job, "freescale.code_version": code_version(), **(tags or {})})
-            mlflow.log_params({k: _param_value(v) for k, v in params.items()})
-            mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None})
-            for name, text in (artifacts or {}).items():
-                mlflow.log_text(text, name)
-            return run.info.run_id
-    except Exception as exc:  # noqa: BLE001 - tracking must not turn a finished job into a failure
-        print(f"freescale {job}: warning: MLflow logging to {tracking_uri} failed: {failure(exc)}", file=sys.stderr)
-        return None
+    def __init__(self, job: str, tracking_uri: str):
+        self.job, self.uri = job, tracking_uri
+        self.client = None
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.client is not None
+
+    def start(self, experiment: str, run_name: str, tags: Mapping[str, str], parent_run_id: str | None) -> None:
+        if self.uri == DISABLED:
+            return
+
+        def create():
+            from mlflow.tracking import MlflowClient
+            from mlflow.tracking.context.registry import resolve_tags  # the user/source tags mlflow.start_run sets
+
+            logging.getLogger("mlflow").setLevel(logging.WARNING)
+            # The client API, not mlflow's fluent one: no process-wide active run, no stdout.
+            client = MlflowClient(self.uri)
+            found = client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else _create_experiment(client, experiment)
+            all_tags = {"freescale.job": self.job, "freescale.code_version": code_version(), **tags}
+            if parent_run_id:
+                all_tags[PARENT_TAG] = parent_run_id
+            run = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags))
+            self.client, self.run_id, self.experiment_id = client, run.info.run_id, experiment_id
+
+        self._guarded("opening the run", create, always=True)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        items = [(k, _param_value(v)) for k, v in params.items()]
+
+        def send():
+            from mlflow.entities import Param
+
+            for first in range(0, len(items), PARAMS_PER_REQUEST):
+                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in
+                                                           items[first:first + PARAMS_PER_REQUEST]])
+        self._guarded("logging params", send)
+
+    def log_metrics(self, metrics: Mapping[str, float | None]) -> None:
+        """Finite values only: a missing or NaN statistic is left out, not recorded as one."""
+        def send():
+            import math
+            import time
+
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            values = [Metric(k, float(v), now, 0) for k, v in metrics.items()
+                      if v is not None and math.isfinite(float(v))]
+            for first in range(0, len(values), 1000):  # MLflow's cap of metrics per log_batch
+                self.client.log_batch(self.run_id, metrics=values[first:first + 1000])
+        self._guarded("logging metrics", send)
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self._guarded("setting tags", lambda: [self.client.set_tag(self.run_id, k, str(v)) for k, v in tags.items()])
+
+    def log_text(self, text: str, name: str) -> None:
+        self._guarded(f"logging {name}", lambda: self.client.log_text(self.run_id, text, name))
+
+    def log_artifact(self, path: str | Path) -> None:
+        self._guarded(f"logging {Path(path).name}", lambda: self.client.log_artifact(self.run_id, str(path)))
+
+    def end(self, status: str) -> None:
+        self._guarded(f"ending the run {status}", lambda: self.client.set_terminated(self.run_id, status))
+        self.client = None
+
+    def _guarded(self, what: str, action, always: bool = False) -> None:
+        if not (always or self.active):
+            return
+        try:
+            action()
+        except Exception as exc:  # noqa: BLE001 - tracking must never fail the job
+            self.client = None
+            sys.stderr.write(f"freescale {self.job}: warning: MLflow at {self.uri} failed {what} ({failure(exc)}); "
+                             "the job continues untracked\n")
+            sys.stderr.flush()
+
+
+def _create_experiment(client, name: str) -> str:
+    try:
+        return client.create_experiment(name)
+    except Exception:  # noqa: BLE001 - another job created it first: use theirs
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+@contextlib.contextmanager
+def job_run(job: str, *, tracking_uri: str, experiment: str, params: Mapping[str, Any] | None = None,
+            tags: Mapping[str, str] | None = None, run_name: str | None = None,
+            parent_run_id: str | None = None) -> Iterator[JobRun]:
+    """The job's MLflow run for the length of the ``with`` block: opened on entry (after the
+    job's argument checks), ended FINISHED when the block completes, KILLED on Ctrl-C or a stop
+    signal, FAILED on any other exception (which still propagates). Tracking never fails the
+    job: see JobRun. ``tracking_uri`` DISABLED gives a run that records nothing."""
+    run = JobRun(job, tracking_uri)
+    run.start(experiment, run_name or job, tags or {}, parent_run_id)
+    if params:
+        run.log_params(params)
+    try:
+        yield run
+    except BaseException as exc:
+        run.end(ended_status(exc))
+        raise
+    run.end("FINISHED")
 
 
 def failure(exc: BaseException) -> str:

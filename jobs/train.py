@@ -95,7 +95,7 @@ class MLflowSink:
     """
 
     def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict,
-                 resumed: dict | None = None):
+                 resumed: dict | None = None, parent_run_id: str = ""):
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -104,7 +104,7 @@ class MLflowSink:
         self.mlflow, self.uri = mlflow, uri
         self.client = MlflowClient(uri)
         resumed = resumed or {}
-        self.run = self._reopen(resumed.get("run_id")) or self._start(experiment, run_name)
+        self.run = self._reopen(resumed.get("run_id")) or self._start(experiment, run_name, parent_run_id)
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
         self._log_new_params(params)
@@ -122,12 +122,16 @@ class MLflowSink:
     def run_id(self) -> str:
         return self.run.info.run_id
 
-    def _start(self, experiment: str, run_name: str):
+    def _start(self, experiment: str, run_name: str, parent_run_id: str):
         from mlflow.tracking.context.registry import resolve_tags  # the user/source tags of mlflow.start_run
+
+        from jobs.tracking import PARENT_TAG
 
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        return self.client.create_run(experiment_id, run_name=run_name, tags=resolve_tags({}))
+        # Nested under `freescale compare`'s parent run when it names one (the UI groups them).
+        tags = resolve_tags({PARENT_TAG: parent_run_id} if parent_run_id else {})
+        return self.client.create_run(experiment_id, run_name=run_name, tags=tags)
 
     def _reopen(self, run_id: str | None):
         """The resumed job's run, RUNNING again; None (start a new one) when this server lacks it."""
@@ -244,22 +248,21 @@ def _warn(message: str) -> None:
 
 def build_sink(config, trainer, uri: str) -> MLflowSink | None:
     """Rank 0's run (continuing the resumed job's), or None: other ranks, tracking off or failing."""
-    from jobs.tracking import DISABLED, code_version
+    from jobs.tracking import DISABLED, code_version, run_tags
     from training.config import to_flat_dict
 
     manifest = trainer.manifest
     if trainer.env.rank != 0 or uri == DISABLED:
         return None
-    strategy = manifest.control or manifest.strategy
-    run_name = config.tracking.run_name or f"train-{strategy}-k{manifest.world_size}"
-    tags = {"freescale.job": "train", "freescale.strategy": strategy,
+    run_name = config.tracking.run_name or f"train-{manifest.control or manifest.strategy}-k{manifest.world_size}"
+    tags = {"freescale.job": "train", **run_tags(manifest.strategy, manifest.control, config.tracking.comparison),
             "freescale.world_size": str(manifest.world_size),
             "freescale.data": str(Path(config.data.shards).resolve()),
             "freescale.code_version": code_version(), "freescale.comm_mode": config.comm.mode,
             "freescale.comm_path": trainer.describe_comm()}
     try:
         return MLflowSink(uri, config.tracking.experiment, run_name, to_flat_dict(config), tags,
-                          trainer.resumed_sink_state)
+                          trainer.resumed_sink_state, config.tracking.parent_run_id)
     except Exception as exc:  # noqa: BLE001 - it answered the check, then failed: run untracked
         _warn(f"MLflow at {uri} failed opening the run ({tracking_failure(exc)}); running untracked")
         return None
@@ -314,7 +317,8 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
             print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
             if summary_json:
                 Path(summary_json).write_text(json.dumps(
-                    {"summary": summary, "losses": result.losses, "steps": result.steps,
+                    {"summary": summary, "mlflow_run_id": sink.run_id if sink is not None else None,
+                     "losses": result.losses, "steps": result.steps,
                      "comm": trainer.describe_comm(), "comm_issue_order": result.comm_issue_order,
                      "timings": {"fields": list(TIMING_FIELDS), "steps_ranks_fields": result.timings.tolist()}},
                     indent=1))

@@ -1,0 +1,428 @@
+"""`freescale compare`: the same model trained on contiguous and balanced shards (and the mirror
+control), repeated, recorded as one MLflow parent run with the training runs nested under it.
+
+    freescale compare --input PREPARED --world-size 2 --local-batch-size 16 --repeats 3 --control
+    freescale compare --shards contiguous=DIR,balanced=DIR[,control=DIR] --repeats 3
+
+The shard sets come from the real balance job (contiguous; --strategy, default kk; with
+--control the mirror control, whose bubble is the machine's noise floor). Runs alternate
+(contiguous, balanced, control, contiguous, ...) so drift in machine load hits every variant
+alike, and repeat r trains with seed --seed + r on every variant. The parent run records the
+medians over repeats: `bubble_reduction` (the share of the removable bubble removed: contiguous
+minus control), `idle_reduction` (the same with idle_fraction), `speedup` (samples/s balanced
+over contiguous), `delta_<metric>` (balanced minus contiguous model quality), each variant's
+medians as `<variant>/<metric>`, and a side-by-side per-rank timeline plot. Other
+`--section.key VALUE` arguments override the training config, as for `freescale train`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import typing
+from pathlib import Path, PurePosixPath
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jobs.job_errors import error_line, run_job  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
+from training.config import CommMode  # noqa: E402  (typed config, no torch)
+
+VARIANTS = ("contiguous", "balanced", "control")
+QUALITY = ("hr_at_10", "ndcg_at_10", "mrr")  # plus the sampled_* metrics when the runs have them
+TABLE = (("bubble_fraction", "bubble", "{:.4f}", 1), ("idle_fraction", "idle", "{:.3f}", 1),
+         ("step_time_s", "step time (ms)", "{:.1f}", 1e3), ("samples_per_s", "samples/s", "{:.0f}", 1),
+         ("hr_at_10", "HR@10", "{:.4f}", 1), ("ndcg_at_10", "NDCG@10", "{:.4f}", 1))
+PLOT_NAME = "comparison_timelines.png"
+
+
+# ----------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freescale compare", description=__doc__.split("\n\n")[0],
+                                epilog="Other --section.key VALUE arguments override the training config.")
+    source = p.add_argument_group("what to compare (one of)")
+    source.add_argument("--input", help="a prepared dataset (`freescale prepare`'s output): the shard sets are built")
+    source.add_argument("--shards", help="existing shard sets: contiguous=DIR,balanced=DIR[,control=DIR]")
+    p.add_argument("--world-size", type=int, help="ranks K (with --input; with --shards: the manifests')")
+    p.add_argument("--local-batch-size", type=int, help="samples per rank per step B (with --input)")
+    p.add_argument("--strategy", default="kk", help="the balanced variant's strategy (default kk)")
+    p.add_argument("--window-steps", type=int, default=1, help="the balanced variant's --window-steps (default 1)")
+    p.add_argument("--cost-model", help="cost-model JSON for every variant (default: the built-in analytic model)")
+    p.add_argument("--control", action="store_true", help="also train on the mirror control (the noise floor)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per variant (default 3); medians are reported")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--max-steps", type=int, help="steps per run")
+    steps.add_argument("--epochs", type=int, help="passes over the balanced shards per run (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="balance seed, and training seed of repeat r = seed + r")
+    p.add_argument("--config", help="training TOML config, for every run")
+    p.add_argument("--comm-mode", choices=typing.get_args(CommMode), help="comm mode of every run "
+                                                                         "(default: the config's)")
+    p.add_argument("--workdir", help="shards, run logs and summaries (default out/compare/<comparison>)")
+    p.add_argument("--summary-json", help="write the comparison's numbers here")
+    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; "
+                                          "'none' disables)")
+    p.add_argument("--experiment", help="MLflow experiment (default freescale-<dataset>)")
+    return p
+
+
+def parse_shard_sets(text: str, control: bool) -> dict[str, Path]:
+    """``contiguous=DIR,balanced=DIR[,control=DIR]`` -> {variant: DIR}, each holding a manifest."""
+    sets: dict[str, Path] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, folder = item.partition("=")
+        if not sep or name not in VARIANTS or not folder:
+            raise InputError(f"--shards: {item!r} is not VARIANT=DIR with VARIANT one of {', '.join(VARIANTS)}")
+        if name in sets:
+            raise InputError(f"--shards names {name} twice")
+        sets[name] = Path(folder)
+    missing = [v for v in VARIANTS[:2] if v not in sets]
+    if missing:
+        raise InputError(f"--shards lacks {' and '.join(missing)} (contiguous=DIR,balanced=DIR[,control=DIR])")
+    if control and "control" not in sets:
+        raise InputError("--control with --shards needs control=DIR in --shards")
+    for name, folder in sets.items():
+        if not (folder / "manifest.json").is_file():
+            raise InputError(f"--shards {name}={folder}: no manifest.json (not a `freescale balance` output)")
+    return sets
+
+
+def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Everything that needs no Spark, torch or MLflow: a bad argument is one line within a second."""
+    from training.config import load_config
+
+    if (args.input is None) == (args.shards is None):
+        raise InputError("give --input PREPARED (build the shard sets) or --shards contiguous=DIR,balanced=DIR")
+    positive = [("--repeats", args.repeats), ("--window-steps", args.window_steps), ("--max-steps", args.max_steps),
+                ("--epochs", args.epochs), ("--world-size", args.world_size),
+                ("--local-batch-size", args.local_batch_size)]
+    for flag, value in positive:
+        if value is not None and value < 1:
+            raise InputError(f"{flag} must be a positive integer, got {value}")
+    if args.input is not None:
+        if args.world_size is None or args.local_batch_size is None:
+            raise InputError("--input needs --world-size and --local-batch-size")
+        if not (Path(args.input) / "prepare.json").is_file():
+            raise InputError(f"--input {args.input}: no prepare.json (not a `freescale prepare` output)")
+        from balancing.strategies import STRATEGIES
+
+        if args.strategy not in STRATEGIES or args.strategy == "contiguous":
+            raise InputError(f"--strategy {args.strategy!r}: choose one of "
+                             f"{', '.join(s for s in STRATEGIES if s != 'contiguous')}")
+    else:
+        args.shard_sets = parse_shard_sets(args.shards, args.control)
+    for flag, path in (("--cost-model", args.cost_model), ("--config", args.config)):
+        if path is not None and not Path(path).is_file():
+            raise InputError(f"{flag} {path}: no such file")
+    if args.summary_json and Path(args.summary_json).is_dir():
+        raise InputError(f"--summary-json {args.summary_json} is a directory")
+    load_config(args.config, overrides)  # a bad key or value in the training config: one line, now
+
+
+# ----------------------------------------------------------------------- names
+
+
+def dataset_name(prepared: Path | None) -> str:
+    """The dataset a prepared folder came from: the input's folder for a file (movielens-100k for
+    .../movielens-100k/ratings.parquet), the input folder itself, or synthetic-<users>u."""
+    meta = {}
+    if prepared is not None and (prepared / "prepare.json").is_file():
+        meta = json.loads((prepared / "prepare.json").read_text())
+    source = meta.get("source", {})
+    if source.get("kind") == "synthetic":
+        return f"synthetic-{source.get('users')}u"
+    if source.get("uri"):
+        from urllib.parse import unquote, urlsplit
+
+        path = PurePosixPath(unquote(urlsplit(source["uri"]).path))
+        return (path.parent.name if path.suffix else path.name) or path.name
+    return prepared.name if prepared is not None else "shards"
+
+
+def prepared_of(shards: Path) -> Path | None:
+    """The prepared folder a shard set was balanced from (its manifest's input), when local."""
+    from pipeline.paths import local_path
+
+    uri = json.loads((shards / "manifest.json").read_text()).get("input", {}).get("uri")
+    local = local_path(uri) if uri else None
+    return Path(local) if local else None
+
+
+# ----------------------------------------------------------------------- running the stages
+
+
+class StageFailed(Exception):
+    """A stage (balance, train) failed; its own line was printed, or ``message`` says why."""
+
+    def __init__(self, code: int, message: str | None = None):
+        super().__init__(message or f"a stage failed with exit status {code}")
+        self.code, self.message = code, message
+
+
+class Stopped(BaseException):
+    """A stop signal, raised in the main thread so the parent run ends KILLED."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+def build_shard_sets(args: argparse.Namespace, work: Path, uri: str, experiment: str,
+                     comparison: str) -> dict[str, Path]:
+    """The real balance job, once per variant, into ``work``; their MLflow runs carry the comparison's tags."""
+    from jobs import balance
+
+    common = ["--input", str(args.input), "--world-size", str(args.world_size),
+              "--local-batch-size", str(args.local_batch_size), "--seed", str(args.seed), "--overwrite",
+              "--tracking-uri", uri, "--experiment", experiment, "--comparison", comparison]
+    if args.cost_model:
+        common += ["--cost-model", args.cost_model]  # every variant: comparable predicted bubbles
+    plans = {"contiguous": ["--strategy", "contiguous"],
+             "balanced": ["--strategy", args.strategy, "--window-steps", str(args.window_steps)]}
+    if args.control:
+        plans["control"] = ["--strategy", "contiguous", "--control", "mirror"]
+    sets = {}
+    for variant, extra in plans.items():
+        sets[variant] = work / f"shards-{variant}"
+        code = balance.main([*common, "--output", str(sets[variant]), *extra])
+        if code:
+            raise StageFailed(code)
+    return sets
+
+
+def train_once(shards: Path, out: Path, settings: list[str]) -> dict:
+    """One `freescale train` in a child process, its output in ``out``.log; its summary JSON."""
+    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--summary-json", str(out), *settings]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+    log = out.with_suffix(".log")
+    with open(log, "w") as handle:
+        child = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        try:
+            code = child.wait()
+        except BaseException:
+            child.send_signal(signal.SIGTERM)  # the launcher passes it on; the runs end KILLED
+            child.wait()
+            raise
+    if code:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if ": error: " in line]
+        reason = lines[-1].split(": error: ", 1)[1] if lines else f"exit status {code}"
+        raise StageFailed(code, f"training {out.stem} failed: {reason} (output: {log})")
+    return json.loads(out.read_text())
+
+
+def run_trainings(args: argparse.Namespace, overrides: list[str], sets: dict[str, Path], steps: int | None,
+                  work: Path, uri: str, experiment: str, name: str, comparison: str,
+                  parent_run_id: str | None) -> dict[str, list[dict]]:
+    """Every repeat, variants alternating, the same seed per repeat; the summaries per variant."""
+    runs: dict[str, list[dict]] = {v: [] for v in sets}
+    (work / "runs").mkdir(parents=True, exist_ok=True)
+    world_size = json.loads((sets["balanced"] / "manifest.json").read_text())["world_size"]
+    for rep in range(args.repeats):
+        for variant in sets:
+            settings = ["--nproc-per-node", str(world_size), "--tracking-uri", uri,
+                        "--run-name", f"{name}-{variant}-r{rep}", "--training.seed", str(args.seed + rep),
+                        "--tracking.experiment", experiment, "--tracking.comparison", comparison]
+            settings += ["--tracking.parent_run_id", parent_run_id] if parent_run_id else []
+            settings += ["--max-steps", str(steps)] if steps else []
+            settings += ["--config", args.config] if args.config else []
+            settings += ["--comm-mode", args.comm_mode] if args.comm_mode else []
+            result = train_once(sets[variant], work / "runs" / f"{variant}-{rep}.json", [*settings, *overrides])
+            summary = result["summary"]
+            runs[variant].append({"repeat": rep, "seed": args.seed + rep, "run_id": result.get("mlflow_run_id"),
+                                  "summary_json": str(work / "runs" / f"{variant}-{rep}.json"), "summary": summary})
+            print(f"freescale compare: repeat {rep} {variant:10s} bubble {summary['bubble_fraction']:.4f}  "
+                  f"idle {summary['idle_fraction']:.3f}  step {summary['step_time_s'] * 1e3:.1f} ms  "
+                  f"hr@10 {summary['hr_at_10']:.4f}", flush=True)
+    return runs
+
+
+# ----------------------------------------------------------------------- the numbers
+
+
+def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per variant, the median over repeats of every summary number all its runs have."""
+    out = {}
+    for variant, rows in runs.items():
+        keys = set.intersection(*(set(r["summary"]) for r in rows))
+        out[variant] = {k: statistics.median(float(r["summary"][k]) for r in rows) for k in sorted(keys)}
+    return out
+
+
+def removed_share(contiguous: float, balanced: float, floor: float) -> float | None:
+    """The share of the removable amount (contiguous - floor) that balancing removed; None when
+    there was nothing to remove."""
+    removable = contiguous - floor
+    return (contiguous - balanced) / removable if removable > 0 else None
+
+
+def comparison_metrics(med: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """The parent run's numbers, from the medians: reductions against the control's floor (0
+    without a control), speedup, and balanced - contiguous quality."""
+    con, bal = med["contiguous"], med["balanced"]
+    floor = med.get("control", {})
+    metrics: dict[str, float | None] = {
+        "bubble_reduction": removed_share(con["bubble_fraction"], bal["bubble_fraction"],
+                                          floor.get("bubble_fraction", 0.0)),
+        "idle_reduction": removed_share(con["idle_fraction"], bal["idle_fraction"], floor.get("idle_fraction", 0.0)),
+        "speedup": bal["samples_per_s"] / con["samples_per_s"] if con["samples_per_s"] > 0 else None,
+    }
+    sampled = sorted(k for k in con if k.startswith("sampled_") and k in bal)
+    for key in (*QUALITY, *sampled):
+        if key in con and key in bal:
+            metrics[f"delta_{key}"] = bal[key] - con[key]
+    for variant, values in med.items():
+        metrics.update({f"{variant}/{k}": v for k, v in values.items()})
+    return metrics
+
+
+def format_table(runs: dict[str, list[dict]], metrics: dict[str, float | None]) -> str:
+    """What the terminal shows: per variant the median [min, max] of each number, then the reductions."""
+    def cell(rows: list[dict], key: str, fmt: str, scale: float) -> str:
+        values = [float(r["summary"][key]) * scale for r in rows]
+        return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
+
+    lines = ["| shards | " + " | ".join(label for _, label, _, _ in TABLE) + " |",
+             "| --- " * (len(TABLE) + 1) + "|"]
+    for variant, rows in runs.items():
+        lines.append(f"| {variant} | " + " | ".join(cell(rows, *spec[:1], *spec[2:]) for spec in TABLE) + " |")
+
+    def pct(value: float | None) -> str:
+        return "n/a (nothing to remove)" if value is None else f"{value:.1%}"
+
+    floor = "control" if "control" in runs else "0 (no control)"
+    con, bal = (f"{metrics[f'{v}/bubble_fraction']:.4f}" for v in ("contiguous", "balanced"))
+    lines += ["",
+              f"bubble_reduction: {pct(metrics['bubble_reduction'])} of the removable bubble removed "
+              f"(contiguous {con} -> balanced {bal}; floor: {floor})",
+              f"idle_reduction:   {pct(metrics['idle_reduction'])} of the removable idle time removed "
+              f"({metrics['contiguous/idle_fraction']:.3f} -> {metrics['balanced/idle_fraction']:.3f})",
+              "speedup:          " + ("n/a" if metrics["speedup"] is None else
+                                      f"{metrics['speedup']:.3f}x samples/s "
+                                      f"({metrics['contiguous/samples_per_s']:.0f} -> "
+                                      f"{metrics['balanced/samples_per_s']:.0f})"),
+              "quality, balanced - contiguous (medians): "
+              + ", ".join(f"{k[len('delta_'):]} {v:+.4f}" for k, v in metrics.items() if k.startswith("delta_"))]
+    return "\n".join(lines)
+
+
+def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> Path:
+    """Contiguous and balanced side by side: for each, the repeat with its median bubble."""
+    import numpy as np
+
+    from training.bubble_plot import plot_comparison_timelines
+
+    columns = {}
+    for variant in ("contiguous", "balanced"):
+        rows = sorted(runs[variant], key=lambda r: r["summary"]["bubble_fraction"])
+        chosen = rows[(len(rows) - 1) // 2]
+        saved = json.loads(Path(chosen["summary_json"]).read_text())
+        table = np.asarray(saved["timings"]["steps_ranks_fields"], dtype=float)
+        columns[f"{variant} (repeat {chosen['repeat']}): bubble {chosen['summary']['bubble_fraction']:.2%}"] = \
+            (table, saved["steps"])
+    return plot_comparison_timelines(columns, path, title=title)
+
+
+# ----------------------------------------------------------------------- the job
+
+
+def compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    check_args(args, overrides)  # before anything heavy
+
+    from jobs.tracking import job_run, reachable_tracking_uri, run_tags
+
+    # One check for every stage: they get the answer (or 'none'), never a second warning.
+    uri = reachable_tracking_uri("compare", args.tracking_uri)
+    if args.input is not None:
+        prepared, world_size, batch = Path(args.input), args.world_size, args.local_batch_size
+    else:
+        manifests = {v: json.loads((d / "manifest.json").read_text()) for v, d in args.shard_sets.items()}
+        shapes = {(m["world_size"], m["local_batch_size"]) for m in manifests.values()}
+        if len(shapes) != 1:
+            raise InputError(f"--shards: the shard sets differ in (world size, local batch size): {sorted(shapes)}")
+        world_size, batch = shapes.pop()
+        if args.world_size not in (None, world_size) or args.local_batch_size not in (None, batch):
+            raise InputError(f"--shards were balanced for --world-size {world_size} --local-batch-size {batch}")
+        prepared = prepared_of(args.shard_sets["balanced"])
+        args.strategy = manifests["balanced"]["strategy"]
+    name = f"compare-k{world_size}-b{batch}"
+    comparison = f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    experiment = args.experiment or f"freescale-{dataset_name(prepared)}"
+    work = Path(args.workdir or Path("out") / "compare" / comparison)
+    work.mkdir(parents=True, exist_ok=True)
+    variants = VARIANTS if (args.control or "control" in getattr(args, "shard_sets", {})) else VARIANTS[:2]
+    control = "mirror" if "control" in variants else None
+
+    # A scheduler's SIGTERM ends the parent run KILLED, like Ctrl-C (signals reach the main thread only).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    if main_thread:
+        signal.signal(signal.SIGTERM, stop)
+    started = time.time()
+    params = {"input": args.input, "shards": args.shards, "world_size": world_size, "local_batch_size": batch,
+              "strategy": args.strategy, "window_steps": args.window_steps, "cost_model": args.cost_model,
+              "control": control, "repeats": args.repeats, "max_steps": args.max_steps, "epochs": args.epochs,
+              "seed": args.seed, "config": args.config, "comm_mode": args.comm_mode, "overrides": " ".join(overrides),
+              "workdir": str(work)}
+    try:
+        with job_run("compare", tracking_uri=uri, experiment=experiment, params=params, run_name=name,
+                     tags={**run_tags(args.strategy, control, comparison),
+                           "freescale.world_size": str(world_size)}) as run:
+            sets = (build_shard_sets(args, work, uri, experiment, comparison) if args.input is not None
+                    else {v: args.shard_sets[v] for v in variants})
+            steps = args.max_steps
+            if steps is None and args.epochs is not None:
+                steps = args.epochs * json.loads((sets["balanced"] / "manifest.json").read_text())["num_steps"]
+            runs = run_trainings(args, overrides, sets, steps, work, uri, experiment, name, comparison, run.run_id)
+            metrics = comparison_metrics(medians(runs))
+            run.log_metrics(metrics)
+            plot = plot_comparison(runs, work / PLOT_NAME, title=f"{comparison} ({experiment})")
+            run.log_artifact(plot)
+            summary = {"comparison": comparison, "name": name, "experiment": experiment,
+                       "experiment_id": run.experiment_id, "parent_run_id": run.run_id, "tracking_uri": uri,
+                       "world_size": world_size, "local_batch_size": batch, "strategy": args.strategy,
+                       "control": control, "repeats": args.repeats, "max_steps": steps, "workdir": str(work),
+                       "shards": {v: str(d) for v, d in sets.items()}, "metrics": metrics, "runs": runs,
+                       "plot": str(plot), "seconds": time.time() - started}
+            text = json.dumps(summary, indent=1)
+            run.log_text(text, "comparison.json")
+    except StageFailed as failed:
+        if failed.message:
+            error_line("compare", failed.message, details=False)
+        return failed.code
+    except (Stopped, KeyboardInterrupt) as stopped:
+        signum = getattr(stopped, "signum", signal.SIGINT)
+        error_line("compare", f"stopped by signal {signum}; the parent run ended KILLED", details=False)
+        return 128 + signum
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    (work / "comparison.json").write_text(text)
+    if args.summary_json:
+        Path(args.summary_json).write_text(text)
+    print(f"\n{name}: {args.repeats} repeats, {steps or 'one pass of'} steps, strategy {args.strategy}; "
+          f"MLflow experiment {experiment}"
+          + (f", parent run {run.run_id}" if run.run_id else ", untracked") + "\n")
+    print(format_table(runs, metrics))
+    print(f"\n(total {time.time() - started:.0f} s; logs, summaries and {PLOT_NAME} in {work})", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = build_parser().parse_known_args(argv)
+    return run_job("compare", lambda: compare(args, overrides))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
