@@ -342,7 +342,7 @@ def test_test_queries_encode_history_followed_by_valid_item() -> None:
 def test_evaluate_returns_sums_over_the_batch() -> None:
     model = small_model().eval()
     batch = random_batch([4, 2, 6])
-    result = model.evaluate(batch, model.all_item_embeddings(), use="valid", exclude_history=True)
+    result = model.evaluate(batch, model.all_item_embeddings(), use="valid", exclude_history=True).full
     assert result.count == 3
     assert 0 <= result.hit_sum <= 3 and 0 < result.reciprocal_rank_sum <= 3
 
@@ -561,11 +561,11 @@ def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: 
         sharded.module.eval()
         with torch.no_grad():
             tables = sharded.module.all_user_feature_tables()
-            result = sharded.module.evaluate(batch, sharded.module.all_item_embeddings(), use="test")
+            result = sharded.module.evaluate(batch, sharded.module.all_item_embeddings(), use="test").full
             # Scoring from the gathered tables (no collective) gives the same metrics.
             local_result = sharded.module.evaluate(batch, sharded.module.all_item_embeddings(), use="test",
                                                    item_table=sharded.module.all_item_embeddings(normalize=False),
-                                                   user_tables=tables)
+                                                   user_tables=tables).full
             torch.testing.assert_close(result.to_tensor(), local_result.to_tensor())
             sums = result.to_tensor()
             dist.all_reduce(sums)

@@ -1,37 +1,77 @@
-"""End-of-run evaluation: HR@10, NDCG@10 and MRR on the leave-one-out test targets, against
-the most-popular baseline, over the whole catalog and all ranks' samples."""
+"""End-of-run evaluation: HR@10, NDCG@10 and MRR on the leave-one-out targets, against the
+most-popular baseline, over all ranks' samples, under the configured protocol.
+
+Full catalog always (``hr_at_10``, ``ndcg_at_10``, ``mrr``). With
+``evaluation.sampled_negatives = N > 0`` also SASRec's protocol: each target ranked against
+N items drawn uniformly from those its user never interacted with (``sampled_hr_at_10``,
+``sampled_ndcg_at_10``, ``sampled_mrr``, and the baseline's ``popular_sampled_*``).
+
+"Interacted with" is every item of the sample: its history, its validation item and its test
+item. So a user's negatives are the same for validation and test, and neither target is ever
+another's negative. (SASRec's code excludes only the training history, so its test target
+can be ranked against its own validation item.) Items older than the history the shards kept
+(``prepare --max-seq-len``) are not known here and may be drawn.
+"""
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from shards.manifest import Manifest
-from training.metrics import RetrievalMetrics, most_popular_baseline
+from training.batch import SequenceBatch
+from training.config import ConfigError, EvaluationConfig
+from training.jagged import jagged_concat_last
+from training.metrics import ProtocolMetrics, RetrievalMetrics, most_popular_baseline, unseen_negatives
 from training.model import SequentialRecommender
 from training.shard_reader import build_loader
 
 K = 10
 
 
+def check_protocol(evaluation: EvaluationConfig, manifest: Manifest) -> None:
+    """Refuse, before training, a sample size the catalog cannot supply (ConfigError)."""
+    # Every user interacted with at least 3 items (history, validation, test).
+    available = manifest.num_items - 3
+    if evaluation.sampled_negatives > available:
+        raise ConfigError(f"evaluation.sampled_negatives={evaluation.sampled_negatives} is more than the "
+                          f"{available} items a user with 3 interactions leaves of the {manifest.num_items} "
+                          f"in {manifest.root or 'the shards'} (0 = full-catalog ranking only)")
+
+
+def batch_negatives(batch: SequenceBatch, num_items: int, count: int, seed: int) -> torch.Tensor:
+    """``[B, count]`` each sample's negatives: uniform over the items its user never interacted
+    with (history, validation and test item), seeded by ``(seed, user id)``."""
+    ids, offsets = jagged_concat_last(batch.item_ids, batch.offsets, batch.valid_item)
+    ids, _ = jagged_concat_last(ids, offsets, batch.test_item)
+    return unseen_negatives(batch.user_ids, (batch.lengths + 2, ids), num_items, count, seed)
+
+
 @torch.no_grad()
 def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_size: int,
-             device: torch.device, max_samples: int | None = None) -> dict[str, float]:
-    """Score this rank's shard's test targets, then sum over ranks (a collective: all ranks call it).
+             device: torch.device, max_samples: int | None = None,
+             evaluation: EvaluationConfig | None = None, seed: int = 0,
+             use: Literal["valid", "test"] = "test") -> dict[str, float]:
+    """Score this rank's shard's ``use`` targets, then sum over ranks (a collective: all ranks call it).
 
     The whole item table is gathered once (a collective lookup); scoring then reads it
     locally, so ranks may hold different numbers of samples. Under the mirror control
     every rank holds the same samples: rank r scores steps r, r+K, ... ``max_samples``
     caps the samples scored per rank; the popularity counts still see the whole shard.
+    ``seed`` (the training seed) seeds the sampled protocol's negatives.
     """
+    sampled = (evaluation or EvaluationConfig()).sampled_negatives
     model.eval()
     raw = model.all_item_embeddings(normalize=False)
     user_tables = model.all_user_feature_tables()
     table = F.normalize(raw, dim=-1)
     mirror = manifest.control == "mirror"
-    model_sums = RetrievalMetrics(k=K)
+    model_sums = ProtocolMetrics(RetrievalMetrics(k=K), RetrievalMetrics(k=K) if sampled else None)
     counts = torch.zeros(manifest.num_items + 1, dtype=torch.float64)
     targets: list[torch.Tensor] = []
+    negatives: list[torch.Tensor] = []
     seen = 0
     for batch in build_loader(manifest, rank, prefetch=0):
         if batch.batch_size == 0 or (mirror and batch.step % world_size != rank):
@@ -39,29 +79,42 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
         counts += torch.bincount(batch.item_ids, minlength=counts.numel()).to(torch.float64)
         if max_samples is not None and seen >= max_samples:
             continue
+        drawn = batch_negatives(batch, manifest.num_items, sampled, seed) if sampled else None
         batch = batch.to(device)
-        model_sums = model_sums + model.evaluate(batch, table, use="test", item_table=raw, user_tables=user_tables)
-        targets.append(batch.test_item.cpu())
+        model_sums = model_sums + model.evaluate(batch, table, use=use, item_table=raw, user_tables=user_tables,
+                                                 negative_ids=None if drawn is None else drawn.to(device))
+        targets.append((batch.valid_item if use == "valid" else batch.test_item).cpu())
+        if drawn is not None:
+            negatives.append(drawn)
         seen += batch.batch_size
     model.train()
-    result = {_name(name): value for name, value in _summed(model_sums, world_size).items()}
+    result = _named(model_sums.full, world_size, "")
+    if model_sums.sampled is not None:
+        result.update(_named(model_sums.sampled, world_size, "sampled_"))
     if world_size > 1:  # the baseline ranks items by their count over every rank's histories
         dist.all_reduce(counts)
     popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
-    baseline = most_popular_baseline(popular_ids, manifest.num_items,
-                                     torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64))
-    for name, value in _summed(baseline, world_size).items():
-        if name != "count":
-            result[f"popular_{_name(name)}"] = value
+    all_targets = torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64)
+    baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K)
+    result.update(_named(baseline, world_size, "popular_"))
+    if sampled:
+        all_negatives = torch.cat(negatives) if negatives else torch.zeros(0, sampled, dtype=torch.int64)
+        baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K,
+                                         negative_ids=all_negatives)
+        result.update(_named(baseline, world_size, "popular_sampled_"))
     result["eval_samples"] = result.pop("count")
     return result
 
 
-def _summed(metrics: RetrievalMetrics, world_size: int) -> dict[str, float]:
+def _named(metrics: RetrievalMetrics, world_size: int, prefix: str) -> dict[str, float]:
+    """The means over every rank's queries, under MLflow-safe names with ``prefix``."""
     sums = metrics.to_tensor()
     if world_size > 1:
         dist.all_reduce(sums)
-    return RetrievalMetrics.from_tensor(sums, k=K).means()
+    means = RetrievalMetrics.from_tensor(sums, k=K).means()
+    if prefix:  # one count, the model's full-catalog one: every protocol scores the same queries
+        means.pop("count")
+    return {f"{prefix}{_name(name)}": value for name, value in means.items()}
 
 
 def _name(metric: str) -> str:

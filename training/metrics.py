@@ -1,19 +1,23 @@
-"""Full-catalog retrieval metrics (HR@k, NDCG@k, MRR) and a most-popular baseline.
+"""Retrieval metrics (HR@k, NDCG@k, MRR) under two protocols, and a most-popular baseline.
 
 Metrics are returned as sums plus a count so every rank can evaluate its own
 users and one ``all_reduce`` of ``RetrievalMetrics.to_tensor()`` combines them;
 averaging per-rank means would weight ranks, not users.
 
-Ranking is against every item id ``1..num_items``; id 0 is padding and never
-ranked. A target's rank is the number of other candidates scoring ``>=`` it
-(ties count against the target), so a collapsed model that scores everything
-equally gets rank ``num_items - 1``, not a flattering rank 0.
+Full catalog: ranking is against every item id ``1..num_items``; id 0 is padding
+and never ranked. Sampled (SASRec's protocol): ranking is against ``N`` items per
+query drawn uniformly from those its user never interacted with
+(``unseen_negatives``). Either way a target's rank is the number of other
+candidates scoring ``>=`` it (ties count against the target), so a collapsed model
+that scores everything equally gets the last rank, not a flattering rank 0.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 ExcludeIds = tuple[torch.Tensor, torch.Tensor]
@@ -66,6 +70,21 @@ class RetrievalMetrics:
         }
 
 
+@dataclass
+class ProtocolMetrics:
+    """The same queries' sums under each protocol: ``full`` against the whole catalog,
+    ``sampled`` against each query's drawn negatives (None when none were drawn)."""
+
+    full: RetrievalMetrics
+    sampled: RetrievalMetrics | None = None
+
+    def __add__(self, other: "ProtocolMetrics") -> "ProtocolMetrics":
+        if (self.sampled is None) != (other.sampled is None):
+            raise ValueError("cannot add metrics with and without the sampled protocol")
+        sampled = None if self.sampled is None else self.sampled + other.sampled
+        return ProtocolMetrics(self.full + other.full, sampled)
+
+
 def metrics_from_ranks(ranks: torch.Tensor, k: int = 10) -> RetrievalMetrics:
     """Sum HR@k, NDCG@k and reciprocal rank over 0-based ranks."""
     ranks = ranks.to(torch.float64)
@@ -108,6 +127,14 @@ def target_ranks(
     return (scores >= target_scores).sum(dim=1) - 1
 
 
+def sampled_target_ranks(target_scores: torch.Tensor, negative_scores: torch.Tensor) -> torch.Tensor:
+    """0-based rank of each target among its own negatives: ``[B]`` and ``[B, N]`` scores.
+
+    Ties count against the target, as in ``target_ranks``.
+    """
+    return (negative_scores >= target_scores.unsqueeze(1)).sum(dim=1)
+
+
 def _slice_exclude(exclude: ExcludeIds | None, start: int, stop: int) -> ExcludeIds | None:
     if exclude is None:
         return None
@@ -147,6 +174,76 @@ def retrieval_metrics(
     return total
 
 
+def sampled_retrieval_metrics(
+    query: torch.Tensor,
+    all_item_embeddings: torch.Tensor,
+    target_ids: torch.Tensor,
+    negative_ids: torch.Tensor,
+    k: int = 10,
+) -> RetrievalMetrics:
+    """HR@k, NDCG@k and MRR of ``target_ids`` ranked against each query's ``negative_ids``.
+
+    Args:
+        query: ``[B, D]`` query embeddings.
+        all_item_embeddings: ``[num_items + 1, D]``, as in ``retrieval_metrics``.
+        target_ids: ``[B]`` ids in ``1..num_items``.
+        negative_ids: ``[B, N]`` each query's negatives (``unseen_negatives``).
+        k: cut-off for HR and NDCG.
+    """
+    if negative_ids.shape[0] != target_ids.shape[0]:
+        raise ValueError(f"{negative_ids.shape[0]} rows of negatives for {target_ids.shape[0]} targets")
+    target_scores = (query * all_item_embeddings[target_ids]).sum(dim=-1)
+    negative_scores = torch.einsum("bd,bnd->bn", query, all_item_embeddings[negative_ids])
+    return metrics_from_ranks(sampled_target_ranks(target_scores, negative_scores), k)
+
+
+def _user_seed(seed: int, user_id: str) -> np.random.SeedSequence:
+    # A stable digest, not hash(): Python salts str hashes per process, and every rank
+    # (and every later run) must draw the same negatives for a user.
+    digest = int.from_bytes(hashlib.blake2b(user_id.encode(), digest_size=8).digest(), "little")
+    return np.random.SeedSequence([seed % 2**64, digest])
+
+
+def unseen_negatives(
+    user_ids: list[str],
+    interacted: ExcludeIds,
+    num_items: int,
+    count: int,
+    seed: int,
+) -> torch.Tensor:
+    """``[B, count]`` int64: for each user, ``count`` distinct ids drawn uniformly from
+    ``1..num_items`` minus the ids that user interacted with.
+
+    ``interacted`` is jagged per user (``(lengths [B], ids)``). Each user's draw is seeded by
+    ``(seed, user_id)`` alone, so a user gets the same negatives whatever batch, rank or
+    shard plan holds them. Raises ``ValueError`` naming the user when fewer than ``count``
+    ids are left to draw from.
+    """
+    lengths, ids = (t.cpu() for t in interacted)
+    out = torch.empty(len(user_ids), count, dtype=torch.int64)
+    seen_per_user = torch.split(ids, lengths.tolist())
+    for row, (user, seen) in enumerate(zip(user_ids, seen_per_user)):
+        seen = np.unique(seen.numpy())
+        available = num_items - seen.size
+        if available < count:
+            raise ValueError(f"user {user} interacted with {seen.size} of {num_items} items: fewer than "
+                             f"evaluation.sampled_negatives={count} are left to draw negatives from")
+        rng = np.random.default_rng(_user_seed(seed, user))
+        if available < 2 * count:  # a dense user: rejection would redraw often
+            pool = np.setdiff1d(np.arange(1, num_items + 1), seen, assume_unique=True)
+            drawn = rng.choice(pool, size=count, replace=False)
+        else:
+            drawn = np.zeros(0, dtype=np.int64)
+            while drawn.size < count:
+                candidates = rng.integers(1, num_items + 1, size=2 * count)
+                candidates = candidates[~np.isin(candidates, seen)]
+                merged = np.concatenate([drawn, candidates])
+                _, first = np.unique(merged, return_index=True)
+                drawn = merged[np.sort(first)][:count]  # distinct, in draw order
+        out[row] = torch.from_numpy(drawn.astype(np.int64))
+    return out
+
+
 def popularity_scores(train_item_ids: torch.Tensor, num_items: int) -> torch.Tensor:
     """``[num_items + 1]`` tie-free scores: more frequent first, then lower id.
 
@@ -167,13 +264,18 @@ def most_popular_baseline(
     k: int = 10,
     exclude: ExcludeIds | None = None,
     query_chunk_size: int = 256,
+    negative_ids: torch.Tensor | None = None,
 ) -> RetrievalMetrics:
     """Metrics of recommending the same ranking -- by training frequency -- to everyone.
 
     The trainer's sanity floor: a sequential model that cannot beat this has
-    not learned anything user-specific.
+    not learned anything user-specific. With ``negative_ids`` (``[B, N]``) each target
+    is ranked among its own negatives by the same counts (the sampled protocol).
     """
     scores = popularity_scores(train_item_ids.cpu(), num_items).to(target_ids.device)
+    if negative_ids is not None:
+        ranks = sampled_target_ranks(scores[target_ids], scores[negative_ids.to(target_ids.device)])
+        return metrics_from_ranks(ranks, k)
     total = RetrievalMetrics(k=k)
     for start in range(0, target_ids.shape[0], query_chunk_size):
         stop = min(start + query_chunk_size, target_ids.shape[0])

@@ -50,7 +50,7 @@ from training.config import ModelConfig
 from training.hstu import HSTUEncoder
 from training.jagged import jagged_concat_last, last_positions, next_item_positions
 from training.losses import sampled_softmax_loss
-from training.metrics import ExcludeIds, RetrievalMetrics, retrieval_metrics
+from training.metrics import ExcludeIds, ProtocolMetrics, retrieval_metrics, sampled_retrieval_metrics
 
 # Not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow.
 ITEM_TABLE = "item_embedding"
@@ -412,13 +412,16 @@ class SequentialRecommender(nn.Module):
         exclude_history: bool = False,
         item_table: torch.Tensor | None = None,
         user_tables: list[torch.Tensor] | None = None,
-    ) -> RetrievalMetrics:
-        """Full-catalog HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets.
+        negative_ids: torch.Tensor | None = None,
+    ) -> ProtocolMetrics:
+        """HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets, per protocol.
 
         ``all_item_embeddings`` comes from ``all_item_embeddings()`` (computed
-        once per evaluation, not per batch). ``exclude_history`` removes items
-        the user already interacted with (for "test", including the validation
-        item) from the ranking.
+        once per evaluation, not per batch). ``full``: ranked against the whole
+        catalog; ``exclude_history`` removes items the user already interacted with
+        (for "test", including the validation item) from that ranking. ``sampled``
+        (only with ``negative_ids``, ``[B, N]`` from ``metrics.unseen_negatives``):
+        ranked against each sample's own negatives, from the same query embeddings.
         """
         query = self.score_queries(batch, use, item_table, user_tables)
         targets = batch.valid_item if use == "valid" else batch.test_item
@@ -429,7 +432,10 @@ class SequentialRecommender(nn.Module):
                 exclude = (batch.lengths + 1, ids)
             else:
                 exclude = (batch.lengths, batch.item_ids)
-        return retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=exclude)
+        full = retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=exclude)
+        if negative_ids is None:
+            return ProtocolMetrics(full)
+        return ProtocolMetrics(full, sampled_retrieval_metrics(query, all_item_embeddings, targets, negative_ids, k))
 
 
 def build_model(num_items: int, config: ModelConfig, device: torch.device | str,
