@@ -37,7 +37,7 @@ from shards.manifest import Manifest, ShardError, load_manifest
 from training.checkpoint import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig, to_flat_dict
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
-from training.evaluator import evaluate
+from training.evaluator import check_protocol, evaluate
 from training.model import build_model
 from training.shard_reader import build_loader, stop_prefetch
 from training.sharding import DenseGradSync, broadcast_dense, dense_parameters, shard_model
@@ -88,6 +88,7 @@ class Trainer:
         self.sink = sink or NullSink()
         self.env = env or init_distributed(config.parallel, config.training.threads)
         self.manifest, self.loader = self._open_shards()
+        check_protocol(config.evaluation, self.manifest)  # before training, not after it
         torch.manual_seed(config.training.seed)
         # Two names, two objects: `sharded_model` is TorchRec's DistributedModelParallel
         # wrapper (state dict, fused optimizer, comm routes); `model` is the recommender
@@ -387,7 +388,8 @@ class Trainer:
         total_time = float(bubbles.column(table, "step_s").max(axis=1).sum())
         summary["samples_per_s"] = float(bubbles.column(table, "samples").sum()) / total_time if total_time else 0.0
         summary.update(evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
-                                self.config.training.eval_max_samples or None))
+                                self.config.training.eval_max_samples or None, self.config.evaluation,
+                                self.config.training.seed))
         return TrainResult(summary, table, list(self.meter.steps), list(losses), self.manifest,
                            self.comm_issue_order)
 
