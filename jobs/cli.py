@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,54 +25,30 @@ SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline"
 
 
 def demo(argv: list[str]) -> int:
-    """Embedded default: calibrate, prepare, balance, train on synthetic data (local Spark, sqlite MLflow, 2 gloo ranks).
+    """Embedded default: `freescale pipeline` with configs/demo_pipeline.toml: calibrate, prepare synthetic
+    data, balance (kk, windows of 32), train 40 steps, compare contiguous vs balanced (local Spark,
+    sqlite MLflow, 2 gloo ranks).
 
-    Stages whose output is complete are kept, so a rerun resumes where it stopped.
+    Stages whose fingerprint matches and whose output is intact are skipped, so a rerun resumes where it stopped.
     """
-    from jobs import balance, calibrate, prepare
-    from shards.schema import MANIFEST_NAME
-    from jobs.launch import launch
+    from jobs import workflow
 
     p = argparse.ArgumentParser(prog="freescale demo", description=demo.__doc__)
     p.add_argument("--workdir", default="out/demo", help="where the stages write (default out/demo)")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--local-batch-size", type=int, default=32)
-    p.add_argument("--fresh", action="store_true", help="rerun every stage even if its output exists")
+    p.add_argument("--fresh", action="store_true", help="rerun every stage even if its output is current")
     args = p.parse_args(argv)
-    work = Path(args.workdir)
-    prepared, shards, summary = work / "prepared", work / "shards", work / "train_summary.json"
-    cost_model = work / "cost_model.json"
-    config = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
-    shards_rebuilt = False
-    stages = [
-        # The balancer is only as good as its cost model: fit it to this machine and the demo's model.
-        (cost_model, calibrate.main, ["--output", str(cost_model), "--config", str(config), "--repeats", "3",
-                                      "--held-out-batches", "8", "--overwrite"]),
-        (prepared / "prepare.json", prepare.main, ["--output", str(prepared), "--overwrite"]),
-        (shards / MANIFEST_NAME, balance.main,
-         ["--input", str(prepared), "--output", str(shards), "--world-size", str(args.world_size),
-          "--local-batch-size", str(args.local_batch_size), "--strategy", "kk", "--window-steps", "32",
-          "--cost-model", str(cost_model), "--overwrite"]),
-        (summary, launch,
-         ["--shards", str(shards), "--nproc-per-node", str(args.world_size), "--config", str(config),
-          "--run-name", "demo", "--summary-json", str(summary),
-          "--checkpoint.folder", str(work / "checkpoints")]),
-    ]
-    checkpoints = work / "checkpoints"
-    for done_marker, stage, stage_argv in stages:
-        if done_marker.exists() and not args.fresh:
-            print(f"freescale demo: {done_marker} exists, stage skipped (--fresh reruns it)")
-            continue
-        if stage is launch and checkpoints.exists() and (args.fresh or shards_rebuilt):
-            # A checkpoint of the previous shards cannot continue in new ones.
-            shutil.rmtree(checkpoints)
-        shards_rebuilt = shards_rebuilt or stage is balance.main
-        rc = stage(stage_argv)
-        if rc:
-            return rc
-    print(f"freescale demo: done; shards in {shards}, run summary in {summary}; "
-          "browse the runs with: .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db")
-    return 0
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    # The built-in files wherever the demo runs from; the sizes and workdir from the command line.
+    rc = workflow.main(["--config", str(configs / "demo_pipeline.toml"), "--train.config", str(configs / "demo.toml"),
+                        "--pipeline.workdir", args.workdir, "--pipeline.world_size", str(args.world_size),
+                        "--pipeline.local_batch_size", str(args.local_batch_size)] + (["--fresh"] if args.fresh else []))
+    if rc == 0:
+        print(f"freescale demo: done; shards in {Path(args.workdir) / 'shards'}, comparison in "
+              f"{Path(args.workdir) / 'compare_summary.json'}; browse the runs with: "
+              ".venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db")
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

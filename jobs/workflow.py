@@ -1,0 +1,645 @@
+"""`freescale pipeline --config FILE.toml`: prepare, calibrate, balance, train [, compare] from one
+TOML, safe to rerun from cron, Airflow or any scheduler.
+
+    freescale pipeline --config configs/demo_pipeline.toml [--fresh] [--section.key VALUE ...]
+
+Each stage calls its job in-process (`jobs.prepare.main`, `jobs.calibrate.main`,
+`jobs.balance.main`, `jobs.launch.launch`, `jobs.compare.main`), each still runnable by itself.
+A stage that finishes leaves a record next to its output in the working directory,
+`<workdir>/<stage>.fingerprint.json`: the fingerprint of everything the stage's arguments are
+built from (its config section, the shared sizes, the identity of its input files: path,
+size and modification time of each local file), of its upstream stages' fingerprints, and
+those values themselves, so a rerun can say what changed. A rerun skips a stage whose
+fingerprint matches and whose output is intact; it redoes a stage whose parameters or input
+changed or whose output is damaged, and everything downstream of a stage that ran. The train
+stage continues from its checkpoints when its last run stopped before finishing, and starts
+over (its checkpoints removed) otherwise: never into shards that were rebuilt.
+
+`<workdir>/LOCK` (host, PID) keeps a second run off the working directory. Exit status: 0
+done (or nothing to do); 2 bad config (one line naming the key); 3 the working directory is
+in use by another run (retry later: nothing is wrong with the config); otherwise the failed
+stage's own status.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import sys
+import time
+import typing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from balancing.strategies import STRATEGIES  # numpy only
+from pipeline import locks
+from pipeline.errors import InputError
+from pipeline.json_files import read_json, write_json
+from pipeline.layouts import FORMATS  # plain data
+from pipeline.paths import local_path
+from training.config import ConfigError, apply_table, load_config, parse_overrides  # no torch
+
+STAGES = ("prepare", "calibrate", "balance", "train", "compare")
+UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
+                                        "train": ("balance",), "compare": ("prepare", "calibrate")}
+"""The stages whose output a stage reads: when one of them runs, the stage runs too."""
+RECORD = "{stage}.fingerprint.json"
+"""A finished (or started) stage's record, in the working directory next to its output."""
+LOCK = "LOCK"
+"""The working directory's lock: one pipeline run at a time."""
+StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  # the balancing registry's names
+FormatName = Literal[("",) + FORMATS]  # type: ignore[valid-type]
+
+
+# ------------------------------------------------------------------------------ config
+
+
+@dataclass
+class PipelineSection:
+    workdir: str = "out/pipeline"
+    """Where every stage writes (prepared/, cost_model.json, shards/, checkpoints/, train_summary.json,
+    compare/) and where the stage records and the lock live. Relative paths in this file are
+    relative to the directory the command runs in, as for every `freescale` command."""
+    tracking_uri: str = ""
+    """MLflow URI of every stage; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables.
+    Not part of any fingerprint: changing it reruns nothing."""
+    experiment: str = "freescale"
+    """MLflow experiment of every stage."""
+    world_size: int = 2
+    """Training ranks K: balance plans for K, train starts K local ranks, compare uses K."""
+    local_batch_size: int = 32
+    """Samples per rank per step B (balance and compare)."""
+
+    def __post_init__(self) -> None:
+        if not self.workdir:
+            raise ValueError("workdir must not be empty")
+        for name in ("world_size", "local_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class PrepareSection:
+    input: str = ""
+    """Interaction log (Parquet, CSV or a MovieLens file/directory); empty = the seeded synthetic generator."""
+    format: FormatName = ""
+    """Input format; empty = from the file name."""
+    user_features: str = ""
+    """User table (Parquet or CSV) of categorical features; empty = none."""
+    user_feature_cols: str = ""
+    """Comma-separated feature columns of the user table; empty = every column but the user column."""
+    max_seq_len: int = 1024
+    """Keep the most recent N training items per user."""
+    keep_duplicates: bool = False
+    """Keep repeated (user, item, timestamp) rows instead of dropping and counting them."""
+    synthetic_users: int = 20_000
+    """Synthetic data only: users."""
+    synthetic_items: int = 10_000
+    """Synthetic data only: catalog size."""
+    seed: int = 0
+    """Synthetic data only: generator seed."""
+
+
+@dataclass
+class CalibrateSection:
+    enabled: bool = False
+    """Fit the cost model to this machine and the [train] model (`freescale calibrate`) and balance with it."""
+    cost_model: str = ""
+    """A cost-model JSON to balance with instead (its file identity is part of balance's fingerprint);
+    empty with enabled = false: balance's built-in analytic model."""
+    repeats: int = 7
+    """Timed rounds over all calibration batches (medians are used)."""
+    held_out_batches: int = 24
+    """Mixed batches the written model is checked on; 0 skips the check."""
+    rank_speeds: bool = False
+    """Also measure relative rank speeds (world_size ranks) and balance with them as capacities."""
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.cost_model:
+            raise ValueError("enabled = true and cost_model are exclusive (calibrate, or use the given model)")
+        if self.rank_speeds and not self.enabled:
+            raise ValueError("rank_speeds needs enabled = true")
+
+
+@dataclass
+class BalanceSection:
+    strategy: StrategyName = "kk"
+    """Partition strategy (balancing.strategies)."""
+    window_steps: int = 1
+    """Plan W global batches together so heavy samples can share steps."""
+    seed: int = 0
+    """Shuffle and tie-break seed."""
+    equal_counts: bool = False
+    """Every rank gets B samples (+-1) per step."""
+    token_cap: int = 0
+    """Per-rank cap on the sum of history lengths per step; 0 = none."""
+    leftover: Literal["drop", "keep"] = "drop"
+    """The last partial global batch: dropped (counted in the manifest) or kept as a short step."""
+    time_limit: float = 0.0
+    """Seconds per step for the ortools strategy; 0 = the job's default."""
+
+
+@dataclass
+class TrainSection:
+    config: str = ""
+    """Training config TOML (configs/*.toml); empty = the built-in defaults."""
+    max_steps: int = 0
+    """Stop after N steps; 0 = the training config's training.max_steps."""
+    run_name: str = ""
+    """MLflow run name; empty = derived from the shards and strategy."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """``[train.overrides]``: training config values on top of the file, e.g. ``training.max_steps = 40``
+    or ``checkpoint.every_steps = 10`` (checkpoint.folder is always <workdir>/checkpoints). The
+    ``model.*`` and ``loss.*`` ones also reach calibrate."""
+
+
+@dataclass
+class CompareSection:
+    enabled: bool = False
+    """Also run `freescale compare`: contiguous vs balanced training on the prepared data."""
+    strategy: StrategyName = "kk"
+    """The balanced side's strategy."""
+    repeats: int = 1
+    """Training runs per side."""
+    control: bool = False
+    """Also train the mirror control (the machine's noise floor)."""
+    max_steps: int = 0
+    """Steps per training; 0 = [train] max_steps (when set), else the training config's."""
+
+
+@dataclass
+class WorkflowConfig:
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    """``[pipeline]``: the working directory, tracking and the shared sizes."""
+    prepare: PrepareSection = field(default_factory=PrepareSection)
+    """``[prepare]``: raw logs (or synthetic data) -> sequences."""
+    calibrate: CalibrateSection = field(default_factory=CalibrateSection)
+    """``[calibrate]``: the cost model (optional stage)."""
+    balance: BalanceSection = field(default_factory=BalanceSection)
+    """``[balance]``: sequences -> balanced shards."""
+    train: TrainSection = field(default_factory=TrainSection)
+    """``[train]``: the training run on the shards."""
+    compare: CompareSection = field(default_factory=CompareSection)
+    """``[compare]``: contiguous vs balanced (optional stage)."""
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def load_workflow_config(path: str, overrides: list[str]) -> WorkflowConfig:
+    """Defaults, the TOML file, then `--section.key VALUE` overrides; a bad key or value is one
+    ConfigError line naming it. The training config and its overrides are checked too."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as handle:
+            tables = [(path, tomllib.load(handle))]
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for key, value in parse_overrides(overrides):
+        table: dict[str, Any] = {}
+        cursor = table
+        *parents, leaf = key.split(".")
+        for part in parents:
+            cursor = cursor.setdefault(part, {})
+        cursor[leaf] = value
+        tables.append(("command line", table))
+    config = WorkflowConfig()
+    for source, table in tables:
+        train = table.get("train")
+        if isinstance(train, dict) and "overrides" in train:  # free-form training keys, checked below
+            train = dict(train)
+            extra = train.pop("overrides")
+            if not isinstance(extra, dict):
+                raise ConfigError(f"{source}: train.overrides must be a table")
+            config.train.overrides.update(_flatten(extra))
+            table = {**table, "train": train}
+        apply_table(config, table, source)
+    fixed = [key for key in ("checkpoint.folder", "data.shards") if key in config.train.overrides]
+    if fixed:
+        raise ConfigError(f"{path}: train.overrides.{fixed[0]}: set by the pipeline (<workdir>/checkpoints, "
+                          "<workdir>/shards), not settable")
+    try:
+        load_config(config.train.config or None, _override_argv(config.train.overrides))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: [train]: {exc}") from None
+    return config
+
+
+def _override_argv(overrides: dict[str, Any]) -> list[str]:
+    return [arg for key, value in overrides.items() for arg in (f"--{key}", _toml_text(value))]
+
+
+def _toml_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# ------------------------------------------------------------------------------ stages
+
+
+@dataclass
+class Stage:
+    name: str
+    run: Callable[[list[str]], int]
+    argv: list[str]
+    params: dict[str, Any]
+    """Every value the arguments are built from (tracking excepted) and the inputs' identities: the fingerprint's content."""
+    output: Path
+    damage: Callable[[], str | None]
+    """What is wrong with the output (None: intact)."""
+    off: str | None = None
+    """Why the stage is not part of this pipeline (None: it is)."""
+
+
+def file_identity(path: str) -> str:
+    """A local file's or directory's identity (its files' relative paths, sizes and modification
+    times); a remote path's is its URI (its content cannot be checked from here)."""
+    local = local_path(path)
+    if local is None:
+        return f"remote {path}"
+    p = Path(local)
+    if p.is_file():
+        stat = p.stat()
+        return f"{stat.st_size} bytes, mtime_ns {stat.st_mtime_ns}"
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file())
+        digest = hashlib.sha256("\n".join(f"{f.relative_to(p)} {f.stat().st_size} {f.stat().st_mtime_ns}"
+                                          for f in files).encode()).hexdigest()
+        return f"{len(files)} files, sha256 {digest[:16]}"
+    return "missing"
+
+
+def _job(module: str, function: str = "main") -> Callable[[list[str]], int]:
+    """The job's entry point, imported when the stage runs (a skipped stage loads nothing)."""
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), function)(argv)
+    return run
+
+
+def _json_damage(path: Path, what: str) -> Callable[[], str | None]:
+    def damage() -> str | None:
+        try:
+            read_json(path, what)
+        except InputError as exc:
+            return str(exc)
+        return None
+    return damage
+
+
+def build_stages(config: WorkflowConfig) -> list[Stage]:
+    """The five stages in order, with their arguments, fingerprint content and output checks."""
+    p, work = config.pipeline, Path(config.pipeline.workdir)
+    prepared, shards, cost_model = work / "prepared", work / "shards", work / "cost_model.json"
+    rank_speeds, summary = work / "rank_speeds.json", work / "train_summary.json"
+    tracking = (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--experiment", p.experiment]
+    sizes = {"world_size": p.world_size, "local_batch_size": p.local_batch_size}
+    train_cfg = config.train.config
+    train_inputs = {"train.config": file_identity(train_cfg)} if train_cfg else {}
+    model_overrides = {k: v for k, v in config.train.overrides.items() if k.startswith(("model.", "loss."))}
+
+    # prepare
+    prep = asdict(config.prepare)
+    prepare_argv = ["--output", str(prepared), "--overwrite", "--max-seq-len", str(prep["max_seq_len"])]
+    prepare_params: dict[str, Any] = {"max_seq_len": prep["max_seq_len"], "keep_duplicates": prep["keep_duplicates"]}
+    if config.prepare.input:
+        prepare_argv += ["--input", config.prepare.input] + (["--format", prep["format"]] if prep["format"] else [])
+        prepare_params.update(input=config.prepare.input, format=prep["format"],
+                              **{"input identity": file_identity(config.prepare.input)})
+    else:
+        prepare_argv += ["--synthetic-users", str(prep["synthetic_users"]),
+                         "--synthetic-items", str(prep["synthetic_items"]), "--seed", str(prep["seed"])]
+        prepare_params.update({k: prep[k] for k in ("synthetic_users", "synthetic_items", "seed")})
+    if config.prepare.user_features:
+        prepare_argv += ["--user-features", config.prepare.user_features]
+        prepare_params.update(user_features=config.prepare.user_features,
+                              **{"user_features identity": file_identity(config.prepare.user_features)})
+        if config.prepare.user_feature_cols:
+            prepare_argv += ["--user-feature-cols", config.prepare.user_feature_cols]
+            prepare_params["user_feature_cols"] = config.prepare.user_feature_cols
+    if config.prepare.keep_duplicates:
+        prepare_argv.append("--keep-duplicates")
+
+    def prepare_damage() -> str | None:
+        if not (prepared / "sequences").is_dir():
+            return f"{prepared / 'sequences'} is missing"
+        return _json_damage(prepared / "prepare.json", "prepare summary")()
+
+    # calibrate
+    cal = config.calibrate
+    calibrate_argv = ["--output", str(cost_model), "--repeats", str(cal.repeats),
+                      "--held-out-batches", str(cal.held_out_batches), "--overwrite"]
+    calibrate_argv += (["--config", train_cfg] if train_cfg else []) + _override_argv(model_overrides)
+    if cal.rank_speeds:
+        calibrate_argv += ["--rank-speeds-output", str(rank_speeds), "--nproc-per-node", str(p.world_size)]
+    calibrate_params = {"repeats": cal.repeats, "held_out_batches": cal.held_out_batches,
+                        "rank_speeds": cal.rank_speeds, **train_inputs,
+                        **{key: _toml_text(value) for key, value in model_overrides.items()}}
+
+    def calibrate_damage() -> str | None:
+        from pipeline.cost_model import CostModel
+
+        try:
+            CostModel.load(cost_model)
+        except InputError as exc:
+            return str(exc)
+        return _json_damage(rank_speeds, "rank speeds file")() if cal.rank_speeds else None
+
+    # balance
+    bal = config.balance
+    balance_argv = ["--input", str(prepared), "--output", str(shards), "--world-size", str(p.world_size),
+                    "--local-batch-size", str(p.local_batch_size), "--strategy", bal.strategy,
+                    "--window-steps", str(bal.window_steps), "--seed", str(bal.seed), "--leftover", bal.leftover,
+                    "--overwrite"]
+    balance_argv += ["--equal-counts"] if bal.equal_counts else []
+    balance_argv += ["--token-cap", str(bal.token_cap)] if bal.token_cap else []
+    balance_argv += ["--time-limit", str(bal.time_limit)] if bal.time_limit else []
+    balance_params: dict[str, Any] = {**sizes, **asdict(bal)}
+    used_cost_model = str(cost_model) if cal.enabled else cal.cost_model
+    if used_cost_model:
+        balance_argv += ["--cost-model", used_cost_model]
+    if cal.cost_model:
+        balance_params.update(cost_model=cal.cost_model, **{"cost_model identity": file_identity(cal.cost_model)})
+    if cal.rank_speeds:
+        balance_argv += ["--capacities", f"@{rank_speeds}"]
+
+    def balance_damage() -> str | None:
+        from shards.manifest import ShardError, load_manifest
+
+        try:
+            load_manifest(shards, p.world_size)
+        except ShardError as exc:
+            return str(exc)
+        return None
+
+    # train
+    tr = config.train
+    train_argv = ["--shards", str(shards), "--nproc-per-node", str(p.world_size), "--summary-json", str(summary),
+                  "--checkpoint.folder", str(work / "checkpoints")]
+    train_argv += (["--config", train_cfg] if train_cfg else []) + (["--run-name", tr.run_name] if tr.run_name else [])
+    train_argv += (["--max-steps", str(tr.max_steps)] if tr.max_steps else []) + _override_argv(tr.overrides)
+    train_argv += (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--tracking.experiment", p.experiment]
+    train_params = {"world_size": p.world_size, "max_steps": tr.max_steps, **train_inputs,
+                    **{key: _toml_text(value) for key, value in tr.overrides.items()}}
+
+    # compare
+    cmp_cfg = config.compare
+    compare_summary = work / "compare_summary.json"
+    compare_argv = ["--input", str(prepared), "--world-size", str(p.world_size),
+                    "--local-batch-size", str(p.local_batch_size), "--repeats", str(cmp_cfg.repeats),
+                    "--strategy", cmp_cfg.strategy, "--window-steps", str(bal.window_steps),
+                    "--workdir", str(work / "compare"), "--summary-json", str(compare_summary), *tracking]
+    compare_argv += ["--control"] if cmp_cfg.control else []
+    compare_argv += ["--config", train_cfg] if train_cfg else []
+    compare_argv += ["--cost-model", used_cost_model] if used_cost_model else []
+    steps = cmp_cfg.max_steps or tr.max_steps
+    compare_argv += ["--max-steps", str(steps)] if steps else []
+    compare_params = {**sizes, **asdict(cmp_cfg), "window_steps": bal.window_steps, "max_steps": steps,
+                      **train_inputs, **({"cost_model identity": file_identity(cal.cost_model)} if cal.cost_model else {})}
+
+    return [
+        Stage("prepare", _job("jobs.prepare"), prepare_argv + tracking, prepare_params, prepared, prepare_damage),
+        Stage("calibrate", _job("jobs.calibrate"), calibrate_argv + tracking, calibrate_params, cost_model,
+              calibrate_damage,
+              off=None if cal.enabled else (f"[calibrate] enabled = false; balance uses {cal.cost_model}"
+                                            if cal.cost_model else "[calibrate] enabled = false; balance uses "
+                                            "the built-in cost model")),
+        Stage("balance", _job("jobs.balance"), balance_argv + tracking, balance_params, shards, balance_damage),
+        Stage("train", _job("jobs.launch", "launch"), train_argv, train_params, summary,
+              _json_damage(summary, "training summary")),
+        Stage("compare", _job("jobs.compare"), compare_argv, compare_params, compare_summary,
+              _json_damage(compare_summary, "comparison summary"),
+              off=None if cmp_cfg.enabled else "[compare] enabled = false"),
+    ]
+
+
+# ------------------------------------------------------------------------------ records
+
+
+def fingerprint(params: dict[str, Any], upstream: dict[str, str]) -> str:
+    text = json.dumps({"params": params, "upstream": upstream}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def record_path(work: Path, stage: str) -> Path:
+    return work / RECORD.format(stage=stage)
+
+
+def read_record(work: Path, stage: str) -> dict[str, Any] | None:
+    try:
+        record = read_json(record_path(work, stage), "stage record")
+    except InputError:
+        return None  # none, or unreadable: the stage runs
+    return record if isinstance(record, dict) else None
+
+
+def write_record(work: Path, stage: Stage, status: str, fp: str, upstream: dict[str, str], why: str = "") -> None:
+    write_json(record_path(work, stage.name),
+               {"stage": stage.name, "status": status, "fingerprint": fp, "params": stage.params,
+                "upstream": upstream, "output": str(stage.output), "why": why, "updated_unix_s": int(time.time())})
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    keys = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+    return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys]
+
+
+def why_run(stage: Stage, record: dict[str, Any] | None, fp: str, upstream: dict[str, str],
+            ran: list[str], fresh: bool) -> str | None:
+    """Why `stage` must run; None when its record matches and its output is intact (skip)."""
+    if fresh:
+        return "--fresh"
+    reran = [name for name in UPSTREAM[stage.name] if name in ran]
+    if reran:
+        return f"upstream {', '.join(reran)} ran"
+    if record is None:
+        return "no earlier run"
+    if record.get("status") == "stale":
+        return record.get("why") or "an upstream stage reran"
+    if record.get("fingerprint") != fp:
+        changed = _changes(record.get("params") or {}, stage.params)
+        if changed:
+            more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+            return "parameters changed: " + ", ".join(changed[:3]) + more
+        moved = [name for name in upstream if (record.get("upstream") or {}).get(name) != upstream[name]]
+        return f"upstream {', '.join(moved)} changed" if moved else "fingerprint changed"
+    if record.get("status") != "done":
+        return "the last run stopped before finishing"
+    damage = stage.damage()
+    return f"output damaged: {damage}" if damage else None
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+class _ErrorLineTap:
+    """sys.stderr, remembering the last ``freescale JOB: error: MESSAGE`` line a stage wrote."""
+
+    LINE = re.compile(r"^freescale [^:\n]+: error: ([^\n]*)$", re.M)
+
+    def __init__(self, stream):
+        self.stream, self.last = stream, ""
+
+    def write(self, text: str) -> int:
+        for match in self.LINE.finditer(text):
+            self.last = match.group(1)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def run_stage(stage: Stage) -> tuple[int, str]:
+    """The stage job's exit status and its error line (empty when it succeeded)."""
+    from jobs.job_errors import report
+
+    tap, saved = _ErrorLineTap(sys.stderr), sys.stderr
+    sys.stderr = tap
+    try:
+        rc = stage.run(stage.argv)
+    except SystemExit as exc:  # argparse inside the job
+        rc = exc.code if isinstance(exc.code, int) else 2
+    except Exception as exc:  # noqa: BLE001 - a job that does not end in run_job: one line, its status
+        rc = report(stage.name, exc)
+    finally:
+        sys.stderr = saved
+    return rc, (tap.last if rc else "")
+
+
+def line(name: str, status: str, why: str) -> str:
+    return f"freescale pipeline: {name:<9} {status:<8} ({why})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freescale pipeline", description=__doc__.split("\n\n")[0],
+                                epilog="Other --section.key VALUE arguments override the config file "
+                                       "(e.g. --balance.window_steps 32, --train.overrides.training.max_steps 20).")
+    p.add_argument("--config", required=True, help="pipeline TOML ([pipeline], [prepare], [calibrate], [balance], "
+                                                    "[train], [compare])")
+    p.add_argument("--fresh", action="store_true", help="rerun every stage, whatever the records say")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from jobs.job_errors import EXIT_ENVIRONMENT, error_line
+
+    args, overrides = build_parser().parse_known_args(argv)
+    config = load_workflow_config(args.config, overrides)  # a bad key or value: one line, exit 2
+    work = Path(config.pipeline.workdir)
+    lock = work / LOCK
+    refused = locks.acquire(lock, on_stale=lambda holder: print(
+        f"freescale pipeline: note: {work}: taking over the stale lock of {holder} (that process is gone)",
+        file=sys.stderr, flush=True))
+    if refused is not None:
+        holder = refused.holder or {}
+        who = f"PID {holder.get('pid')} on {holder.get('host')}" if holder else "another run"
+        error_line("pipeline", f"workdir {work} is in use by {who} (lock {lock}): wait for that run, or use "
+                               "another [pipeline] workdir" + ("; if that run is gone, remove the lock"
+                                                              if refused.reason == "other_host" else ""),
+                   details=False)
+        return EXIT_ENVIRONMENT
+    try:
+        return run_pipeline(config, work, fresh=args.fresh)
+    finally:
+        locks.release(lock)
+
+
+def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
+    from jobs.job_errors import error_line
+
+    started = time.perf_counter()
+    stages = build_stages(config)
+    fingerprints: dict[str, str] = {}
+    ran: list[str] = []
+    lines: list[str] = []
+    failed: tuple[str, int, str] | None = None
+
+    def say(text: str) -> None:
+        lines.append(text)
+        print(text, flush=True)
+
+    for stage in stages:
+        if stage.off is not None:
+            say(line(stage.name, "off", stage.off))
+            continue
+        if failed is not None:
+            say(line(stage.name, "not run", f"{failed[0]} failed"))
+            continue
+        upstream = {name: fingerprints[name] for name in UPSTREAM[stage.name] if name in fingerprints}
+        fp = fingerprints[stage.name] = fingerprint(stage.params, upstream)
+        record = read_record(work, stage.name)
+        why = why_run(stage, record, fp, upstream, ran, fresh)
+        if why is None:
+            say(line(stage.name, "skipped", f"fingerprint matches {stage.output}"))
+            continue
+        if stage.name == "train":
+            # Continue only the same training: same fingerprint, no upstream rerun since (the record
+            # would be stale), not --fresh; a damaged summary with a finished checkpoint re-evaluates.
+            resumable = (not fresh and not ran_upstream(stage.name, ran) and record is not None
+                         and record.get("status") in ("running", "done") and record.get("fingerprint") == fp)
+            why += _prepare_checkpoints(work / "checkpoints", resumable)
+        # Downstream records go stale before this stage changes their input: a run killed in between
+        # must not leave them looking current.
+        for later in stages:
+            if stage.name in _all_upstream(later.name) and (old := read_record(work, later.name)) is not None:
+                write_json(record_path(work, later.name), {**old, "status": "stale", "why": f"upstream {stage.name} reran"})
+        print(f"freescale pipeline: {stage.name}: running ({why})", flush=True)
+        write_record(work, stage, "running", fp, upstream, why)
+        rc, error = run_stage(stage)
+        ran.append(stage.name)
+        if rc:
+            failed = (stage.name, rc, error)
+            say(line(stage.name, "failed", f"exit {rc}: {error}" if error else f"exit {rc}"))
+            continue
+        write_record(work, stage, "done", fp, upstream, why)
+        say(line(stage.name, "ran", why))
+
+    print(f"freescale pipeline: summary of {config.pipeline.workdir}:", flush=True)
+    for text in lines:
+        print(text, flush=True)
+    if failed is not None:
+        name, rc, error = failed
+        error_line("pipeline", f"stage {name} failed (exit {rc}" + (f": {error})" if error else ")"), details=False)
+        return rc
+    print(f"freescale pipeline: done in {time.perf_counter() - started:.0f} s: {len(ran)} stage(s) ran; "
+          f"records in {work}", flush=True)
+    return 0
+
+
+def ran_upstream(stage: str, ran: list[str]) -> bool:
+    return any(name in ran for name in _all_upstream(stage))
+
+
+def _all_upstream(stage: str) -> set[str]:
+    found: set[str] = set()
+    for name in UPSTREAM[stage]:
+        found |= {name} | _all_upstream(name)
+    return found
+
+
+def _prepare_checkpoints(folder: Path, resumable: bool) -> str:
+    """Keep the checkpoints only to continue the same training; otherwise remove them: a
+    checkpoint of other shards or settings must not be resumed."""
+    if not folder.exists():
+        return ""
+    if resumable:
+        return "; resuming from its checkpoints"
+    shutil.rmtree(folder)
+    return "; old checkpoints removed"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
