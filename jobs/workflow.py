@@ -406,9 +406,10 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
     compare_argv += ["--config", train_cfg] if train_cfg else []
     compare_argv += ["--cost-model", used_cost_model] if used_cost_model else []
     steps = cmp_cfg.max_steps or tr.max_steps
-    compare_argv += ["--max-steps", str(steps)] if steps else []
+    compare_argv += (["--max-steps", str(steps)] if steps else []) + _override_argv(tr.overrides)
     compare_params = {**sizes, **asdict(cmp_cfg), "window_steps": bal.window_steps, "max_steps": steps,
-                      **train_inputs, **({"cost_model identity": file_identity(cal.cost_model)} if cal.cost_model else {})}
+                      **train_inputs, **{key: _toml_text(value) for key, value in tr.overrides.items()},
+                      **({"cost_model identity": file_identity(cal.cost_model)} if cal.cost_model else {})}
 
     return [
         Stage("prepare", _job("jobs.prepare"), prepare_argv + tracking, prepare_params, prepared, prepare_damage),

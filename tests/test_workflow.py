@@ -1,0 +1,260 @@
+"""`freescale pipeline`: a rerun skips what is current, reruns what changed or is damaged and what is
+downstream of it, refuses a second run on one working directory, resumes a killed training from its
+checkpoints, and refuses a bad config in one line.
+
+One small pipeline (300 synthetic users, 2 ranks x 8 samples, a tiny model, 6 steps) runs once per
+module; each test works on its own copy of that working directory."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs import workflow
+from pipeline import logs
+
+REPO = Path(__file__).resolve().parents[1]
+SUMMARY_LINE = re.compile(r"^freescale pipeline: (\S+) +(ran|skipped|failed|off|not run) +\((.*)\)$", re.M)
+
+TRAIN_TOML = """
+[model.hstu]
+embedding_dim = 16
+num_layers = 1
+num_heads = 1
+attention_dim = 8
+linear_dim = 8
+max_seq_len = 64
+[loss]
+num_negatives = 16
+[training]
+max_steps = 6
+log_every = 2
+eval_max_samples = 50
+[checkpoint]
+every_steps = 3
+"""
+
+PIPELINE_TOML = """
+[pipeline]
+workdir = "{workdir}"
+tracking_uri = "none"
+world_size = 2
+local_batch_size = 8
+[prepare]
+synthetic_users = 300
+synthetic_items = 200
+max_seq_len = 64
+[balance]
+window_steps = 4
+[train]
+config = "{train}"
+"""
+
+
+def write_config(folder: Path, workdir: Path, extra: str = "") -> Path:
+    train = folder / "train.toml"
+    if not train.exists():
+        train.write_text(TRAIN_TOML)
+    path = folder / f"pipeline-{workdir.name}.toml"
+    path.write_text(PIPELINE_TOML.format(workdir=workdir, train=train) + extra)
+    return path
+
+
+def run(config: Path, *extra: str) -> int:
+    from jobs import cli
+
+    return cli.main(["pipeline", "--config", str(config), *extra])
+
+
+def statuses(output: str) -> dict[str, tuple[str, str]]:
+    """stage -> (status, why) from the summary lines after ``summary of``."""
+    summary = output.split("freescale pipeline: summary of", 1)[1]
+    return {m.group(1): (m.group(2), m.group(3)) for m in SUMMARY_LINE.finditer(summary)}
+
+
+@pytest.fixture(scope="module")
+def first_run(spark, tmp_path_factory):
+    """The pipeline's first run; returns its folder (config, train.toml, work/) and its output."""
+    folder = tmp_path_factory.mktemp("workflow")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(logs.LOG_DIR_ENV, str(folder / "logs"))
+        config = write_config(folder, folder / "work")
+        import io
+        from contextlib import redirect_stdout
+
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = run(config)
+    assert rc == 0, out.getvalue()
+    return folder, out.getvalue()
+
+
+@pytest.fixture
+def copy(first_run, tmp_path, monkeypatch):
+    """A copy of the first run's working directory and a config pointing at it."""
+    folder, _ = first_run
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
+    work = tmp_path / "work"
+    shutil.copytree(folder / "work", work)
+    shutil.copy(folder / "train.toml", tmp_path / "train.toml")
+    return work, write_config(tmp_path, work)
+
+
+def test_first_run_runs_every_stage_and_a_rerun_skips_them(first_run, copy, capsys):
+    _, output = first_run
+    assert statuses(output) == {"prepare": ("ran", "no earlier run"),
+                                "calibrate": ("off", "[calibrate] enabled = false; balance uses the built-in cost model"),
+                                "balance": ("ran", "upstream prepare ran"), "train": ("ran", "upstream balance ran"),
+                                "compare": ("off", "[compare] enabled = false")}
+    work, config = copy
+    record = json.loads((work / "balance.fingerprint.json").read_text())
+    assert record["status"] == "done" and record["params"]["window_steps"] == 4
+    started = time.perf_counter()
+    assert run(config) == 0
+    seconds = time.perf_counter() - started
+    seen = statuses(capsys.readouterr().out)
+    for stage in ("prepare", "balance", "train"):
+        assert seen[stage][0] == "skipped", seen
+        assert seen[stage][1].startswith("fingerprint matches ")
+    assert seconds < 30  # nothing ran: no Spark job, no training
+
+
+@pytest.mark.slow
+def test_a_changed_balance_parameter_reruns_balance_and_train_not_prepare(copy, capsys):
+    work, config = copy
+    assert (work / "checkpoints").is_dir()
+    assert run(config, "--balance.window_steps", "2") == 0
+    seen = statuses(capsys.readouterr().out)
+    assert seen["prepare"][0] == "skipped"
+    assert seen["balance"] == ("ran", "parameters changed: window_steps 4 -> 2")
+    # A checkpoint of the old shards must not continue in the new ones.
+    assert seen["train"] == ("ran", "upstream balance ran; old checkpoints removed")
+    assert json.loads((work / "shards" / "manifest.json").read_text())["window_steps"] == 2
+    summary = json.loads((work / "train_summary.json").read_text())
+    assert summary["steps"][0] == 0  # trained from the start
+
+
+@pytest.mark.slow
+def test_a_deleted_shard_file_reruns_balance_and_train(copy, capsys):
+    work, config = copy
+    victim = next((work / "shards").glob("rank=1/*.parquet"))
+    victim.unlink()
+    assert run(config) == 0
+    seen = statuses(capsys.readouterr().out)
+    assert seen["prepare"][0] == "skipped"
+    assert seen["balance"][0] == "ran"
+    assert seen["balance"][1].startswith("output damaged: shard file ") and "is missing" in seen["balance"][1]
+    assert seen["train"][0] == "ran"
+    assert victim.parent.is_dir() and any(victim.parent.glob("*.parquet"))
+
+
+@pytest.fixture
+def other_process():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_run_on_the_same_workdir_is_refused_in_one_line(copy, other_process, capsys):
+    import socket
+
+    work, config = copy
+    lock = work / workflow.LOCK
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": other_process, "start": None}))
+    records = {p.name: p.read_text() for p in work.glob("*.fingerprint.json")}
+    started = time.perf_counter()
+    assert run(config) == 3
+    assert time.perf_counter() - started < 10
+    captured = capsys.readouterr()
+    assert "running" not in captured.out and "skipped" not in captured.out  # no stage looked at
+    lines = captured.err.strip().splitlines()
+    assert lines == [f"freescale pipeline: error: workdir {work} is in use by PID {other_process} on "
+                     f"{socket.gethostname()} (lock {lock}): wait for that run, or use another [pipeline] workdir"]
+    assert json.loads(lock.read_text())["pid"] == other_process  # not ours: left alone
+    assert records == {p.name: p.read_text() for p in work.glob("*.fingerprint.json")}
+
+
+def test_a_stale_lock_is_taken_over_and_released(copy, capsys):
+    import socket
+
+    work, config = copy
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (work / workflow.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "start": None}))
+    assert run(config) == 0
+    captured = capsys.readouterr()
+    assert f"taking over the stale lock of PID {dead.pid}" in captured.err
+    assert not (work / workflow.LOCK).exists()
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_training_from_its_checkpoint(copy, capsys):
+    """Killed (SIGKILL, the whole process group) once the first checkpoint of a longer training is
+    complete; the rerun skips prepare and balance and continues the training after that step."""
+    work, config = copy
+    longer = ["--train.overrides.training.max_steps", "40", "--train.overrides.checkpoint.every_steps", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "pipeline", "--config", str(config), *longer],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    try:
+        while not list((work / "checkpoints").glob("step_*/COMPLETE")):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output = proc.communicate()[0]
+    assert "train: running (parameters changed: training.max_steps" in output
+    assert json.loads((work / "train.fingerprint.json").read_text())["status"] == "running"
+    saved = max(int(p.parent.name.split("_")[1]) for p in (work / "checkpoints").glob("step_*/COMPLETE"))
+
+    assert run(config, *longer) == 0
+    seen = statuses(capsys.readouterr().out)
+    assert seen["prepare"][0] == seen["balance"][0] == "skipped"
+    assert seen["train"] == ("ran", "the last run stopped before finishing; resuming from its checkpoints")
+    summary = json.loads((work / "train_summary.json").read_text())
+    assert summary["steps"][0] == saved and summary["steps"][-1] == 39  # continued, not restarted
+
+
+def test_a_bad_config_key_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
+    work = tmp_path / "work"
+    config = write_config(tmp_path, work, extra="window = 3\n")  # lands in [train]
+    assert run(config) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"freescale pipeline: error: {config}: unknown key 'train.window' "
+                   "(known: config, max_steps, overrides, run_name)"]
+    assert not work.exists()
+    config.write_text(config.read_text().replace("window = 3", ""))
+    assert run(config, "--balance.strategy", "greedy") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("freescale pipeline: error: command line: balance.strategy must be one of ")
+    assert "'greedy'" in err and "\n" not in err
+
+
+def test_a_failing_stage_stops_the_pipeline_with_its_own_status_and_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
+    work = tmp_path / "work"
+    missing = tmp_path / "absent.parquet"
+    config = write_config(tmp_path, work, extra="")
+    config.write_text(config.read_text().replace("[prepare]", f'[prepare]\ninput = "{missing}"'))
+    assert run(config) == 2
+    captured = capsys.readouterr()
+    seen = statuses(captured.out)
+    assert seen["prepare"] == ("failed", f"exit 2: {missing}: path does not exist")
+    assert seen["balance"] == ("not run", "prepare failed") and seen["train"] == ("not run", "prepare failed")
+    assert captured.err.strip().splitlines()[-1] == (
+        f"freescale pipeline: error: stage prepare failed (exit 2: {missing}: path does not exist)")
+    assert not (work / workflow.LOCK).exists()
+    assert json.loads((work / "prepare.fingerprint.json").read_text())["status"] == "running"
