@@ -4,6 +4,9 @@ Canonical schema (``CANONICAL_SCHEMA``)::
 
     user_id: string, item: string, timestamp: long (unix seconds), rating: float (null when absent)
 
+A line-order layout (``LINE_ORDER_FORMATS``: ``user item`` per line, no timestamp column)
+gets its 1-based line number as the timestamp: the order is exact, the gaps are line gaps.
+
 Everything downstream (vocabulary, sequences, balancing) assumes this schema,
 so every format difference is absorbed here, and bad input fails here with a
 one-line ``InputError`` naming the path and the column or value, instead of
@@ -32,11 +35,12 @@ from pipeline.errors import InputError
 from pipeline.layouts import (
     ITEM_COLUMNS,
     LAYOUT_BY_FORMAT,
+    LINE_ORDER_FORMATS,
     RATING_COLUMNS,
     TIME_COLUMNS,
     USER_COLUMNS,
 )
-from pipeline.preflight import pick_column, resolve_input
+from pipeline.preflight import bad_line_message, check_line_layout_columns, pick_column, resolve_input
 
 # Spark reports every column as nullable; validation guarantees user_id, item
 # and timestamp are never null in what read_interactions returns.
@@ -102,6 +106,10 @@ def read_interactions(
     # The format and column rules live in pipeline.preflight (no Spark), so the jobs' checks
     # before Spark starts and this read give the same answers and the same messages.
     fmt, source = resolve_input(str(path), fmt)
+    if fmt in LINE_ORDER_FORMATS:
+        check_line_layout_columns(fmt, user_col=user_col, item_col=item_col, time_col=time_col,
+                                  rating_col=rating_col)
+        return _read_line_order(spark, source, fmt)
     raw = _read_raw(spark, source, fmt)
     if not raw.columns:
         raise InputError(f"{source}: empty input (no columns and no rows)")
@@ -144,6 +152,56 @@ def _read_raw(spark: SparkSession, path: str, fmt: str) -> DataFrame:
         return reader.csv(path)
     except _READ_ERRORS as err:
         raise InputError(f"{path}: cannot read as {fmt}: {_spark_reason(err)}") from None
+
+
+def read_numbered_lines(spark: SparkSession, path: str, min_partitions: int | None = None) -> DataFrame:
+    """``(line: long, value: string)``: every line of the one text file at ``path`` with its
+    1-based line number.
+
+    Spark's DataFrame text reader keeps no line order across partitions. Hadoop's line reader
+    splits one file into byte ranges in file order, partition i being the i-th range, and
+    ``zipWithIndex`` numbers rows by partition then position, so the number is the line's
+    place in the file however many partitions read it (``min_partitions`` asks for at least
+    that many). Costs one extra pass (the rows per partition) and a trip through Python
+    workers per line.
+    """
+    lines = spark.sparkContext.textFile(path, min_partitions or spark.sparkContext.defaultMinPartitions)
+    numbered = lines.zipWithIndex().map(lambda pair: (pair[1] + 1, pair[0]))
+    return spark.createDataFrame(numbered, "line long, value string")
+
+
+def _read_line_order(spark: SparkSession, source: str, fmt: str) -> DataFrame:
+    """A ``LINE_ORDER_FORMATS`` file in ``CANONICAL_SCHEMA``: the line number is the timestamp,
+    the rating null. Every line must match the layout: the first that does not is named."""
+    try:
+        files = spark.read.text(source).inputFiles()  # lists, reads nothing
+    except _READ_ERRORS as err:
+        raise InputError(f"{source}: cannot read as {fmt}: {_spark_reason(err)}") from None
+    if len(files) != 1:
+        raise InputError(f"{source}: --format {fmt} reads one file, found {len(files)} "
+                         "(the line order is the time order)")
+    pattern = LINE_ORDER_FORMATS[fmt][1]
+    lines = read_numbered_lines(spark, source)
+    good = F.col("value").rlike(pattern)
+    try:
+        row = lines.agg(F.count(F.lit(1)).alias("lines"),
+                        F.sum(F.when(good, 0).otherwise(1)).alias("bad"),
+                        F.min_by(F.struct("line", "value"), F.when(~good, F.col("line"))).alias("first_bad"),
+                        ).first()
+    except _READ_ERRORS as err:
+        raise InputError(f"{source}: cannot read as {fmt}: {_spark_reason(err)}") from None
+    if row["lines"] == 0:
+        raise InputError(f"{source}: empty input (zero lines)")
+    if row["bad"]:
+        first = row["first_bad"]
+        raise InputError(bad_line_message(source, fmt, first["line"], first["value"], row["bad"], row["lines"]))
+    # Ids are integers in this layout: "007" and "7" are one id, written as 7.
+    return lines.select(
+        F.regexp_extract("value", pattern, 1).cast("long").cast("string").alias("user_id"),
+        F.regexp_extract("value", pattern, 2).cast("long").cast("string").alias("item"),
+        F.col("line").alias("timestamp"),
+        F.lit(None).cast("float").alias("rating"),
+    )
 
 
 def _spark_reason(err: Exception) -> str:

@@ -16,7 +16,20 @@ MOVIELENS_LAYOUTS: dict[str, tuple[str, str, bool, tuple[str, ...] | None]] = {
 # The same table keyed by format: (file name, separator, header, column names).
 LAYOUT_BY_FORMAT = {fmt: (name, sep, header, cols) for name, (fmt, sep, header, cols) in MOVIELENS_LAYOUTS.items()}
 
-FORMATS: tuple[str, ...] = ("parquet", "csv", *LAYOUT_BY_FORMAT)
+# Plain per-line layouts with no timestamp column, as public sequential-recommendation data
+# sets ship them (SASRec's ml-1m.txt, Beauty.txt): each line ``user item``, two integers
+# separated by spaces or tabs, users' lines grouped or interleaved. A user's lines are in
+# chronological order, so the line number (1-based) stands in for the timestamp. One file,
+# never a folder: the order of a folder's files would be undefined.
+# Format -> (what a line holds, the line's pattern: group 1 the user, group 2 the item). The
+# pattern is both a Python and a Java regex: preflight checks the first lines with it, Spark
+# every line.
+LINE_ORDER_FORMATS: dict[str, tuple[str, str]] = {
+    "user-item-lines": ("`user item` (two integer ids separated by spaces or tabs)",
+                        r"^[ \t]*(-?[0-9]{1,18})[ \t]+(-?[0-9]{1,18})[ \t]*$"),
+}
+
+FORMATS: tuple[str, ...] = ("parquet", "csv", *LAYOUT_BY_FORMAT, *LINE_ORDER_FORMATS)
 
 # Recognised column names, matched case-insensitively, first match wins.
 USER_COLUMNS = ("user_id", "userId", "user", "uid")

@@ -3,15 +3,19 @@ a second instead of after Spark's ~10-30 s start.
 
 Local paths only (plain or ``file:``); a remote path is left to the Spark-side checks,
 which stay in place for every path. What is checked: the path exists, the input
-format can be told, and for Parquet every data file has a readable footer (pyarrow)
-and the columns the job needs. Errors are one-line :class:`InputError` naming the file
+format can be told, for Parquet every data file has a readable footer (pyarrow)
+and the columns the job needs, and for a line-order file (``user item`` per line) its
+first lines. Errors are one-line :class:`InputError` naming the file
 and the column.
 
 No pyspark here; pyarrow is imported when a Parquet file is actually checked.
 """
 from __future__ import annotations
 
+import gzip
+import itertools
 import os
+import re
 from pathlib import Path
 
 from pipeline.errors import InputError
@@ -19,6 +23,7 @@ from pipeline.layouts import (
     FORMATS,
     ITEM_COLUMNS,
     LAYOUT_BY_FORMAT,
+    LINE_ORDER_FORMATS,
     MOVIELENS_LAYOUTS,
     RATING_COLUMNS,
     TIME_COLUMNS,
@@ -36,6 +41,9 @@ def format_from_name(path: str) -> str:
         return "parquet"
     if name.endswith(".csv"):
         return "csv"
+    if name.endswith((".txt", ".txt.gz")):  # told, not guessed: a .txt can be anything
+        raise InputError(f"{path}: unknown format (a plain `user item` per-line file needs "
+                         f"--format {next(iter(LINE_ORDER_FORMATS))})")
     raise InputError(f"{path}: unknown format (expected .parquet, .csv, u.data, ratings.dat or ratings.csv; pass fmt)")
 
 
@@ -53,6 +61,8 @@ def resolve_input(path: str, fmt: str | None) -> tuple[str, str]:
     p = Path(local)
     if not p.exists():
         raise InputError(f"{path}: path does not exist")
+    if fmt in LINE_ORDER_FORMATS and not p.is_file():
+        raise InputError(f"{path}: --format {fmt} reads one file, not a folder (the line order is the time order)")
     if p.is_file():
         return fmt or format_from_name(path), path
     # Directory: a MovieLens layout inside it, else a Parquet/CSV dataset directory.
@@ -141,12 +151,66 @@ def parquet_footers(path: str, what: str = "", hint: str = "") -> tuple[list[tup
     return footers, rows
 
 
+# Lines of a line-order file that preflight reads: enough to catch a wrong file or layout in
+# well under a second; Spark checks every line.
+PREFLIGHT_LINES = 1000
+# Compressions Hadoop reads but preflight does not open (gzip it does).
+_UNOPENED_SUFFIXES = (".bz2", ".zst", ".lz4", ".snappy", ".deflate")
+
+
+def bad_line_message(source: str, fmt: str, line: int, text: str, bad: int | None = None,
+                     total: int | None = None) -> str:
+    """The one-line error for a malformed line of a ``LINE_ORDER_FORMATS`` file (1-based ``line``)."""
+    shape = LINE_ORDER_FORMATS[fmt][0]
+    shown = repr(text) if len(text) <= 60 else repr(text[:60]) + "..."
+    if bad is None:
+        return f"{source}: line {line}: expected {shape}, got {shown}"
+    return f"{source}: {bad} of {total} lines are not {shape}; the first, line {line}, is {shown}"
+
+
+def check_line_layout_columns(fmt: str, **columns: str | None) -> None:
+    """A line-order layout has positional fields: a ``*_col`` option names nothing in it."""
+    given = [name for name, value in columns.items() if value is not None]
+    if fmt in LINE_ORDER_FORMATS and given:
+        flag = "--" + given[0].replace("_", "-")
+        raise InputError(f"{flag} does not apply to --format {fmt} (its fields are positional: user, item; "
+                         "the line number is the timestamp)")
+
+
+def check_lines(source: str, fmt: str) -> None:
+    """The first ``PREFLIGHT_LINES`` lines of a local line-order file match its layout, and it
+    has a line at all."""
+    local = local_path(source)
+    if local is None or source.endswith(_UNOPENED_SUFFIXES):
+        return
+    pattern = re.compile(LINE_ORDER_FORMATS[fmt][1])
+    opener = gzip.open if source.endswith(".gz") else open
+    seen = 0
+    try:
+        # Universal newlines split on \n, \r\n and \r, as Hadoop's line reader does.
+        with opener(local, "rt", encoding="utf-8", errors="replace") as lines:
+            for seen, text in enumerate(itertools.islice(lines, PREFLIGHT_LINES), 1):
+                text = text.rstrip("\n")
+                if not pattern.fullmatch(text):
+                    raise InputError(bad_line_message(source, fmt, seen, text))
+    except OSError as exc:  # unreadable, or not gzip after all
+        raise InputError(f"{source}: cannot read: {' '.join(str(exc).split())}") from None
+    if seen == 0:
+        raise InputError(f"{source}: empty input (zero lines)")
+
+
 def check_interactions(path: str, fmt: str | None, *, user_col: str | None = None, item_col: str | None = None,
                        time_col: str | None = None, rating_col: str | None = None) -> None:
     """What ``pipeline.ingest.read_interactions`` would reject first, found without Spark:
-    a missing path, an unknown format, and for Parquet an unreadable footer, a missing
-    user/item/timestamp column (or a named ``*_col`` absent) or zero rows."""
+    a missing path, an unknown format, for Parquet an unreadable footer, a missing
+    user/item/timestamp column (or a named ``*_col`` absent) or zero rows, and for a
+    line-order file a column option, a folder, or a malformed line among the first."""
     fmt, source = resolve_input(path, fmt)
+    if fmt in LINE_ORDER_FORMATS:
+        check_line_layout_columns(fmt, user_col=user_col, item_col=item_col, time_col=time_col,
+                                  rating_col=rating_col)
+        check_lines(source, fmt)
+        return
     if fmt != "parquet":
         return
     scanned = parquet_footers(source)
