@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", help="interaction log: Parquet, CSV or a MovieLens file/directory "
                                    "(omit for the synthetic generator)")
     p.add_argument("--output", required=True, help="directory to create")
-    p.add_argument("--format", choices=FORMATS, help="input format (default: from the file name)")
+    p.add_argument("--format", choices=FORMATS,
+                   help="input format (default: from the file name); user-item-lines: one `user item` pair "
+                        "per line, a user's lines in time order, the line number as timestamp (SASRec's "
+                        "ml-1m.txt, Beauty.txt)")
     p.add_argument("--user-col", help="user column (default: user_id/userId/user/uid)")
     p.add_argument("--item-col", help="item column (default: item_id/movie_id/movieId/item/iid)")
     p.add_argument("--time-col", help="timestamp column (default: timestamp/ts/time/event_time)")
