@@ -155,6 +155,20 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.fixture
+def fresh_log(tmp_path, monkeypatch) -> Path:
+    """In-process jobs log to tmp_path/logs, nothing verbose (the test session may have named a log)."""
+    from jobs import job_errors
+    from pipeline import logs
+
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
+    for name in (logs.LOG_FILE_ENV, logs.VERBOSE_ENV, logs.DEBUG_ENV, job_errors.STATUS_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(logs, "_log_file", None)
+    monkeypatch.setattr(logs, "_verbose", False)
+    return tmp_path / "logs"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--lengths", "lognormal:4.2,0.9", "--world-sizes", "0,8"], "--world-sizes: 0 is not a positive integer"),
     (["--lengths", "gamma:2,1"], "--lengths 'gamma:2,1': expected lognormal:MU,SIGMA with finite MU and SIGMA >= 0"),
@@ -162,25 +176,27 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
      "missing.json: run summary (freescale train --summary-json) does not exist"),
     (["--input", "no-such-dir"], "--input no-such-dir does not exist"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
-    run = freescale(*args, "--tracking-uri", "none", "--json", str(tmp_path / "sim.json"), tmp_path=tmp_path)
-    assert run.returncode == 2
-    assert run.stdout == "" and run.stderr.strip() == f"freescale simulate: error: {message}"
+def test_bad_input_is_one_line_and_exit_2(fresh_log, tmp_path, capsys, args, message):
+    from jobs import cli
+
+    assert cli.main(["simulate", *args, "--tracking-uri", "none", "--json", str(tmp_path / "sim.json")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"freescale simulate: error: {message}\n"
     assert not (tmp_path / "sim.json").exists()
 
 
-def test_a_run_that_is_not_a_mirror_control_is_refused_as_noise(tmp_path):
-    summary = mirror_summary(tmp_path / "balanced.json")
-    data = json.loads(summary.read_text())
+def test_a_run_that_is_not_a_mirror_control_is_refused_as_noise(fresh_log, tmp_path, capsys):
+    from jobs import cli
     from training.bubbles import FIELD_INDEX
 
+    summary = mirror_summary(tmp_path / "balanced.json")
+    data = json.loads(summary.read_text())
     data["timings"]["steps_ranks_fields"][5][1][FIELD_INDEX["cost"]] *= 1.5
     summary.write_text(json.dumps(data))
-    run = freescale("--lengths", "lognormal:4.2,0.9", "--noise-from", str(summary), "--tracking-uri", "none",
-                    tmp_path=tmp_path)
-    assert run.returncode == 2
-    assert run.stderr.strip().endswith("not a mirror-control run (the ranks' planned costs differ in measured "
-                                       "step 3); balance with --control mirror")
+    assert cli.main(["simulate", "--lengths", "lognormal:4.2,0.9", "--noise-from", str(summary),
+                     "--tracking-uri", "none"]) == 2
+    assert capsys.readouterr().err == (f"freescale simulate: error: {summary}: not a mirror-control run (the ranks' "
+                                       "planned costs differ in measured step 3); balance with --control mirror\n")
 
 
 def test_a_shard_set_is_simulated_at_its_own_size_and_tracked(movielens_shards, tmp_path):
