@@ -159,9 +159,9 @@ def main() -> None:
         for dist in ("empirical", "normal"):
             result = simulate(work, f"large-{name}-{dist}", *source, "--world-sizes", LARGE_K, "--local-batch-size",
                               "16", "--cost-model", str(cost_model), *fit_flags(work, 16, 0), "--noise-dist", dist)
-            resampled = result["what"].get("resampled_world_sizes")
-            print(f"{name} lengths{' (drawn with replacement: ' + str(result['what']['dataset_samples']) + ' samples)' if resampled else ''}, "
-                  f"{dist} noise (cv {result['model']['noise_cv']:.3f}):\n")
+            drawn = (f" (drawn with replacement from {result['what']['dataset_samples']} samples)"
+                     if result["what"].get("resampled_world_sizes") else "")
+            print(f"{name} lengths{drawn}, {dist} noise (cv {result['model']['noise_cv']:.3f}):\n")
             print("| K | plan | plan bubble | step ms | bubble_fraction | idle_fraction | slowest rank's noise |")
             print("| --- | --- | --- | --- | --- | --- | --- |")
             for r in result["predictions"]:

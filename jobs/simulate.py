@@ -128,7 +128,8 @@ def check_args(args: argparse.Namespace) -> None:
         if value is not None and not (math.isfinite(value) and value > 0):
             raise InputError(f"{flag} must be a positive number, got {value}")
     seconds = args.seconds_per_cost is not None or args.calibrate_from
-    for flag, value in (("--comm-latency-s", args.comm_latency_s), ("--comm-bytes-per-sample", args.comm_bytes_per_sample)):
+    for flag, value in (("--comm-latency-s", args.comm_latency_s),
+                        ("--comm-bytes-per-sample", args.comm_bytes_per_sample)):
         if value is not None and not seconds:
             raise InputError(f"{flag} is in seconds: give --seconds-per-cost or --calibrate-from so compute is too")
     if args.noise_dist and not args.noise_from:
@@ -375,7 +376,8 @@ def plot_bubbles(rows: list[dict], path: Path, title: str) -> Path:
         mine = sorted((r for r in rows if r["plan"] == name), key=lambda r: r["world_size"])
         ks = [r["world_size"] for r in mine]
         ax.plot(ks, [r["bubble_fraction"] for r in mine], "o-", color=f"C{i}", label=f"{name} bubble_fraction")
-        ax.plot(ks, [r["idle_fraction"] for r in mine], "s--", color=f"C{i}", alpha=0.6, label=f"{name} idle_fraction")
+        ax.plot(ks, [r["idle_fraction"] for r in mine], "s--", color=f"C{i}", alpha=0.6,
+                label=f"{name} idle_fraction")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("ranks K")
     ax.set_ylabel("fraction of rank-time")
