@@ -330,12 +330,14 @@ def reductions(rows: list[dict]) -> list[dict]:
     for k, plans in by_k.items():
         if {"contiguous", "balanced"} <= plans.keys():
             c, bal = plans["contiguous"], plans["balanced"]
-            out.append({"world_size": k,
-                        "bubble_reduction": 1 - bal["bubble_fraction"] / c["bubble_fraction"]
-                        if c["bubble_fraction"] > 0 else 0.0,
-                        "idle_reduction": 1 - bal["idle_fraction"] / c["idle_fraction"] if c["idle_fraction"] > 0 else 0.0,
+            out.append({"world_size": k, "bubble_reduction": _removed(c, bal, "bubble_fraction"),
+                        "idle_reduction": _removed(c, bal, "idle_fraction"),
                         "speedup": c["step_time_s"] / bal["step_time_s"]})
     return out
+
+
+def _removed(before: dict, after: dict, key: str) -> float:
+    return 1.0 - after[key] / before[key] if before[key] > 0 else 0.0
 
 
 def print_report(what: dict, described: dict, rows: list[dict], reduced: list[dict]) -> None:
