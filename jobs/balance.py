@@ -294,7 +294,10 @@ def balance(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_job("balance", lambda: balance(args))
+    from pipeline.progress import spark_progress  # stdlib only; pyspark loads when a stage runs
+
+    with spark_progress("balance"):  # one line with the running stage and its fraction done
+        return run_job("balance", lambda: balance(args))
 
 
 if __name__ == "__main__":

@@ -196,7 +196,10 @@ def prepare(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_job("prepare", lambda: prepare(args))
+    from pipeline.progress import spark_progress  # stdlib only; pyspark loads when a stage runs
+
+    with spark_progress("prepare"):  # one line with the running stage and its fraction done
+        return run_job("prepare", lambda: prepare(args))
 
 
 if __name__ == "__main__":

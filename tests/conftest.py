@@ -10,6 +10,10 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MOVIELENS_DIR = (REPO_ROOT / ".." / "shared" / "data" / "movielens-100k").resolve()
 
+# Jobs' Spark progress lines (pipeline/progress.py) off: tests count a job's stderr lines, and a
+# loaded machine would make a stage long enough to print one. tests/test_progress.py turns it on.
+os.environ.setdefault("FREESCALE_PROGRESS", "0")
+
 
 @pytest.fixture(scope="session")
 def spark():

@@ -103,7 +103,7 @@ def read_until_step(proc: subprocess.Popen, step: int) -> list[str]:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step ") and int(line.split()[1]) >= step:
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) > step:  # "step DONE/TOTAL"
             return lines
     raise AssertionError(f"training ended before step {step}:\n" + "".join(lines[-40:]))
 
