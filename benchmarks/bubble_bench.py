@@ -84,10 +84,11 @@ def build_shards(work: Path, args: argparse.Namespace) -> dict[str, Path]:
 
 
 def train(shards: Path, steps: int, seed: int, out: Path, args: argparse.Namespace, *extra: str) -> dict:
-    run(freescale("train", "--shards", str(shards), "--nproc-per-node", "2", "--max-steps", str(steps),
-                  "--tracking-uri", args.tracking_uri, "--run-name", out.stem, "--summary-json", str(out),
-                  "--training.seed", str(seed), "--training.log_every", "1000", *extra), out.with_suffix(".log"))
-    return json.loads(out.read_text())["summary"]
+    from jobs.compare import train_once  # the one `freescale train` child process, as `freescale compare` runs it
+
+    return train_once(shards, out, ["--nproc-per-node", "2", "--max-steps", str(steps), "--tracking-uri",
+                                    args.tracking_uri, "--run-name", out.stem, "--training.seed", str(seed),
+                                    "--training.log_every", "1000", *extra])["summary"]
 
 
 def spread(values: list[float]) -> str:

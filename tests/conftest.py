@@ -53,3 +53,32 @@ def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
     assert balance.main(["--input", str(movielens_prepared), "--output", str(out), "--world-size", "2",
                          "--local-batch-size", "16", "--tracking-uri", "none"]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def movielens_comparison(spark, movielens_prepared, tmp_path_factory):
+    """One real `freescale compare` (jobs.compare.main) on MovieLens-100K: 2 ranks x 16 samples,
+    3 repeats of contiguous / balanced (kk) / mirror control, a few steps of a one-layer model,
+    recorded in a fresh sqlite MLflow store. Attributes: tracking_uri, db_path, experiment_id,
+    parent_run_id, child_run_ids ({variant: [run id per repeat]}), summary (the --summary-json
+    content), workdir."""
+    import json
+    from types import SimpleNamespace
+
+    from jobs import compare
+
+    root = tmp_path_factory.mktemp("comparison")
+    db_path = root / "mlflow.db"
+    tracking_uri = f"sqlite:///{db_path}"
+    summary_json = root / "comparison.json"
+    rc = compare.main(["--input", str(movielens_prepared), "--world-size", "2", "--local-batch-size", "16",
+                       "--repeats", "3", "--control", "--max-steps", "8", "--workdir", str(root / "work"),
+                       "--summary-json", str(summary_json), "--tracking-uri", tracking_uri,
+                       "--model.hstu.num_layers", "1", "--loss.num_negatives", "32",
+                       "--training.log_every", "1000"])
+    assert rc == 0, f"freescale compare exited {rc} (logs in {root / 'work'})"
+    summary = json.loads(summary_json.read_text())
+    return SimpleNamespace(
+        tracking_uri=tracking_uri, db_path=db_path, experiment_id=summary["experiment_id"],
+        parent_run_id=summary["parent_run_id"], workdir=root / "work", summary=summary,
+        child_run_ids={variant: [run["run_id"] for run in runs] for variant, runs in summary["runs"].items()})

@@ -1,0 +1,176 @@
+"""`freescale compare` and MLflow runs that line up: one parent run per comparison with its
+training runs nested, its numbers recomputed from theirs, and job runs that span their job."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANT_TAGS = {"contiguous": ("contiguous", "none"), "balanced": ("kk", "none"), "control": ("contiguous", "mirror")}
+
+
+def client_of(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def span_s(run) -> float:
+    return (run.info.end_time - run.info.start_time) / 1000
+
+
+@pytest.mark.slow
+def test_the_parent_run_holds_the_nine_training_runs(movielens_comparison):
+    cmp = movielens_comparison
+    client = client_of(cmp.tracking_uri)
+    parent = client.get_run(cmp.parent_run_id)
+    comparison = cmp.summary["comparison"]
+    assert parent.info.status == "FINISHED" and parent.info.run_name == "compare-k2-b16"
+    assert parent.info.experiment_id == cmp.experiment_id
+    assert client.get_experiment(cmp.experiment_id).name == "freescale-movielens-100k"  # from prepare.json's input
+    assert {k: parent.data.tags[k] for k in ("freescale.job", "freescale.strategy", "freescale.control",
+                                             "freescale.comparison")} == {
+        "freescale.job": "compare", "freescale.strategy": "kk", "freescale.control": "mirror",
+        "freescale.comparison": comparison}
+
+    nested = client.search_runs([cmp.experiment_id], f"tags.mlflow.parentRunId = '{cmp.parent_run_id}'")
+    assert len(nested) == 9
+    assert sorted(r.info.run_id for r in nested) == sorted(i for ids in cmp.child_run_ids.values() for i in ids)
+    for variant, ids in cmp.child_run_ids.items():
+        assert len(ids) == 3
+        for repeat, run_id in enumerate(ids):
+            run = client.get_run(run_id)
+            assert run.info.status == "FINISHED" and run.info.run_name == f"compare-k2-b16-{variant}-r{repeat}"
+            assert (run.data.tags["freescale.strategy"], run.data.tags["freescale.control"]) == VARIANT_TAGS[variant]
+            assert run.data.tags["freescale.comparison"] == comparison and run.data.tags["freescale.job"] == "train"
+            assert run.data.params["training.seed"] == str(repeat)  # the same seed per repeat on every variant
+    # The runs alternated: contiguous, balanced, control, contiguous, ...
+    ordered = sorted(nested, key=lambda r: r.info.start_time)
+    assert [r.info.run_name.rsplit("-", 2)[1] for r in ordered] == ["contiguous", "balanced", "control"] * 3
+
+
+@pytest.mark.slow
+def test_the_parent_numbers_are_recomputed_from_the_training_runs(movielens_comparison):
+    cmp = movielens_comparison
+    client = client_of(cmp.tracking_uri)
+    parent = client.get_run(cmp.parent_run_id).data.metrics
+
+    def median(variant: str, key: str) -> float:
+        return statistics.median(client.get_run(i).data.metrics[key] for i in cmp.child_run_ids[variant])
+
+    def removed(key: str) -> float | None:
+        removable = median("contiguous", key) - median("control", key)
+        return (median("contiguous", key) - median("balanced", key)) / removable if removable > 0 else None
+
+    for metric, key in (("bubble_reduction", "bubble_fraction"), ("idle_reduction", "idle_fraction")):
+        expected = removed(key)
+        if expected is None:  # a noisy run where the control waited as long: recorded as nothing, not as a number
+            assert metric not in parent and cmp.summary["metrics"][metric] is None
+        else:
+            assert parent[metric] == pytest.approx(expected, rel=1e-6)
+    assert parent["speedup"] == pytest.approx(median("balanced", "samples_per_s") / median("contiguous", "samples_per_s"),
+                                              rel=1e-6)
+    for key in ("hr_at_10", "ndcg_at_10", "mrr"):
+        assert parent[f"delta_{key}"] == pytest.approx(median("balanced", key) - median("contiguous", key), abs=1e-9)
+    for variant in cmp.child_run_ids:
+        assert parent[f"{variant}/bubble_fraction"] == pytest.approx(median(variant, "bubble_fraction"), rel=1e-6)
+    # The planner's work shows in what the ranks measured: contiguous shards wait more than balanced.
+    assert median("contiguous", "predicted_bubble") > median("balanced", "predicted_bubble")
+    # The --summary-json numbers are the parent run's.
+    recorded = {k: v for k, v in cmp.summary["metrics"].items() if v is not None}
+    assert recorded == pytest.approx(parent)
+
+    artifacts = {a.path: a for a in client.list_artifacts(cmp.parent_run_id)}
+    assert {"comparison_timelines.png", "comparison.json"} <= set(artifacts)
+    local = Path(client.download_artifacts(cmp.parent_run_id, "comparison_timelines.png", str(cmp.workdir / "dl")))
+    assert local.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and local.stat().st_size > 20_000
+
+
+@pytest.mark.slow
+def test_the_balance_runs_span_their_job(movielens_comparison):
+    cmp = movielens_comparison
+    client = client_of(cmp.tracking_uri)
+    runs = client.search_runs([cmp.experiment_id], "tags.`freescale.job` = 'balance'")
+    assert sorted((r.data.tags["freescale.strategy"], r.data.tags["freescale.control"]) for r in runs) == \
+        sorted(VARIANT_TAGS.values())
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["freescale.comparison"] == cmp.summary["comparison"]
+        # Opened before the work started, ended after it: the run is at least as long as the work
+        # it timed (before, runs were logged after the job and lasted ~60 ms).
+        assert run.data.metrics["job_seconds"] > 0.5
+        assert span_s(run) >= run.data.metrics["job_seconds"]
+
+
+@pytest.mark.slow
+def test_prepare_run_spans_the_job_and_a_failing_balance_ends_failed(spark, movielens_prepared, tmp_path, capsys):
+    from jobs import balance, prepare
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert prepare.main(["--output", str(tmp_path / "prepared"), "--synthetic-users", "300",
+                         "--synthetic-items", "100", "--tracking-uri", uri, "--experiment", "spans"]) == 0
+    # The token cap is checked on the data, inside the job's run: the run must end FAILED.
+    assert balance.main(["--input", str(movielens_prepared), "--output", str(tmp_path / "shards"),
+                         "--world-size", "2", "--local-batch-size", "16", "--token-cap", "5",
+                         "--tracking-uri", uri, "--experiment", "spans"]) == 2
+    assert "--token-cap 5 is below" in capsys.readouterr().err and not (tmp_path / "shards").exists()
+    client = client_of(uri)
+    runs = {r.data.tags["freescale.job"]: r
+            for r in client.search_runs([client.get_experiment_by_name("spans").experiment_id])}
+    assert runs["prepare"].info.status == "FINISHED" and runs["balance"].info.status == "FAILED"
+    assert span_s(runs["prepare"]) >= runs["prepare"].data.metrics["job_seconds"] > 0.5
+    assert runs["balance"].info.end_time > runs["balance"].info.start_time
+    assert (runs["balance"].data.tags["freescale.strategy"], runs["balance"].data.tags["freescale.control"]) == \
+        ("kk", "none")
+
+
+ARGUMENT_ERRORS = {
+    "neither input": ([], "give --input PREPARED"),
+    "repeats 0": (["--input", "IN", "--world-size", "2", "--local-batch-size", "16", "--repeats", "0"],
+                  "--repeats must be a positive integer, got 0"),
+    "no world size": (["--input", "IN", "--local-batch-size", "16"], "--input needs --world-size"),
+    "not prepared": (["--input", "NOWHERE", "--world-size", "2", "--local-batch-size", "16"],
+                     "no prepare.json"),
+    "bad shards": (["--shards", "contiguous=A,fast=B"], "'fast=B' is not VARIANT=DIR"),
+    "shards lack balanced": (["--shards", "contiguous=A"], "--shards lacks balanced"),
+    "contiguous strategy": (["--input", "IN", "--world-size", "2", "--local-batch-size", "16", "--strategy",
+                             "contiguous"], "--strategy 'contiguous'"),
+    "bad config key": (["--input", "IN", "--world-size", "2", "--local-batch-size", "16", "--model.nope", "1"],
+                       "model.nope"),
+}
+
+
+def test_argument_errors_are_one_line_before_anything_heavy(tmp_path):
+    """Each bad argument: exit 2, one `freescale compare: error:` line, and no torch, pyspark or
+    mlflow loaded (all cases in one fresh interpreter, so the check covers every path)."""
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "prepare.json").write_text("{}")
+    cases = {name: [str(prepared) if a == "IN" else str(tmp_path / a) if a in ("NOWHERE", "A", "B") else a
+                    for a in argv] for name, (argv, _) in ARGUMENT_ERRORS.items()}
+    probe = (
+        "import contextlib, io, json, sys\n"
+        "from jobs.cli import main\n"
+        f"cases = {cases!r}\n"
+        "out = {}\n"
+        "for name, argv in cases.items():\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        rc = main(['compare', *argv])\n"
+        "    out[name] = [rc, err.getvalue()]\n"
+        "out['heavy'] = sorted(m for m in ('torch', 'pyspark', 'mlflow', 'torchrec') if m in sys.modules)\n"
+        "print(json.dumps(out))\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result.pop("heavy") == []
+    for name, (_, expected) in ARGUMENT_ERRORS.items():
+        rc, err = result[name]
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("freescale compare: error:"), (name, err)
+        assert expected in lines[0], (name, lines[0])
