@@ -34,13 +34,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from balancing.strategies import STRATEGIES  # numpy only
-from pipeline import locks
-from pipeline.errors import InputError
-from pipeline.json_files import read_json, write_json
-from pipeline.layouts import FORMATS  # plain data
-from pipeline.paths import local_path
-from training.config import ConfigError, apply_table, load_config, parse_overrides  # no torch
+if __package__ in (None, ""):  # run as a file (python jobs/workflow.py): make the project importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from balancing.strategies import STRATEGIES  # noqa: E402  (numpy only)
+from pipeline import locks  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
+from pipeline.json_files import read_json, write_json  # noqa: E402
+from pipeline.layouts import FORMATS  # noqa: E402  (plain data)
+from pipeline.paths import local_path  # noqa: E402
+from training.config import ConfigError, apply_table, load_config, parse_overrides  # noqa: E402  (no torch)
 
 STAGES = ("prepare", "calibrate", "balance", "train", "compare")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
@@ -645,4 +648,6 @@ def _prepare_checkpoints(folder: Path, resumable: bool) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from jobs.job_errors import run_job
+
+    sys.exit(run_job("pipeline", lambda: main(sys.argv[1:])))
