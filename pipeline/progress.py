@@ -31,8 +31,11 @@ EVERY_S = 10.0  # at most one line this often when the stream is not a terminal
 
 # PySpark's call sites name the JVM bridge or a full path: "parquet at NativeMethodAccessorImpl.java:0",
 # "collect at /work/main/pipeline/ingest.py:300". Keep the action and the file's own name.
+# A stage Spark starts from its own threads (a broadcast, adaptive execution) is named after JVM
+# internals, "$anonfun$withThreadLocalCaptured$1 at CompletableFuture.java:1768": no name shown.
 _JVM_CALLSITE = re.compile(r" at NativeMethodAccessorImpl\.java:\d+$")
 _PATH = re.compile(r" at (?:\S*/)?([^/\s]+:\d+)$")
+_JVM_INTERNAL = re.compile(r"\$|\.(java|scala):\d+$")
 
 
 def describe(stages: list[tuple[int, str, int, int]]) -> str | None:
@@ -44,7 +47,8 @@ def describe(stages: list[tuple[int, str, int, int]]) -> str | None:
     done, total = sum(s[2] for s in stages), sum(s[3] for s in stages)
     ids = ", ".join(str(s[0]) for s in stages)
     name = _PATH.sub(r" at \1", _JVM_CALLSITE.sub("", stages[0][1]))
-    return f"stage{'s' if len(stages) > 1 else ''} {ids} ({name}) {100 * done // total}% ({done}/{total} tasks)"
+    named = f" ({name})" if name and not _JVM_INTERNAL.search(name) else ""
+    return f"stage{'s' if len(stages) > 1 else ''} {ids}{named} {100 * done // total}% ({done}/{total} tasks)"
 
 
 def active_stages() -> list[tuple[int, str, int, int]]:

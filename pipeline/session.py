@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -40,6 +42,43 @@ def _stderr_to(path: Path) -> Iterator[None]:
         os.close(target)
 
 
+# The driver JVM's log4j2 settings when a job starts it without --verbose: Spark's defaults at
+# WARN, less the warnings every local run prints and no one acts on (the host name resolving to
+# loopback, no native Hadoop library, our deliberate one-partition windows over small tables).
+# Any other WARN still reaches the job's log; --verbose keeps Spark's own defaults.
+LOG4J2_PROPERTIES = """\
+rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+appender.console.filter.known.type = RegexFilter
+appender.console.filter.known.regex = (?s).*(resolves to a loopback address|Set SPARK_LOCAL_IP if you need\
+|Unable to load native-hadoop library|No Partition Defined for Window operation).*
+appender.console.filter.known.onMatch = DENY
+appender.console.filter.known.onMismatch = NEUTRAL
+logger.jetty.name = org.sparkproject.jetty
+logger.jetty.level = warn
+logger.jetty2.name = org.sparkproject.jetty.util.component.AbstractLifeCycle
+logger.jetty2.level = error
+logger.parquet.name = org.apache.parquet.CorruptStatistics
+logger.parquet.level = error
+"""
+
+
+def log4j2_config_file() -> Path:
+    """``LOG4J2_PROPERTIES`` in a file named by its content (written once, atomically)."""
+    digest = hashlib.sha256(LOG4J2_PROPERTIES.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"freescale-log4j2-{digest}.properties"
+    if not path.exists():
+        scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        scratch.write_text(LOG4J2_PROPERTIES)
+        os.replace(scratch, path)
+    return path
+
+
 def build_spark_session(master: str | None = None, app_name: str = "freescale") -> SparkSession:
     """Get or create a session.
 
@@ -47,8 +86,8 @@ def build_spark_session(master: str | None = None, app_name: str = "freescale") 
     defaults to local[*] with a small shuffle width suited to one machine.
 
     A JVM started here writes its output (WARN and above, stack traces of failed tasks)
-    to the job's log file (pipeline/logs.py), so a failing job's terminal shows its one
-    line only; with --verbose (FREESCALE_VERBOSE=1) the output stays on the terminal at
+    to the job's log file (pipeline/logs.py), less the start-up warnings of
+    ``LOG4J2_PROPERTIES``, so a failing job's terminal shows its one line only; with --verbose (FREESCALE_VERBOSE=1) the output stays on the terminal at
     ERROR level, as before. Under spark-submit the JVM already runs: its log4j settings
     decide.
     """
@@ -67,6 +106,9 @@ def build_spark_session(master: str | None = None, app_name: str = "freescale") 
 
     starts_jvm = SparkContext._gateway is None and not under_spark_submit()
     to_log = starts_jvm and not logs.verbose()
+    if to_log:  # set before the JVM starts, so its start-up lines obey it too
+        builder = builder.config("spark.driver.extraJavaOptions",
+                                 f"-Dlog4j2.configurationFile={log4j2_config_file().as_uri()}")
     with _stderr_to(logs.log_file(app_name)) if to_log else contextlib.nullcontext():
         session = builder.getOrCreate()
     if to_log:

@@ -39,6 +39,8 @@ def test_describe_adds_up_active_stages_and_shortens_names():
     assert describe([(3, "parquet at NativeMethodAccessorImpl.java:0", 9, 20)]) == "stage 3 (parquet) 45% (9/20 tasks)"
     assert (describe([(7, "x at y.py:2", 1, 4), (5, "collect at /work/main/pipeline/ingest.py:300", 2, 4)])
             == "stages 5, 7 (collect at ingest.py:300) 37% (3/8 tasks)")
+    assert (describe([(17, "$anonfun$withThreadLocalCaptured$1 at CompletableFuture.java:1768", 0, 1)])
+            == "stage 17 0% (0/1 tasks)")
 
 
 def test_lines_name_the_stage_and_fraction_and_are_throttled(spark):
@@ -88,3 +90,48 @@ def test_training_step_line():
     assert (format_step_line(step=9, max_steps=40, loss=6.75, step_s=0.2084, eta_s=6.3, bubble=0.149,
                              exposed_comm_s=0.0746)
             == "step 10/40  loss 6.7500  208 ms/step  bubble 14.9%  exposed comm 75 ms  ETA 6 s")
+
+
+def _planner_noise(monkeypatch, verbose: bool) -> list[str]:
+    """What building the sharding planner warns (logging records and Python warnings)."""
+    import logging
+    import types
+    import warnings
+
+    import torch
+
+    from training import sharding
+    from training.config import ParallelConfig
+    from training.distributed import DistEnv
+
+    from pipeline import logs
+
+    monkeypatch.setattr(logs, "_verbose", verbose)  # what --verbose sets
+    for name in (logs.VERBOSE_ENV, logs.DEBUG_ENV):
+        monkeypatch.delenv(name, raising=False)
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    keep = Keep(logging.WARNING)
+    logging.getLogger().addHandler(keep)
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the filter it adds ends with the block
+            warnings.simplefilter("always")
+            sharding.apply_quiet_third_party_logs()
+            env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"),
+                          backend="gloo")
+            sharding.build_planner(ParallelConfig(), env, types.SimpleNamespace(user_feature_names=[]))
+        return seen + [str(w.message) for w in caught]
+    finally:
+        logging.getLogger().removeHandler(keep)
+        for name in sharding._NOISY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_planner_warnings_silenced_unless_verbose(monkeypatch):
+    loud = _planner_noise(monkeypatch, verbose=True)
+    assert any("TopologyFactory" in m for m in loud) and any("HeuristicalStorageReservation" in m for m in loud), loud
+    assert _planner_noise(monkeypatch, verbose=False) == []

@@ -1,6 +1,9 @@
 """Sharding the embedding tables with TorchRec and keeping the dense part replicated."""
 from __future__ import annotations
 
+import logging
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -12,6 +15,7 @@ from torchrec.distributed.types import ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from pipeline import logs
 from training.config import OptimizerConfig, ParallelConfig, ShardingName, SparseOptimizerName, keyed_by
 from training.distributed import DistEnv
 from training.model import ITEM_TABLE, USER_TABLE, SequentialRecommender
@@ -21,6 +25,37 @@ SPARSE_OPTIMIZERS: dict[SparseOptimizerName, type[torch.optim.Optimizer]] = keye
     "adagrad": RowWiseAdagrad, "sgd": torch.optim.SGD, "adam": torch.optim.Adam})
 SHARDING_TYPES: dict[ShardingName, ShardingType] = keyed_by(ShardingName, {
     "row_wise": ShardingType.ROW_WISE, "table_wise": ShardingType.TABLE_WISE})
+
+
+# What every planned run prints and no one acts on: the planner's advice to build the topology
+# with TopologyFactory and pass a dense tensor estimate (WARNING logs), its FutureWarning about
+# HeuristicalStorageReservation, and torch.fx's note on is_fx_tracing (once per rank, from
+# TorchRec's modules). Python's warnings filter and these loggers' levels are process-wide: a
+# rank is one process.
+_NOISY_LOGGERS = ("torchrec.distributed.planner", "torch.fx._symbolic_trace")
+_NOISY_WARNING_MODULES = r"torchrec\.distributed\.planner\."
+
+
+def apply_quiet_third_party_logs() -> None:
+    """Silence the warnings above, unless --verbose (FREESCALE_VERBOSE), which shows them all."""
+    if logs.verbose():
+        return
+    for name in _NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=_NOISY_WARNING_MODULES)
+
+
+def build_planner(parallel: ParallelConfig, env: DistEnv, model: SequentialRecommender) -> EmbeddingShardingPlanner:
+    """The planner with the item table's sharding type from the config and every user feature
+    table whole on one rank."""
+    constraints = {ITEM_TABLE: ParameterConstraints(sharding_types=[SHARDING_TYPES[parallel.sharding].value])}
+    # User feature tables are small (a category per row), so each lives whole on one
+    # rank; TorchRec's bag sharder also offers no row-wise kernel on CPU.
+    for i in range(len(model.user_feature_names)):
+        constraints[USER_TABLE.format(index=i)] = ParameterConstraints(
+            sharding_types=[ShardingType.TABLE_WISE.value])
+    return EmbeddingShardingPlanner(
+        topology=Topology(world_size=env.world_size, compute_device=env.device.type), constraints=constraints)
 
 
 def apply_fused_sparse_optimizer(model: SequentialRecommender, config: OptimizerConfig) -> None:
@@ -40,16 +75,10 @@ def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parall
     gradients itself after backward, so the time ranks spend waiting for each other
     is measured in one place rather than hidden inside DDP's backward hooks.
     """
+    apply_quiet_third_party_logs()
     apply_fused_sparse_optimizer(model, optimizer)
     sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
-    constraints = {ITEM_TABLE: ParameterConstraints(sharding_types=[SHARDING_TYPES[parallel.sharding].value])}
-    # User feature tables are small (a category per row), so each lives whole on one
-    # rank; TorchRec's bag sharder also offers no row-wise kernel on CPU.
-    for i in range(len(model.user_feature_names)):
-        constraints[USER_TABLE.format(index=i)] = ParameterConstraints(
-            sharding_types=[ShardingType.TABLE_WISE.value])
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=env.world_size, compute_device=env.device.type), constraints=constraints)
+    planner = build_planner(parallel, env, model)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     return DistributedModelParallel(model, device=env.device, plan=plan, sharders=sharders,
                                     init_data_parallel=False)
