@@ -15,6 +15,7 @@ changed or whose output is damaged, and everything downstream of a stage that ra
 stage continues from its checkpoints when its last run stopped before finishing, and starts
 over (its checkpoints removed) otherwise: never into shards that were rebuilt.
 
+The config's sections and keys are the dataclasses in jobs/workflow_config.py.
 `<workdir>/LOCK` (host, PID) keeps a second run off the working directory. Exit status: 0
 done (or nothing to do); 2 bad config (one line naming the key); 3 the working directory is
 in use by another run (retry later: nothing is wrong with the config); otherwise the failed
@@ -29,21 +30,18 @@ import re
 import shutil
 import sys
 import time
-import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 if __package__ in (None, ""):  # run as a file (python jobs/workflow.py): make the project importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from balancing.strategies import STRATEGIES  # noqa: E402  (numpy only)
+from jobs.workflow_config import WorkflowConfig, load_workflow_config, override_argv, toml_text  # noqa: E402
 from pipeline import locks  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 from pipeline.json_files import read_json, write_json  # noqa: E402
-from pipeline.layouts import FORMATS  # noqa: E402  (plain data)
 from pipeline.paths import local_path  # noqa: E402
-from training.config import ConfigError, apply_table, load_config, parse_overrides  # noqa: E402  (no torch)
 
 STAGES = ("prepare", "calibrate", "balance", "train", "compare")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
@@ -53,200 +51,6 @@ RECORD = "{stage}.fingerprint.json"
 """A finished (or started) stage's record, in the working directory next to its output."""
 LOCK = "LOCK"
 """The working directory's lock: one pipeline run at a time."""
-StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  # the balancing registry's names
-FormatName = Literal[("",) + FORMATS]  # type: ignore[valid-type]
-
-
-# ------------------------------------------------------------------------------ config
-
-
-@dataclass
-class PipelineSection:
-    workdir: str = "out/pipeline"
-    """Where every stage writes (prepared/, cost_model.json, shards/, checkpoints/, train_summary.json,
-    compare/) and where the stage records and the lock live. Relative paths in this file are
-    relative to the directory the command runs in, as for every `freescale` command."""
-    tracking_uri: str = ""
-    """MLflow URI of every stage; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables.
-    Not part of any fingerprint: changing it reruns nothing."""
-    experiment: str = "freescale"
-    """MLflow experiment of every stage."""
-    world_size: int = 2
-    """Training ranks K: balance plans for K, train starts K local ranks, compare uses K."""
-    local_batch_size: int = 32
-    """Samples per rank per step B (balance and compare)."""
-
-    def __post_init__(self) -> None:
-        if not self.workdir:
-            raise ValueError("workdir must not be empty")
-        for name in ("world_size", "local_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-@dataclass
-class PrepareSection:
-    input: str = ""
-    """Interaction log (Parquet, CSV or a MovieLens file/directory); empty = the seeded synthetic generator."""
-    format: FormatName = ""
-    """Input format; empty = from the file name."""
-    user_features: str = ""
-    """User table (Parquet or CSV) of categorical features; empty = none."""
-    user_feature_cols: str = ""
-    """Comma-separated feature columns of the user table; empty = every column but the user column."""
-    max_seq_len: int = 1024
-    """Keep the most recent N training items per user."""
-    keep_duplicates: bool = False
-    """Keep repeated (user, item, timestamp) rows instead of dropping and counting them."""
-    synthetic_users: int = 20_000
-    """Synthetic data only: users."""
-    synthetic_items: int = 10_000
-    """Synthetic data only: catalog size."""
-    seed: int = 0
-    """Synthetic data only: generator seed."""
-
-
-@dataclass
-class CalibrateSection:
-    enabled: bool = False
-    """Fit the cost model to this machine and the [train] model (`freescale calibrate`) and balance with it."""
-    cost_model: str = ""
-    """A cost-model JSON to balance with instead (its file identity is part of balance's fingerprint);
-    empty with enabled = false: balance's built-in analytic model."""
-    repeats: int = 7
-    """Timed rounds over all calibration batches (medians are used)."""
-    held_out_batches: int = 24
-    """Mixed batches the written model is checked on; 0 skips the check."""
-    rank_speeds: bool = False
-    """Also measure relative rank speeds (world_size ranks) and balance with them as capacities."""
-
-    def __post_init__(self) -> None:
-        if self.enabled and self.cost_model:
-            raise ValueError("enabled = true and cost_model are exclusive (calibrate, or use the given model)")
-        if self.rank_speeds and not self.enabled:
-            raise ValueError("rank_speeds needs enabled = true")
-
-
-@dataclass
-class BalanceSection:
-    strategy: StrategyName = "kk"
-    """Partition strategy (balancing.strategies)."""
-    window_steps: int = 1
-    """Plan W global batches together so heavy samples can share steps."""
-    seed: int = 0
-    """Shuffle and tie-break seed."""
-    equal_counts: bool = False
-    """Every rank gets B samples (+-1) per step."""
-    token_cap: int = 0
-    """Per-rank cap on the sum of history lengths per step; 0 = none."""
-    leftover: Literal["drop", "keep"] = "drop"
-    """The last partial global batch: dropped (counted in the manifest) or kept as a short step."""
-    time_limit: float = 0.0
-    """Seconds per step for the ortools strategy; 0 = the job's default."""
-
-
-@dataclass
-class TrainSection:
-    config: str = ""
-    """Training config TOML (configs/*.toml); empty = the built-in defaults."""
-    max_steps: int = 0
-    """Stop after N steps; 0 = the training config's training.max_steps."""
-    run_name: str = ""
-    """MLflow run name; empty = derived from the shards and strategy."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """``[train.overrides]``: training config values on top of the file, e.g. ``training.max_steps = 40``
-    or ``checkpoint.every_steps = 10`` (checkpoint.folder is always <workdir>/checkpoints). The
-    ``model.*`` and ``loss.*`` ones also reach calibrate."""
-
-
-@dataclass
-class CompareSection:
-    enabled: bool = False
-    """Also run `freescale compare`: contiguous vs balanced training on the prepared data."""
-    strategy: StrategyName = "kk"
-    """The balanced side's strategy."""
-    repeats: int = 1
-    """Training runs per side."""
-    control: bool = False
-    """Also train the mirror control (the machine's noise floor)."""
-    max_steps: int = 0
-    """Steps per training; 0 = [train] max_steps (when set), else the training config's."""
-
-
-@dataclass
-class WorkflowConfig:
-    pipeline: PipelineSection = field(default_factory=PipelineSection)
-    """``[pipeline]``: the working directory, tracking and the shared sizes."""
-    prepare: PrepareSection = field(default_factory=PrepareSection)
-    """``[prepare]``: raw logs (or synthetic data) -> sequences."""
-    calibrate: CalibrateSection = field(default_factory=CalibrateSection)
-    """``[calibrate]``: the cost model (optional stage)."""
-    balance: BalanceSection = field(default_factory=BalanceSection)
-    """``[balance]``: sequences -> balanced shards."""
-    train: TrainSection = field(default_factory=TrainSection)
-    """``[train]``: the training run on the shards."""
-    compare: CompareSection = field(default_factory=CompareSection)
-    """``[compare]``: contiguous vs balanced (optional stage)."""
-
-
-def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def load_workflow_config(path: str, overrides: list[str]) -> WorkflowConfig:
-    """Defaults, the TOML file, then `--section.key VALUE` overrides; a bad key or value is one
-    ConfigError line naming it. The training config and its overrides are checked too."""
-    import tomllib
-
-    try:
-        with open(path, "rb") as handle:
-            tables = [(path, tomllib.load(handle))]
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    for key, value in parse_overrides(overrides):
-        table: dict[str, Any] = {}
-        cursor = table
-        *parents, leaf = key.split(".")
-        for part in parents:
-            cursor = cursor.setdefault(part, {})
-        cursor[leaf] = value
-        tables.append(("command line", table))
-    config = WorkflowConfig()
-    for source, table in tables:
-        train = table.get("train")
-        if isinstance(train, dict) and "overrides" in train:  # free-form training keys, checked below
-            train = dict(train)
-            extra = train.pop("overrides")
-            if not isinstance(extra, dict):
-                raise ConfigError(f"{source}: train.overrides must be a table")
-            config.train.overrides.update(_flatten(extra))
-            table = {**table, "train": train}
-        apply_table(config, table, source)
-    fixed = [key for key in ("checkpoint.folder", "data.shards") if key in config.train.overrides]
-    if fixed:
-        raise ConfigError(f"{path}: train.overrides.{fixed[0]}: set by the pipeline (<workdir>/checkpoints, "
-                          "<workdir>/shards), not settable")
-    try:
-        load_config(config.train.config or None, _override_argv(config.train.overrides))
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: [train]: {exc}") from None
-    return config
-
-
-def _override_argv(overrides: dict[str, Any]) -> list[str]:
-    return [arg for key, value in overrides.items() for arg in (f"--{key}", _toml_text(value))]
-
-
-def _toml_text(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ------------------------------------------------------------------------------ stages
@@ -345,12 +149,12 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
     cal = config.calibrate
     calibrate_argv = ["--output", str(cost_model), "--repeats", str(cal.repeats),
                       "--held-out-batches", str(cal.held_out_batches), "--overwrite"]
-    calibrate_argv += (["--config", train_cfg] if train_cfg else []) + _override_argv(model_overrides)
+    calibrate_argv += (["--config", train_cfg] if train_cfg else []) + override_argv(model_overrides)
     if cal.rank_speeds:
         calibrate_argv += ["--rank-speeds-output", str(rank_speeds), "--nproc-per-node", str(p.world_size)]
     calibrate_params = {"repeats": cal.repeats, "held_out_batches": cal.held_out_batches,
                         "rank_speeds": cal.rank_speeds, **train_inputs,
-                        **{key: _toml_text(value) for key, value in model_overrides.items()}}
+                        **{key: toml_text(value) for key, value in model_overrides.items()}}
 
     def calibrate_damage() -> str | None:
         from pipeline.cost_model import CostModel
@@ -393,10 +197,10 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
     train_argv = ["--shards", str(shards), "--nproc-per-node", str(p.world_size), "--summary-json", str(summary),
                   "--checkpoint.folder", str(work / "checkpoints")]
     train_argv += (["--config", train_cfg] if train_cfg else []) + (["--run-name", tr.run_name] if tr.run_name else [])
-    train_argv += (["--max-steps", str(tr.max_steps)] if tr.max_steps else []) + _override_argv(tr.overrides)
+    train_argv += (["--max-steps", str(tr.max_steps)] if tr.max_steps else []) + override_argv(tr.overrides)
     train_argv += (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--tracking.experiment", p.experiment]
     train_params = {"world_size": p.world_size, "max_steps": tr.max_steps, **train_inputs,
-                    **{key: _toml_text(value) for key, value in tr.overrides.items()}}
+                    **{key: toml_text(value) for key, value in tr.overrides.items()}}
 
     # compare
     cmp_cfg = config.compare
@@ -409,9 +213,9 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
     compare_argv += ["--config", train_cfg] if train_cfg else []
     compare_argv += ["--cost-model", used_cost_model] if used_cost_model else []
     steps = cmp_cfg.max_steps or tr.max_steps
-    compare_argv += (["--max-steps", str(steps)] if steps else []) + _override_argv(tr.overrides)
+    compare_argv += (["--max-steps", str(steps)] if steps else []) + override_argv(tr.overrides)
     compare_params = {**sizes, **asdict(cmp_cfg), "window_steps": bal.window_steps, "max_steps": steps,
-                      **train_inputs, **{key: _toml_text(value) for key, value in tr.overrides.items()},
+                      **train_inputs, **{key: toml_text(value) for key, value in tr.overrides.items()},
                       **({"cost_model identity": file_identity(cal.cost_model)} if cal.cost_model else {})}
 
     return [

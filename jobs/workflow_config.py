@@ -1,0 +1,212 @@
+"""The typed config of `freescale pipeline` (jobs/workflow.py): one dataclass per TOML section, a
+docstring per field, every choice a ``Literal``, loaded with the training config's checks
+(``training.config.apply_table``: a bad key or value is one line naming it). No torch, no Spark.
+
+    [pipeline]  workdir, tracking_uri, world_size, local_batch_size
+    [prepare]   the input (or the synthetic generator)       [calibrate]  the cost model (optional)
+    [balance]   strategy, window_steps, ...                  [train]      a training config + overrides
+    [compare]   contiguous vs balanced (optional)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from balancing.strategies import STRATEGIES  # numpy only
+from pipeline.layouts import FORMATS  # plain data
+from training.config import ConfigError, apply_table, load_config, parse_overrides  # no torch
+
+StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  # the balancing registry's names
+FormatName = Literal[("",) + FORMATS]  # type: ignore[valid-type]
+
+
+# ------------------------------------------------------------------------------ config
+
+
+@dataclass
+class PipelineSection:
+    workdir: str = "out/pipeline"
+    """Where every stage writes (prepared/, cost_model.json, shards/, checkpoints/, train_summary.json,
+    compare/) and where the stage records and the lock live. Relative paths in this file are
+    relative to the directory the command runs in, as for every `freescale` command."""
+    tracking_uri: str = ""
+    """MLflow URI of every stage; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables.
+    Not part of any fingerprint: changing it reruns nothing."""
+    experiment: str = "freescale"
+    """MLflow experiment of every stage."""
+    world_size: int = 2
+    """Training ranks K: balance plans for K, train starts K local ranks, compare uses K."""
+    local_batch_size: int = 32
+    """Samples per rank per step B (balance and compare)."""
+
+    def __post_init__(self) -> None:
+        if not self.workdir:
+            raise ValueError("workdir must not be empty")
+        for name in ("world_size", "local_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class PrepareSection:
+    input: str = ""
+    """Interaction log (Parquet, CSV or a MovieLens file/directory); empty = the seeded synthetic generator."""
+    format: FormatName = ""
+    """Input format; empty = from the file name."""
+    user_features: str = ""
+    """User table (Parquet or CSV) of categorical features; empty = none."""
+    user_feature_cols: str = ""
+    """Comma-separated feature columns of the user table; empty = every column but the user column."""
+    max_seq_len: int = 1024
+    """Keep the most recent N training items per user."""
+    keep_duplicates: bool = False
+    """Keep repeated (user, item, timestamp) rows instead of dropping and counting them."""
+    synthetic_users: int = 20_000
+    """Synthetic data only: users."""
+    synthetic_items: int = 10_000
+    """Synthetic data only: catalog size."""
+    seed: int = 0
+    """Synthetic data only: generator seed."""
+
+
+@dataclass
+class CalibrateSection:
+    enabled: bool = False
+    """Fit the cost model to this machine and the [train] model (`freescale calibrate`) and balance with it."""
+    cost_model: str = ""
+    """A cost-model JSON to balance with instead (its file identity is part of balance's fingerprint);
+    empty with enabled = false: balance's built-in analytic model."""
+    repeats: int = 7
+    """Timed rounds over all calibration batches (medians are used)."""
+    held_out_batches: int = 24
+    """Mixed batches the written model is checked on; 0 skips the check."""
+    rank_speeds: bool = False
+    """Also measure relative rank speeds (world_size ranks) and balance with them as capacities."""
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.cost_model:
+            raise ValueError("enabled = true and cost_model are exclusive (calibrate, or use the given model)")
+        if self.rank_speeds and not self.enabled:
+            raise ValueError("rank_speeds needs enabled = true")
+
+
+@dataclass
+class BalanceSection:
+    strategy: StrategyName = "kk"
+    """Partition strategy (balancing.strategies)."""
+    window_steps: int = 1
+    """Plan W global batches together so heavy samples can share steps."""
+    seed: int = 0
+    """Shuffle and tie-break seed."""
+    equal_counts: bool = False
+    """Every rank gets B samples (+-1) per step."""
+    token_cap: int = 0
+    """Per-rank cap on the sum of history lengths per step; 0 = none."""
+    leftover: Literal["drop", "keep"] = "drop"
+    """The last partial global batch: dropped (counted in the manifest) or kept as a short step."""
+    time_limit: float = 0.0
+    """Seconds per step for the ortools strategy; 0 = the job's default."""
+
+
+@dataclass
+class TrainSection:
+    config: str = ""
+    """Training config TOML (configs/*.toml); empty = the built-in defaults."""
+    max_steps: int = 0
+    """Stop after N steps; 0 = the training config's training.max_steps."""
+    run_name: str = ""
+    """MLflow run name; empty = derived from the shards and strategy."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """``[train.overrides]``: training config values on top of the file, e.g. ``training.max_steps = 40``
+    or ``checkpoint.every_steps = 10`` (checkpoint.folder is always <workdir>/checkpoints). The
+    ``model.*`` and ``loss.*`` ones also reach calibrate."""
+
+
+@dataclass
+class CompareSection:
+    enabled: bool = False
+    """Also run `freescale compare`: contiguous vs balanced training on the prepared data."""
+    strategy: StrategyName = "kk"
+    """The balanced side's strategy."""
+    repeats: int = 1
+    """Training runs per side."""
+    control: bool = False
+    """Also train the mirror control (the machine's noise floor)."""
+    max_steps: int = 0
+    """Steps per training; 0 = [train] max_steps (when set), else the training config's."""
+
+
+@dataclass
+class WorkflowConfig:
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    """``[pipeline]``: the working directory, tracking and the shared sizes."""
+    prepare: PrepareSection = field(default_factory=PrepareSection)
+    """``[prepare]``: raw logs (or synthetic data) -> sequences."""
+    calibrate: CalibrateSection = field(default_factory=CalibrateSection)
+    """``[calibrate]``: the cost model (optional stage)."""
+    balance: BalanceSection = field(default_factory=BalanceSection)
+    """``[balance]``: sequences -> balanced shards."""
+    train: TrainSection = field(default_factory=TrainSection)
+    """``[train]``: the training run on the shards."""
+    compare: CompareSection = field(default_factory=CompareSection)
+    """``[compare]``: contiguous vs balanced (optional stage)."""
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def load_workflow_config(path: str, overrides: list[str]) -> WorkflowConfig:
+    """Defaults, the TOML file, then `--section.key VALUE` overrides; a bad key or value is one
+    ConfigError line naming it. The training config and its overrides are checked too."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as handle:
+            tables = [(path, tomllib.load(handle))]
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for key, value in parse_overrides(overrides):
+        table: dict[str, Any] = {}
+        cursor = table
+        *parents, leaf = key.split(".")
+        for part in parents:
+            cursor = cursor.setdefault(part, {})
+        cursor[leaf] = value
+        tables.append(("command line", table))
+    config = WorkflowConfig()
+    for source, table in tables:
+        train = table.get("train")
+        if isinstance(train, dict) and "overrides" in train:  # free-form training keys, checked below
+            train = dict(train)
+            extra = train.pop("overrides")
+            if not isinstance(extra, dict):
+                raise ConfigError(f"{source}: train.overrides must be a table")
+            config.train.overrides.update(_flatten(extra))
+            table = {**table, "train": train}
+        apply_table(config, table, source)
+    fixed = [key for key in ("checkpoint.folder", "data.shards") if key in config.train.overrides]
+    if fixed:
+        raise ConfigError(f"{path}: train.overrides.{fixed[0]}: set by the pipeline (<workdir>/checkpoints, "
+                          "<workdir>/shards), not settable")
+    try:
+        load_config(config.train.config or None, override_argv(config.train.overrides))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: [train]: {exc}") from None
+    return config
+
+
+def override_argv(overrides: dict[str, Any]) -> list[str]:
+    return [arg for key, value in overrides.items() for arg in (f"--{key}", toml_text(value))]
+
+
+def toml_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
