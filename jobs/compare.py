@@ -292,10 +292,12 @@ def format_table(runs: dict[str, list[dict]], metrics: dict[str, float | None]) 
     lines = ["| shards | " + " | ".join(label for _, label, _, _ in TABLE) + " |",
              "| --- " * (len(TABLE) + 1) + "|"]
     for variant, rows in runs.items():
-        lines.append(f"| {variant} | " + " | ".join(cell(rows, *spec[:1], *spec[2:]) for spec in TABLE) + " |")
+        lines.append(f"| {variant} | " + " | ".join(cell(rows, key, fmt, scale) for key, _, fmt, scale in TABLE) + " |")
 
     def pct(value: float | None) -> str:
-        return "n/a (nothing to remove)" if value is None else f"{value:.1%}"
+        if value is None:
+            return "n/a (nothing to remove)"
+        return f"{value:.1%}" + (" (balanced below the floor: the floor is noise)" if value > 1 else "")
 
     floor = "control" if "control" in runs else "0 (no control)"
     con, bal = (f"{metrics[f'{v}/bubble_fraction']:.4f}" for v in ("contiguous", "balanced"))

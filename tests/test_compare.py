@@ -174,3 +174,15 @@ def test_argument_errors_are_one_line_before_anything_heavy(tmp_path):
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("freescale compare: error:"), (name, err)
         assert expected in lines[0], (name, lines[0])
+
+
+def test_shard_sets_of_another_shape_are_refused(movielens_shards, tmp_path, capsys):
+    from jobs import compare
+
+    rc = compare.main(["--shards", f"contiguous={movielens_shards},balanced={movielens_shards}", "--world-size", "4",
+                       "--tracking-uri", "none", "--workdir", str(tmp_path / "work")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].startswith("freescale compare: error: --shards were balanced for --world-size 2 "
+                             "--local-batch-size 16")
+    assert not (tmp_path / "work").exists()  # refused before anything was written
