@@ -17,7 +17,6 @@ may start Spark or not.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import re
 import sys
@@ -67,8 +66,9 @@ def active_stages() -> list[tuple[int, str, int, int]]:
     return found
 
 
-class _WipeFirst(io.TextIOBase):
-    """A stream that wipes the progress line before passing writes on (terminal mode only)."""
+class _WipeFirst:
+    """A stream that wipes the progress line before passing writes on (terminal mode only);
+    everything else (isatty, fileno, encoding, ...) is the wrapped stream's."""
 
     def __init__(self, inner: TextIO, reporter: "SparkProgress"):
         self.inner, self.reporter = inner, reporter
@@ -81,7 +81,7 @@ class _WipeFirst(io.TextIOBase):
     def flush(self) -> None:
         self.inner.flush()
 
-    def __getattr__(self, name):  # fileno, isatty, encoding, buffer ...
+    def __getattr__(self, name):
         return getattr(self.inner, name)
 
 

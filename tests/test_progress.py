@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import threading
 import time
 
@@ -63,13 +64,15 @@ def test_lines_name_the_stage_and_fraction_and_are_throttled(spark):
 
 def test_terminal_line_is_rewritten_in_place_and_wiped_before_other_output(spark):
     out = Recorder()
-    with contextlib.redirect_stdout(out), spark_progress("test", out, tty=True, poll_s=0.05, enabled=True) as reporter:
+    out.isatty = lambda: True  # a terminal
+    with contextlib.redirect_stdout(out), spark_progress("test", out, poll_s=0.05, enabled=True) as reporter:
         job = threading.Thread(target=_slow_job, args=(spark,))
         job.start()
         deadline = time.monotonic() + 60
         while not reporter.shown and time.monotonic() < deadline:
             time.sleep(0.02)
         print("a line of the job's own")
+        assert sys.stdout.isatty() is True  # the wrapped stream answers
         job.join()
     texts = [text for _, text in out.writes]
     shown = [t for t in texts if t.startswith("\r") and t.strip()]
