@@ -222,3 +222,12 @@ def test_a_shard_set_is_simulated_at_its_own_size_and_tracked(movielens_shards, 
     with pytest.raises(SystemExit):
         job.build_parser().parse_args(["--shards", "x", "--input", "y"])
     assert job.main(["--shards", str(movielens_shards), "--world-sizes", "8", "--tracking-uri", "none"]) == 2
+
+
+def test_the_command_loads_nothing_heavy_before_its_work():
+    """Argument checks and the model are NumPy only: no torch, torchrec, pyspark or mlflow on import."""
+    probe = ("import sys, jobs.simulate, balancing.simulate; "
+             "print(sorted(m for m in ('torch', 'torchrec', 'pyspark', 'mlflow', 'matplotlib') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
