@@ -134,6 +134,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise InputError(f"{flag} is in seconds: give --seconds-per-cost or --calibrate-from so compute is too")
     if args.noise_dist and not args.noise_from:
         raise InputError("--noise-dist applies to --noise-from (--noise-cv is normal)")
+    for flag, path in (("--input", args.input), ("--shards", args.shards)):
+        if path and not Path(path).exists():  # before the MLflow run opens: a typo leaves no failed run
+            raise InputError(f"{flag} {path} does not exist")
     if args.lengths:
         parse_lengths(args.lengths)
     if args.world_sizes:
@@ -266,8 +269,6 @@ def prepared_lengths(path: str) -> np.ndarray:
     import pyarrow.parquet as pq
 
     root = Path(path)
-    if not root.exists():
-        raise InputError(f"--input {path} does not exist")
     sequences = root / "sequences" if (root / "sequences").exists() else root
     try:
         table = pq.read_table(sequences, columns=["length"])
