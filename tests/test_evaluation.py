@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shards.manifest import load_manifest
+from tests.test_model import single_thread  # noqa: F401  (autouse: one intra-op thread, as in the model tests)
 from tests.test_train import freescale_train, small_run_args
 from training.batch import SequenceBatch
 from training.config import ConfigError, EvaluationConfig, HSTUConfig, ModelConfig
@@ -80,6 +81,7 @@ def test_negatives_are_seeded_per_user_whatever_the_batch() -> None:
     assert torch.equal(unseen_negatives(["u7"], (lengths, ids), 500, 100, seed=0)[0], first)
 
 
+@pytest.mark.slow
 def test_protocol_zero_keeps_the_full_catalog_summary(movielens_shards) -> None:
     """One rank's shard, in process: the full-catalog metrics do not depend on the protocol,
     sampled_* keys appear only with sampled negatives, and ranking against a sample is never
