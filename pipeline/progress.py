@@ -52,9 +52,10 @@ def describe(stages: list[tuple[int, str, int, int]]) -> str | None:
 
 def active_stages() -> list[tuple[int, str, int, int]]:
     """The running stages of this process's SparkContext (none when there is no context)."""
-    from pyspark import SparkContext
-
-    sc = SparkContext._active_spark_context
+    pyspark = sys.modules.get("pyspark")
+    if pyspark is None:  # no Spark in this process (yet): never import it just to ask
+        return []
+    sc = pyspark.SparkContext._active_spark_context
     if sc is None:
         return []
     tracker = sc.statusTracker()
