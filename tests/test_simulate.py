@@ -199,6 +199,7 @@ def test_a_run_that_is_not_a_mirror_control_is_refused_as_noise(fresh_log, tmp_p
                                        "planned costs differ in measured step 3); balance with --control mirror\n")
 
 
+@pytest.mark.slow
 def test_a_shard_set_is_simulated_at_its_own_size_and_tracked(movielens_shards, tmp_path):
     """The balance job's own plan, with zero noise and no comm term: its manifest's predicted
     bubble; the MLflow run holds the numbers and the plot."""
