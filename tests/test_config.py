@@ -16,9 +16,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_shipped_configs_load():
+    """Every shipped TOML loads: a training config, or a `freescale pipeline` config (a
+    ``[pipeline]`` table) whose training config and overrides load too."""
+    import tomllib
+
+    from jobs.workflow_config import load_workflow_config
+
+    kinds = set()
     for path in sorted((REPO / "configs").glob("*.toml")):
-        config = load_config(path)
-        assert config.model.hstu.embedding_dim > 0
+        if "pipeline" in tomllib.loads(path.read_text()):
+            workflow = load_workflow_config(str(path), [])
+            assert workflow.train.config and (REPO / workflow.train.config).exists()
+            kinds.add("pipeline")
+        else:
+            assert load_config(path).model.hstu.embedding_dim > 0
+            kinds.add("training")
+    assert kinds == {"pipeline", "training"}
 
 
 def test_toml_then_overrides(tmp_path):
@@ -93,7 +106,7 @@ def test_every_string_choice_is_typed():
     leaves = _leaf_types(TrainConfig)
     assert {key for key, hint in leaves.items() if hint is str} == {
         "data.shards", "comm.priority_groups", "checkpoint.folder", "tracking.uri", "tracking.experiment",
-        "tracking.run_name"}
+        "tracking.run_name", "tracking.parent_run_id", "tracking.comparison"}
     literals = {key: typing.get_args(hint) for key, hint in leaves.items() if typing.get_origin(hint) is Literal}
     assert literals == {key: allowed for key, allowed, _ in CHOICES}
 
