@@ -7,7 +7,7 @@
     freescale compare ...   contiguous vs balanced (vs mirror control) training, one MLflow parent run (jobs/compare.py)
     freescale pipeline ...  prepare, calibrate, balance, train [, compare] from one TOML, rerun-safe (jobs/workflow.py)
     freescale simulate ...  predicted step time and bubbles of a plan on K ranks (jobs/simulate.py)
-    freescale demo          calibrate, prepare, balance, train on the embedded synthetic default
+    freescale demo          the pipeline on the embedded synthetic default, ending with a comparison
 
 A failing job prints one line last, `freescale JOB: error: MESSAGE (details: LOG)`, and exits
 0 done, 2 bad input or arguments, 3 an environment problem (CUDA, Java/Spark, a comm backend,

@@ -89,10 +89,7 @@ def parse_shard_sets(text: str, control: bool) -> dict[str, Path]:
         raise InputError(f"--shards lacks {' and '.join(missing)} (contiguous=DIR,balanced=DIR[,control=DIR])")
     if control and "control" not in sets:
         raise InputError("--control with --shards needs control=DIR in --shards")
-    for name, folder in sets.items():
-        if not (folder / "manifest.json").is_file():
-            raise InputError(f"--shards {name}={folder}: no manifest.json (not a `freescale balance` output)")
-    return sets
+    return sets  # their manifests are loaded (and checked) once the arguments are known to be sane
 
 
 def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -147,11 +144,11 @@ def dataset_name(prepared: Path | None) -> str:
     return prepared.name if prepared is not None else "shards"
 
 
-def prepared_of(shards: Path) -> Path | None:
+def prepared_of(manifest) -> Path | None:
     """The prepared folder a shard set was balanced from (its manifest's input), when local."""
     from pipeline.paths import local_path
 
-    uri = json.loads((shards / "manifest.json").read_text()).get("input", {}).get("uri")
+    uri = manifest.input.get("uri")
     local = local_path(uri) if uri else None
     return Path(local) if local else None
 
@@ -224,7 +221,9 @@ def run_trainings(args: argparse.Namespace, overrides: list[str], sets: dict[str
     """Every repeat, variants alternating, the same seed per repeat; the summaries per variant."""
     runs: dict[str, list[dict]] = {v: [] for v in sets}
     (work / "runs").mkdir(parents=True, exist_ok=True)
-    world_size = json.loads((sets["balanced"] / "manifest.json").read_text())["world_size"]
+    from shards.manifest import load_manifest
+
+    world_size = load_manifest(sets["balanced"]).world_size
     for rep in range(args.repeats):
         for variant in sets:
             settings = ["--nproc-per-node", str(world_size), "--tracking-uri", uri,
@@ -345,15 +344,17 @@ def compare(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.input is not None:
         prepared, world_size, batch = Path(args.input), args.world_size, args.local_batch_size
     else:
-        manifests = {v: json.loads((d / "manifest.json").read_text()) for v, d in args.shard_sets.items()}
-        shapes = {(m["world_size"], m["local_batch_size"]) for m in manifests.values()}
+        from shards.manifest import load_manifest
+
+        manifests = {v: load_manifest(d) for v, d in args.shard_sets.items()}
+        shapes = {(m.world_size, m.local_batch_size) for m in manifests.values()}
         if len(shapes) != 1:
             raise InputError(f"--shards: the shard sets differ in (world size, local batch size): {sorted(shapes)}")
         world_size, batch = shapes.pop()
         if args.world_size not in (None, world_size) or args.local_batch_size not in (None, batch):
             raise InputError(f"--shards were balanced for --world-size {world_size} --local-batch-size {batch}")
-        prepared = prepared_of(args.shard_sets["balanced"])
-        args.strategy = manifests["balanced"]["strategy"]
+        prepared = prepared_of(manifests["balanced"])
+        args.strategy = manifests["balanced"].strategy
     name = f"compare-k{world_size}-b{batch}"
     comparison = f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     experiment = args.experiment or f"freescale-{dataset_name(prepared)}"
@@ -385,7 +386,9 @@ def compare(args: argparse.Namespace, overrides: list[str]) -> int:
                     else {v: args.shard_sets[v] for v in variants})
             steps = args.max_steps
             if steps is None and args.epochs is not None:
-                steps = args.epochs * json.loads((sets["balanced"] / "manifest.json").read_text())["num_steps"]
+                from shards.manifest import load_manifest
+
+                steps = args.epochs * load_manifest(sets["balanced"]).num_steps
             runs = run_trainings(args, overrides, sets, steps, work, uri, experiment, name, comparison, run.run_id)
             metrics = comparison_metrics(medians(runs))
             run.log_metrics(metrics)

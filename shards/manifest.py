@@ -299,8 +299,10 @@ def _matches(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-def load_manifest(shards_dir: str | os.PathLike[str], world_size: int, rank: int | None = None) -> Manifest:
-    """Read and validate ``<shards_dir>/manifest.json`` for a launch of ``world_size`` ranks.
+def load_manifest(shards_dir: str | os.PathLike[str], world_size: int | None = None,
+                  rank: int | None = None) -> Manifest:
+    """Read and validate ``<shards_dir>/manifest.json`` for a launch of ``world_size`` ranks
+    (None: the manifest's own, for readers that launch nothing themselves).
 
     Checks the format tag, that the manifest was written for exactly this world
     size, that its per-rank entries are consistent, that no rank is empty, and
@@ -318,6 +320,7 @@ def load_manifest(shards_dir: str | os.PathLike[str], world_size: int, rank: int
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ShardError(f"cannot parse {path}: {one_line(exc)}") from exc
     manifest = parse_manifest(raw, path, sha256=hashlib.sha256(data).hexdigest())
+    world_size = manifest.world_size if world_size is None else world_size
     if manifest.world_size != world_size:
         raise ShardError(f"{path} was written for world size {manifest.world_size} "
                          f"but this launch has world size {world_size}")
