@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,3 +83,12 @@ def movielens_comparison(spark, movielens_prepared, tmp_path_factory):
         tracking_uri=tracking_uri, db_path=db_path, experiment_id=summary["experiment_id"],
         parent_run_id=summary["parent_run_id"], workdir=root / "work", summary=summary,
         child_run_ids={variant: [run["run_id"] for run in runs] for variant, runs in summary["runs"].items()})
+
+
+@pytest.fixture
+def other_process():
+    """A live process that is not this one (the holder of someone else's lock)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()

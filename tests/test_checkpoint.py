@@ -19,15 +19,6 @@ from tests.test_train import freescale_train
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def other_process():
-    """A live process that is not this one (the holder of someone else's lock)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
-
-
 def write_lock(folder: Path, pid: int, host: str | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / LOCK).write_text(json.dumps({"host": host or socket.gethostname(), "pid": pid, "start": None}))

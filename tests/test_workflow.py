@@ -158,14 +158,6 @@ def test_a_deleted_shard_file_reruns_balance_and_train(copy, capsys):
 
 
 @pytest.fixture
-def other_process():
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    yield proc.pid
-    proc.kill()
-    proc.wait()
-
-
-@pytest.fixture
 def failing(tmp_path, monkeypatch):
     """A working directory and a config whose first stage fails at once (a missing input): enough
     to see what happens around the stages without Spark."""
