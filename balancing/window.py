@@ -8,7 +8,6 @@ light samples. Moves are 1-for-1 swaps, so every step keeps its sample count.
 from __future__ import annotations
 
 import time
-from numbers import Integral
 
 import numpy as np
 

@@ -45,13 +45,10 @@ import torch
 import torch.distributed as dist
 
 from comm.backend import BackendUnavailable, CollectiveBackend, TorchWork, Work
+from pipeline.errors import one_line
 
 ZERO_CTA_MIN_NCCL = (2, 28)  # NCCL_CTA_POLICY_ZERO and copy-engine collectives arrived in NCCL 2.28
 MIN_SLOT_BYTES = 1 << 20
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
 
 
 def _version_text(version: tuple[int, ...]) -> str:
@@ -245,7 +242,7 @@ class CopyEngineBackend(CollectiveBackend):
             self._grow(state, group, MIN_SLOT_BYTES)
         except RuntimeError as error:
             raise BackendUnavailable(f"comm.backend copy_engine: symmetric-memory buffers for the {purpose} "
-                                     f"group failed: {_one_line(error)}") from error
+                                     f"group failed: {one_line(error)}") from error
         self._groups[group.group_name] = state
         return group
 
@@ -378,7 +375,7 @@ def _use_symm_backend(symm_mem: Any, name: str) -> str:
         if symm_mem.get_backend(_device()) != name:
             symm_mem.set_backend(name)
     except Exception as error:  # the binding raises RuntimeError/ValueError depending on the build
-        return f"set_backend({name!r}) failed: {_one_line(error)}"
+        return f"set_backend({name!r}) failed: {one_line(error)}"
     return ""
 
 
@@ -400,7 +397,7 @@ def _build_copy_engine(timeout: timedelta, nccl_version: tuple[int, ...]) -> Cop
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError as error:
         raise BackendUnavailable(f"comm.backend copy_engine needs torch.distributed._symmetric_memory "
-                                 f"(torch {torch.__version__}: {_one_line(error)})") from error
+                                 f"(torch {torch.__version__}: {one_line(error)})") from error
     zero_cta_missing = _zero_cta_missing(nccl_version, symm_mem)
     if not zero_cta_missing:
         return CopyEngineBackend(timeout, nccl_version, symm_mem, zero_cta=True)

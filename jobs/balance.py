@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 from balancing.strategies import STRATEGIES  # noqa: E402  (numpy only; OR-Tools loads when used)
 from jobs.job_errors import run_job  # noqa: E402
-from pipeline.errors import InputError  # noqa: E402
+from pipeline.errors import InputError, one_line  # noqa: E402
 
 CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")
@@ -103,7 +103,7 @@ def read_sequences(spark, fs, input_uri: str):
     try:
         frame = spark.read.parquet(path)
     except Exception as exc:  # noqa: BLE001 - Spark raises several types for unreadable input
-        raise InputError(f"input {path} is not readable Parquet: {str(exc).splitlines()[0]}") from None
+        raise InputError(f"input {path} is not readable Parquet: {one_line(exc)}") from None
     missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
     if missing:
         raise InputError(f"input {path} lacks column {missing[0]!r} (has {', '.join(frame.columns)}); "

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from balancing.simulate import NOISE_DISTS, Noise, TimeModel  # noqa: E402  (numpy only)
 from balancing.strategies import STRATEGIES  # noqa: E402
 from jobs.job_errors import run_job  # noqa: E402
-from pipeline.errors import InputError  # noqa: E402
+from pipeline.errors import InputError, one_line  # noqa: E402
 
 LENGTHS_SPEC = re.compile(r"^lognormal:([^,]+),([^,]+)$")
 PLOT_NAME = "bubble_vs_k.png"
@@ -273,8 +273,7 @@ def prepared_lengths(path: str) -> np.ndarray:
     try:
         table = pq.read_table(sequences, columns=["length"])
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for unreadable input
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"--input {sequences}: no readable Parquet with column 'length' ({reason})") from None
+        raise InputError(f"--input {sequences}: no readable Parquet with column 'length' ({one_line(exc)})") from None
     lengths = table.column("length").to_numpy(zero_copy_only=False)
     if lengths.size == 0:
         raise InputError(f"--input {sequences} holds no samples")

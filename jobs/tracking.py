@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from pipeline.errors import one_line
+
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DEFAULT_EXPERIMENT = "freescale"
 DISABLED = "none"
@@ -177,8 +179,7 @@ def job_run(job: str, *, tracking_uri: str, experiment: str, params: Mapping[str
 
 def failure(exc: BaseException) -> str:
     """A tracking error as warnings name it: its type and the first line of its message."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    return f"{type(exc).__name__}: {one_line(exc)}"
 
 
 def _param_value(value: Any) -> str:

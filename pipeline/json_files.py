@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.errors import InputError, one_line
 
 
 def write_json(path: str | Path, data: dict) -> str:
@@ -38,5 +38,4 @@ def read_json(path: str | Path, what: str) -> Any:
     try:
         return json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise InputError(f"{p}: not valid JSON ({reason})") from None
+        raise InputError(f"{p}: not valid JSON ({one_line(err)})") from None

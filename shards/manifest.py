@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import one_line
 from shards.schema import MANIFEST_FORMAT, MANIFEST_NAME, rank_dir
 
 _CHUNK_BYTES = 1 << 22
@@ -35,11 +36,6 @@ protects the manifest, so a hand edit (a batch size, a file's sha256) is refused
 
 class ShardError(ValueError):
     """A shard directory that cannot be trusted; the message is one line naming the culprit."""
-
-
-def one_line(error: BaseException | str) -> str:
-    """Arrow and OS errors can span lines; launcher logs are grepped one line per failure."""
-    return " ".join(str(error).split())
 
 
 @dataclass(frozen=True)

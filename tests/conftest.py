@@ -92,3 +92,12 @@ def other_process():
     yield proc.pid
     proc.kill()
     proc.wait()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on a fresh sqlite store; its address."""
+    from tests.mlflow_server import mlflow_server as serve
+
+    with serve(f"sqlite:///{tmp_path / 'server.db'}", tmp_path) as address:
+        yield address

@@ -14,24 +14,20 @@ import math
 import os
 import select
 import shutil
-import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from tests.test_train import free_port
+from tests.mlflow_server import mlflow_server, stop_group
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 BROWSER = next((found for name in BROWSERS if (found := shutil.which(name))), None)
 # The metrics the comparison exists for; the page must show each for both runs.
 REQUIRED_METRICS = ("bubble_fraction", "idle_fraction", "samples_per_s", "hr_at_10")
 WINDOW = (1600, 1200)
-SERVER_START_S = 120  # it imports all of MLflow twice (CLI, then uvicorn's worker): 56 s seen under load
 PAGE_READY_S = 60  # per try; a loaded 2-core machine took 25 s to load and render the page
 
 
@@ -39,52 +35,6 @@ def compare_runs_url(server: str, run_ids: list[str], experiment_ids: list[str])
     """The URL the MLflow UI itself links to (Routes.getCompareRunPageRoute in mlflow 3.17's
     bundle): a hash route whose parameters are JSON lists."""
     return f"{server}/#/compare-runs?runs={json.dumps(run_ids)}&experiments={json.dumps(experiment_ids)}"
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
-    """SIGTERM, then SIGKILL, to the process group the test started (the server's uvicorn child,
-    Chromium's renderer and GPU processes)."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def mlflow_server(store_uri: str, workdir: Path) -> Iterator[str]:
-    """`mlflow server` on an existing store, one worker, on a free local port; its address."""
-    port = free_port()
-    log = workdir / "mlflow-server.log"
-    # The job runner is a second process importing MLflow; the UI does not need it.
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    with open(log, "wb") as out:
-        server = subprocess.Popen(
-            [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", store_uri,
-             "--artifacts-destination", str(workdir / "mlartifacts"), "--host", "127.0.0.1",
-             "--port", str(port), "--workers", "1"],
-            cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"mlflow server exited {server.returncode}: {log.read_text()[-2000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{address}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server not healthy after {SERVER_START_S} s: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield address
-    finally:
-        stop_group(server)
 
 
 class DevTools:

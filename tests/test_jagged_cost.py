@@ -207,7 +207,13 @@ def test_jagged_step_time_follows_fitted_cost_model(single_thread, caching_mallo
     # by a wide margin: padding would make MIX_LONG ~20x MIX_SHORT, token counts ~1x.
     assert distance(predicted_ratio) < distance(token_ratio) / 2, report
     assert distance(predicted_ratio) < distance(padded_ratio) / 4, report
-    # Each mix is the sum of its samples' costs, far from the padded batch's cost.
-    for name, lengths in (("mix_short", MIX_SHORT), ("mix_long", MIX_LONG)):
-        padded = predict([max(lengths)] * len(lengths))
-        assert abs(math.log(seconds[name] / predict(lengths))) < abs(math.log(seconds[name] / padded)) / 2, report
+    # MIX_LONG's time is the sum of its samples' costs, far from its padded batch's cost
+    # (~17x). MIX_SHORT is not asked this: its lengths are within 1.6x of each other, so
+    # padding would cost only ~16% more, which is inside the noise a loaded CI machine
+    # adds (seen: measured 8% above the fit, 7% below the padded prediction).
+    padded_long = predict([max(MIX_LONG)] * len(MIX_LONG))
+    assert padded_long > 4 * predict(MIX_LONG), report
+    assert (
+        abs(math.log(seconds["mix_long"] / predict(MIX_LONG)))
+        < abs(math.log(seconds["mix_long"] / padded_long)) / 4
+    ), report

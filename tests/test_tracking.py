@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jobs.tracking import DISABLED, reachable_tracking_uri
-from tests.test_train import REPO, freescale_train, mlflow_server  # noqa: F401  (a fixture)
+from tests.test_train import REPO, freescale_train
 
 DEAD_URI = "http://127.0.0.1:9/"  # the discard port: nothing listens, the connection is refused
 
@@ -60,10 +60,6 @@ def test_local_stores_and_disabled_tracking_are_not_checked(capsys, tmp_path):
     assert reachable_tracking_uri("train", f"sqlite:///{tmp_path}/x.db") == f"sqlite:///{tmp_path}/x.db"
     assert reachable_tracking_uri("train", "none") == DISABLED
     assert capsys.readouterr().err == ""
-
-
-def test_a_live_server_is_reachable(mlflow_server):  # noqa: F811
-    assert reachable_tracking_uri("train", mlflow_server) == mlflow_server
 
 
 @pytest.mark.slow
@@ -119,7 +115,8 @@ def scheduler_stop(proc: subprocess.Popen) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [ctrl_c, scheduler_stop], ids=["ctrl-c", "sigterm-to-launcher"])
 def test_steps_are_recorded_as_they_go_and_a_stop_signal_ends_the_run_killed(movielens_shards, tmp_path,
-                                                                       mlflow_server, stop):  # noqa: F811
+                                                                       mlflow_server, stop):
+    assert reachable_tracking_uri("train", mlflow_server) == mlflow_server  # a live server passes the check
     proc = start_training(movielens_shards, tmp_path, mlflow_server, "--max-steps", "100000")
     try:
         read_until_step(proc, 3)

@@ -4,11 +4,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -136,38 +134,6 @@ def test_empty_rank_shard_is_refused(movielens_shards, tmp_path):
     assert lines and all("rank 1" in line or "rank=1" in line for line in lines), lines
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    port = free_port()
-    mlflow = Path(sys.executable).parent / "mlflow"
-    server = subprocess.Popen(
-        [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        server.kill()
-        pytest.fail("mlflow server did not come up on 127.0.0.1")
-    yield uri
-    server.terminate()
-    server.wait(timeout=30)
-
-
 @pytest.mark.slow
 def test_two_rank_run_logs_to_mlflow_server(movielens_shards, tmp_path, mlflow_server):
     run = freescale_train(movielens_shards, "--max-steps", "8", "--tracking-uri", mlflow_server,
@@ -256,7 +222,7 @@ def test_a_dead_rank_stops_the_others(movielens_shards, tmp_path):
 @pytest.mark.slow
 def test_a_hung_rank_hits_the_collective_timeout(movielens_shards, tmp_path):
     proc = start_long_run(movielens_shards, tmp_path, "--training.log_every", "1",
-                          "--parallel.collective_timeout_s", "10")
+                          "--parallel.collective_timeout_s", "5")
     try:
         wait_for_training(proc)
         os.kill(rank_process(1, str(movielens_shards)), 19)  # SIGSTOP: alive but silent

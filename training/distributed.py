@@ -60,7 +60,8 @@ def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
             dist.init_process_group(backend, timeout=timeout)
         else:
             store = tempfile.NamedTemporaryFile(prefix="freescale-pg-", delete=False).name
-            dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
+            # The store itself, not a file:// URL: torch would urlparse the temporary path.
+            dist.init_process_group(backend, store=dist.FileStore(store, 1), rank=0, world_size=1,
                                     timeout=timeout)
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
 

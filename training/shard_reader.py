@@ -46,7 +46,8 @@ import pyarrow.parquet as pq
 import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 
-from shards.manifest import Manifest, ShardError, one_line, verify_checksums
+from pipeline.errors import one_line
+from shards.manifest import Manifest, ShardError, verify_checksums
 from shards.schema import NON_NULL_COLUMNS, PER_ITEM_COLUMNS, READ_COLUMNS, USER_FEATURES, type_mismatches
 from training.batch import SequenceBatch
 
