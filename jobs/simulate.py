@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-steps", type=int, help="the balanced plan's window (default: --steps)")
     p.add_argument("--strategy", choices=[s for s in STRATEGIES if s != "contiguous"], default="kk",
                    help="the balanced plan's strategy (default kk)")
-    p.add_argument("--cost-model", help="cost-model JSON (default: the built-in analytic model; with --shards: "
-                                        "the manifest's); runs given to --calibrate-from must use the same")
+    p.add_argument("--cost-model", help="cost-model JSON (default: the --calibrate-from runs' shards' model, else "
+                                        "the built-in analytic one; with --shards: the manifest's); runs given "
+                                        "to --calibrate-from must use the same")
     p.add_argument("--min-seq-len", type=int, default=MIN_LEN, help=f"--lengths clip (default {MIN_LEN})")
     p.add_argument("--max-seq-len", type=int, default=MAX_LEN, help=f"--lengths clip (default {MAX_LEN})")
     noise = p.add_mutually_exclusive_group()
@@ -156,6 +157,9 @@ class RunTimings:
     samples: np.ndarray
     step_time: np.ndarray
     """Per step: the slowest rank's whole step, as the trainer's bubbles divide by."""
+    cost_model: dict | None
+    """The JSON of the cost model ``cost`` is in (its shards'); None in a summary written before
+    summaries named it."""
 
 
 def read_run(path: str) -> RunTimings:
@@ -178,7 +182,7 @@ def read_run(path: str) -> RunTimings:
     table = table[table.shape[0] - measured:]
     column = {name: table[..., i] for i, name in enumerate(fields)}
     return RunTimings(path, column["dense_compute_s"], column["cost"], column["samples"],
-                      column["step_s"].max(axis=1))
+                      column["step_s"].max(axis=1), data.get("cost_model"))
 
 
 def build_noise(args: argparse.Namespace) -> tuple[Noise, dict]:
@@ -200,14 +204,47 @@ def build_noise(args: argparse.Namespace) -> tuple[Noise, dict]:
                    "noise_samples": int(noise.residuals.size)}
 
 
-def build_time_model(args: argparse.Namespace) -> tuple[TimeModel, dict]:
-    """The fitted and explicit parts of the model, and where each came from."""
+def runs_cost_model(runs: list[RunTimings]):
+    """The one cost model the runs' costs are in (None when no run names it): seconds per cost
+    unit fitted across runs of different cost models would mix units."""
+    from pipeline.cost_model import CostModel
+
+    named = [(r.path, CostModel.from_json(r.cost_model, f"{r.path}: cost_model"))
+             for r in runs if r.cost_model is not None]
+    for run in runs:
+        if run.cost_model is None:
+            print(f"freescale simulate: warning: {run.path} does not name its shards' cost model (a summary "
+                  "from before summaries did): its costs are taken to be in the plans' cost model", file=sys.stderr)
+    for path, model in named[1:]:
+        if not model.same_costs(named[0][1]):
+            raise InputError(f"--calibrate-from: {named[0][0]} and {path} were trained on shards of different "
+                             "cost models; seconds per cost unit needs runs of one")
+    return named[0][1] if named else None
+
+
+def check_runs_cost_model(plans_model, runs_model, args: argparse.Namespace) -> None:
+    """Refuse plans costed by another model than the one the runs' seconds per cost unit is for."""
+    if runs_model is not None and not plans_model.same_costs(runs_model):
+        raise InputError(f"--calibrate-from {args.calibrate_from[0]}: its costs are in cost model "
+                         f"{describe_cost_model(runs_model)}, the plans' is {describe_cost_model(plans_model)}; "
+                         "pass --cost-model with the runs' cost model")
+
+
+def describe_cost_model(model) -> str:
+    return str(model.provenance.get("source", model.kind))
+
+
+def build_time_model(args: argparse.Namespace):
+    """The fitted and explicit parts of the model, where each came from, and the cost model of the
+    --calibrate-from runs (None without them)."""
     from balancing.simulate import fit_comm, fit_seconds_per_cost, non_compute_s
 
     noise, described = build_noise(args)
     spc, latency, per_sample = 1.0, 0.0, 0.0
+    runs_model = None
     if args.calibrate_from:
         runs = [read_run(path) for path in args.calibrate_from]
+        runs_model = runs_cost_model(runs)
         spc = fit_seconds_per_cost(np.concatenate([r.cost.ravel() for r in runs]),
                                    np.concatenate([r.compute.ravel() for r in runs]))
         latency, per_sample = fit_comm(np.array([r.samples.mean() for r in runs]),
@@ -221,7 +258,7 @@ def build_time_model(args: argparse.Namespace) -> tuple[TimeModel, dict]:
         per_sample = args.comm_bytes_per_sample / args.comm_bandwidth
     described.update(seconds_per_cost=spc, comm_latency_s=latency, comm_seconds_per_sample=per_sample,
                      times_in="seconds" if args.calibrate_from or args.seconds_per_cost else "cost units")
-    return TimeModel(spc, latency, per_sample, noise), described
+    return TimeModel(spc, latency, per_sample, noise), described, runs_model
 
 
 # ----------------------------------------------------------------------- plans
@@ -233,7 +270,7 @@ def load_cost_model(path: str | None):
     return CostModel.load(path) if path else default_cost_model()
 
 
-def shard_plan(args: argparse.Namespace) -> tuple[dict, dict]:
+def shard_plan(args: argparse.Namespace, runs_model) -> tuple[dict, dict]:
     """The shard set's own plan: {plan name: [steps, K] loads} and what it is."""
     import pyarrow.parquet as pq
 
@@ -253,6 +290,7 @@ def shard_plan(args: argparse.Namespace) -> tuple[dict, dict]:
         raise InputError(f"--local-batch-size {args.local_batch_size}: shard set {args.shards} has {b}")
     model = load_cost_model(args.cost_model) if args.cost_model else CostModel.from_json(
         manifest.cost_model, f"{args.shards} manifest's cost model")
+    check_runs_cost_model(model, runs_model, args)
     loads = np.zeros((manifest.num_steps, k))
     for rank in range(k):
         for path in manifest.rank_paths(rank):
@@ -261,7 +299,7 @@ def shard_plan(args: argparse.Namespace) -> tuple[dict, dict]:
                       model.predict(np.asarray(table["length"])))
     name = manifest.control or manifest.strategy
     return {k: {name: loads}}, {"source": "shards", "shards": args.shards, "local_batch_size": b,
-                                "plan": name, "cost_model": model.provenance.get("source", model.kind)}
+                                "plan": name, "cost_model": describe_cost_model(model)}
 
 
 def prepared_lengths(path: str) -> np.ndarray:
@@ -280,14 +318,16 @@ def prepared_lengths(path: str) -> np.ndarray:
     return lengths.astype(np.int64)
 
 
-def built_plans(args: argparse.Namespace) -> tuple[dict, dict]:
+def built_plans(args: argparse.Namespace, runs_model) -> tuple[dict, dict]:
     """{K: {"contiguous": loads, "balanced": loads}} from the real planner, and what they are."""
     from balancing.simulate import lognormal_lengths, plan_loads, sample_lengths
 
     sizes = parse_world_sizes(args.world_sizes or "8,64,256,1024")
     b = args.local_batch_size or 16
     window = args.window_steps or args.steps
-    model = load_cost_model(args.cost_model)
+    # Without --cost-model, the runs' own: the one their seconds per cost unit is for.
+    model = load_cost_model(args.cost_model) if args.cost_model or runs_model is None else runs_model
+    check_runs_cost_model(model, runs_model, args)
     pool = prepared_lengths(args.input) if args.input else None
     resampled = []
     plans = {}
@@ -305,7 +345,7 @@ def built_plans(args: argparse.Namespace) -> tuple[dict, dict]:
                     "balanced": plan_loads(costs, k, b, args.strategy, window, args.seed)}
     what = {"source": "input" if args.input else "lengths", "lengths": args.input or args.lengths,
             "local_batch_size": b, "steps": args.steps, "balanced": f"{args.strategy}, window {window} steps",
-            "cost_model": model.provenance.get("source", model.kind)}
+            "cost_model": describe_cost_model(model)}
     if pool is not None:
         what.update(dataset_samples=int(pool.size), resampled_world_sizes=resampled)
     return plans, what
@@ -398,12 +438,12 @@ def simulate_job(args: argparse.Namespace) -> int:
     from pipeline.json_files import write_json
 
     check_args(args)
-    model, described = build_time_model(args)  # measured runs first: a bad file fails before planning
+    model, described, runs_model = build_time_model(args)  # measured runs first: a bad file fails before planning
     uri = reachable_tracking_uri("simulate", args.tracking_uri)
     params = {k: v for k, v in vars(args).items() if v is not None and k not in ("tracking_uri", "json", "plot")}
     with job_run("simulate", tracking_uri=uri, experiment=args.experiment, params=params,
                  run_name=args.run_name or "simulate") as run:
-        plans, what = shard_plan(args) if args.shards else built_plans(args)
+        plans, what = shard_plan(args, runs_model) if args.shards else built_plans(args, runs_model)
         rows = predict(plans, model, what["local_batch_size"], args.seed)
         reduced = reductions(rows)
         print_report(what, described, rows, reduced)

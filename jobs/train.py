@@ -320,6 +320,8 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
                     {"summary": summary, "mlflow_run_id": sink.run_id if sink is not None else None,
                      "losses": result.losses, "steps": result.steps,
                      "comm": trainer.describe_comm(), "comm_issue_order": result.comm_issue_order,
+                     # The unit of the timings' cost column: freescale simulate checks it.
+                     "cost_model": trainer.manifest.cost_model,
                      "timings": {"fields": list(TIMING_FIELDS), "steps_ranks_fields": result.timings.tolist()}},
                     indent=1))
         if sink is not None:

@@ -24,7 +24,7 @@ imports it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +124,11 @@ class CostModel:
         except InputError as err:
             # Re-prefix so the message names the file rather than "cost model".
             raise InputError(f"{source}: {str(err).removeprefix('cost model: ')}") from None
+
+    def same_costs(self, other: "CostModel") -> bool:
+        """Whether both give every length the same cost in the same unit: where they came from
+        (provenance) aside."""
+        return replace(self, provenance={}) == replace(other, provenance={})
 
     def save(self, path: str | Path) -> str:
         """Write the model as indented JSON, atomically (parents are created); returns the text written."""

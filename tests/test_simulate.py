@@ -20,6 +20,7 @@ from balancing.window import plan
 from pipeline.cost_model import default_cost_model
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_JSON = default_cost_model().to_json()
 
 
 def heavy_costs(n: int, seed: int = 0) -> np.ndarray:
@@ -111,8 +112,10 @@ def test_fits_recover_what_made_the_measurements():
 # ------------------------------------------------------------------ the command
 
 
-def mirror_summary(path: Path, steps: int = 60, ranks: int = 2, seed: int = 0) -> Path:
-    """A `freescale train --summary-json` file of a mirror run (the trainer's field layout)."""
+def mirror_summary(path: Path, steps: int = 60, ranks: int = 2, seed: int = 0,
+                   cost_model: dict | None = DEFAULT_MODEL_JSON) -> Path:
+    """A `freescale train --summary-json` file of a mirror run (the trainer's field layout), of
+    shards costed by `cost_model` (None: a summary from before summaries named it)."""
     from training.bubbles import FIELD_INDEX, TIMING_FIELDS
 
     rng = np.random.default_rng(seed)
@@ -123,8 +126,11 @@ def mirror_summary(path: Path, steps: int = 60, ranks: int = 2, seed: int = 0) -
     table[..., FIELD_INDEX["dense_compute_s"]] = compute
     table[..., FIELD_INDEX["samples"]] = 16
     table[..., FIELD_INDEX["step_s"]] = compute.max(axis=1, keepdims=True) + 0.02
-    path.write_text(json.dumps({"summary": {"measured_steps": steps - 2},
-                                "timings": {"fields": list(TIMING_FIELDS), "steps_ranks_fields": table.tolist()}}))
+    data = {"summary": {"measured_steps": steps - 2},
+            "timings": {"fields": list(TIMING_FIELDS), "steps_ranks_fields": table.tolist()}}
+    if cost_model is not None:
+        data["cost_model"] = cost_model
+    path.write_text(json.dumps(data))
     return path
 
 
@@ -232,3 +238,36 @@ def test_the_command_loads_nothing_heavy_before_its_work():
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]"
+
+
+def test_the_runs_cost_model_costs_the_plans_and_another_is_refused(fresh_log, tmp_path, capsys):
+    """Seconds per cost unit is fitted on the runs' cost column, so the plans must be costed by
+    the same model: the runs' by default; another --cost-model, or runs of two models, are refused."""
+    from jobs import cli
+    from pipeline.cost_model import CostModel
+
+    theirs = CostModel("quadratic", a=1e-6, b=1e-3, c=0.5, unit="seconds", provenance={"source": "theirs.json"})
+    runs = mirror_summary(tmp_path / "runs.json", cost_model=theirs.to_json())
+    out = tmp_path / "sim.json"
+    common = ["simulate", "--lengths", "lognormal:4.2,0.9", "--world-sizes", "8", "--steps", "2",
+              "--tracking-uri", "none", "--json", str(out)]
+    assert cli.main([*common, "--calibrate-from", str(runs)]) == 0
+    assert json.loads(out.read_text())["what"]["cost_model"] == "theirs.json"
+    capsys.readouterr()
+    out.unlink()
+
+    other = tmp_path / "other.json"
+    default_cost_model().save(other)
+    assert cli.main([*common, "--calibrate-from", str(runs), "--cost-model", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"freescale simulate: error: --calibrate-from {runs}: its costs are in cost model "
+                          "theirs.json") and "--cost-model" in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+    mixed = mirror_summary(tmp_path / "default.json")
+    assert cli.main([*common, "--calibrate-from", str(runs), str(mixed)]) == 2
+    assert "were trained on shards of different cost models" in capsys.readouterr().err
+
+    old = mirror_summary(tmp_path / "old.json", cost_model=None)
+    assert cli.main([*common, "--calibrate-from", str(old)]) == 0
+    assert f"warning: {old} does not name its shards' cost model" in capsys.readouterr().err

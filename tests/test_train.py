@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shards.manifest import seal
+from shards.manifest import load_manifest, seal
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -169,6 +169,8 @@ def test_two_rank_run_logs_to_mlflow_server(movielens_shards, tmp_path, mlflow_s
                                table[..., fields.index("step_s")].max(axis=1))
     assert summary["bubble_fraction"] == pytest.approx(expected, rel=1e-9)
     assert logged.data.metrics["bubble_fraction"] == pytest.approx(expected, rel=1e-6)
+    # The cost column's unit: the shards' cost model, which freescale simulate checks.
+    assert log["cost_model"] == load_manifest(movielens_shards).cost_model
 
 
 def rank_process(rank: int, marker: str, timeout: float = 120) -> int:
