@@ -12,13 +12,14 @@ Light module: nothing here imports pyspark, so the checks run before Spark start
 """
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
 from pipeline.errors import InputError
-from pipeline.paths import overlap
+from pipeline.paths import local_path, overlap
 
 if TYPE_CHECKING:
     from jobs.hadoop_fs import HadoopFS
@@ -43,7 +44,19 @@ def check_no_overlap(output: str, inputs: dict[str, str | None]) -> None:
 def check_output_free(fs: HadoopFS, output: str, overwrite: bool) -> None:
     """Fail before any work when the output exists and replacing it was not asked for."""
     if fs.exists(output) and not overwrite:
-        raise InputError(f"output {output} already exists (pass --overwrite to replace it)")
+        raise InputError(_already_exists(output))
+
+
+def check_local_output_free(output: str, overwrite: bool) -> None:
+    """:func:`check_output_free` for a local output, before Spark starts (seconds sooner); a
+    remote one is checked once Spark runs."""
+    local = local_path(output)
+    if local is not None and os.path.lexists(local) and not overwrite:
+        raise InputError(_already_exists(output))
+
+
+def _already_exists(output: str) -> str:
+    return f"output {output} already exists (pass --overwrite to replace it)"
 
 
 def stale_siblings(fs: HadoopFS, output: str) -> list[str]:

@@ -84,10 +84,11 @@ def check_inputs(args: argparse.Namespace) -> None:
     """What can be checked without Spark (local paths; remote ones are checked by Spark):
     the output is not an input, the inputs exist, Parquet footers are readable and have
     the needed columns."""
-    from jobs.atomic_output import check_no_overlap
+    from jobs.atomic_output import check_local_output_free, check_no_overlap
     from pipeline import preflight
 
     check_no_overlap(args.output, {"--input": args.input, "--user-features": args.user_features})
+    check_local_output_free(args.output, args.overwrite)
     if args.input is not None:
         preflight.check_interactions(args.input, args.format, user_col=args.user_col, item_col=args.item_col,
                                      time_col=args.time_col, rating_col=args.rating_col)

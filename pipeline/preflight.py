@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.errors import InputError
+from pipeline.errors import InputError, one_line
 from pipeline.layouts import (
     FORMATS,
     ITEM_COLUMNS,
@@ -144,8 +144,7 @@ def parquet_footers(path: str, what: str = "", hint: str = "") -> tuple[list[tup
         try:
             meta = pq.read_metadata(file)
         except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ...
-            reason = " ".join(str(exc).split()) or type(exc).__name__
-            raise InputError(f"{what}{file} is not readable Parquet: {reason}{hint}") from None
+            raise InputError(f"{what}{file} is not readable Parquet: {one_line(exc)}{hint}") from None
         footers.append((str(file), [*meta.schema.to_arrow_schema().names, *partition_keys]))
         rows += meta.num_rows
     return footers, rows

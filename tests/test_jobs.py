@@ -209,6 +209,20 @@ def test_balance_refuses_existing_output_without_overwrite(prepared_ml, tmp_path
     assert not list(tmp_path.glob("out.*")), "staging or retired directories left behind"
 
 
+def test_an_existing_local_output_is_refused_before_spark_starts(prepared_ml, tmp_path, capsys, monkeypatch):
+    """A scheduler's accidental rerun learns it in a second, not after Spark's ~10 s start."""
+    from pipeline import session
+
+    monkeypatch.setattr(session, "build_spark_session", lambda *a, **k: pytest.fail("Spark was started"))
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = prepare.main(["--output", str(out), "--synthetic-users", "10", *NO_TRACKING])
+    assert_one_line_error(capsys, rc, f"output {out} already exists", "--overwrite")
+    rc = run_balance(prepared_ml, out, "--world-size", "2", "--local-batch-size", "4")
+    assert_one_line_error(capsys, rc, f"output {out} already exists", "--overwrite")
+    assert list(out.iterdir()) == []
+
+
 def test_balance_infeasible_token_cap_leaves_nothing(prepared_ml, tmp_path, capsys):
     rc = run_balance(prepared_ml, tmp_path / "out", "--world-size", "2", "--local-batch-size", "4",
                      "--token-cap", "100")
