@@ -98,7 +98,10 @@ def test_protocol_zero_keeps_the_full_catalog_summary(movielens_shards) -> None:
     for name in METRICS:
         assert 0.0 <= both[f"sampled_{name}"] <= 1.0 and both[f"sampled_{name}"] >= full[name]
         assert both[f"popular_sampled_{name}"] >= full[f"popular_{name}"]
+        # The validation item, scored from its own (one item shorter) history, by both protocols.
+        assert 0.0 <= both[f"valid_{name}"] <= both[f"valid_sampled_{name}"] <= 1.0
     assert both["sampled_hr_at_10"] > both["hr_at_10"]  # an untrained model: ~10/101 vs ~10/1682
+    assert both["valid_mrr"] != both["mrr"]  # another target, another query: not the test numbers again
     too_many = manifest.num_items - 2
     with pytest.raises(ConfigError, match=f"evaluation.sampled_negatives={too_many} is more than"):
         check_protocol(EvaluationConfig(sampled_negatives=too_many), manifest)
@@ -113,7 +116,8 @@ def test_two_rank_run_reports_both_protocols(movielens_shards, tmp_path) -> None
     summary = json.loads((tmp_path / "sampled.json").read_text())["summary"]
     assert summary["eval_samples"] == 943 - 943 % 32  # both ranks' users, once each
     for name in METRICS:
-        for key in (f"sampled_{name}", f"popular_sampled_{name}", name):
+        for key in (f"sampled_{name}", f"popular_sampled_{name}", name, f"valid_{name}", f"valid_sampled_{name}"):
             assert 0.0 <= summary[key] <= 1.0, key
         assert summary[f"sampled_{name}"] >= summary[name]
+        assert summary[f"valid_sampled_{name}"] >= summary[f"valid_{name}"]
     assert summary["sampled_hr_at_10"] > summary["hr_at_10"]

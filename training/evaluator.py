@@ -1,7 +1,11 @@
 """End-of-run evaluation: HR@10, NDCG@10 and MRR on the leave-one-out targets, against the
 most-popular baseline, over all ranks' samples, under the configured protocol.
 
-Full catalog always (``hr_at_10``, ``ndcg_at_10``, ``mrr``). With
+Both held-out items are scored, in one pass: the test item (``hr_at_10``, ...: the number to
+publish) and the validation item (``valid_hr_at_10``, ...: the one to choose models and
+hyperparameters by without looking at test), each from its own query (the test item's
+history includes the validation item). Full catalog always (``hr_at_10``, ``ndcg_at_10``,
+``mrr``). With
 ``evaluation.sampled_negatives = N > 0`` also SASRec's protocol: each target ranked against
 N items drawn uniformly from those its user never interacted with (``sampled_hr_at_10``,
 ``sampled_ndcg_at_10``, ``sampled_mrr``, and the baseline's ``popular_sampled_*``).
@@ -13,8 +17,6 @@ can be ranked against its own validation item.) Items older than the history the
 (``prepare --max-seq-len``) are not known here and may be drawn.
 """
 from __future__ import annotations
-
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,8 @@ from training.model import SequentialRecommender
 from training.shard_reader import build_loader
 
 K = 10
+# The summary's names per held-out item: test unprefixed (what papers report), validation prefixed.
+SPLIT_PREFIX = {"test": "", "valid": "valid_"}
 
 
 def check_protocol(evaluation: EvaluationConfig, manifest: Manifest) -> None:
@@ -52,9 +56,9 @@ def batch_negatives(batch: SequenceBatch, num_items: int, count: int, seed: int)
 @torch.no_grad()
 def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_size: int,
              device: torch.device, max_samples: int | None = None,
-             evaluation: EvaluationConfig | None = None, seed: int = 0,
-             use: Literal["valid", "test"] = "test") -> dict[str, float]:
-    """Score this rank's shard's ``use`` targets, then sum over ranks (a collective: all ranks call it).
+             evaluation: EvaluationConfig | None = None, seed: int = 0) -> dict[str, float]:
+    """Score this rank's shard's test and validation targets, then sum over ranks (a collective:
+    all ranks call it).
 
     The whole item table is gathered once (a collective lookup); scoring then reads it
     locally, so ranks may hold different numbers of samples. Under the mirror control
@@ -68,7 +72,8 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     user_tables = model.all_user_feature_tables()
     table = F.normalize(raw, dim=-1)
     mirror = manifest.control == "mirror"
-    model_sums = ProtocolMetrics(RetrievalMetrics(k=K), RetrievalMetrics(k=K) if sampled else None)
+    sums = {use: ProtocolMetrics(RetrievalMetrics(k=K), RetrievalMetrics(k=K) if sampled else None)
+            for use in SPLIT_PREFIX}
     counts = torch.zeros(manifest.num_items + 1, dtype=torch.float64)
     targets: list[torch.Tensor] = []
     negatives: list[torch.Tensor] = []
@@ -81,16 +86,19 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
             continue
         drawn = batch_negatives(batch, manifest.num_items, sampled, seed) if sampled else None
         batch = batch.to(device)
-        model_sums = model_sums + model.evaluate(batch, table, use=use, item_table=raw, user_tables=user_tables,
-                                                 negative_ids=None if drawn is None else drawn.to(device))
-        targets.append((batch.valid_item if use == "valid" else batch.test_item).cpu())
+        for use in SPLIT_PREFIX:  # one draw of negatives for both: none is either target
+            sums[use] = sums[use] + model.evaluate(batch, table, use=use, item_table=raw, user_tables=user_tables,
+                                                   negative_ids=None if drawn is None else drawn.to(device))
+        targets.append(batch.test_item.cpu())
         if drawn is not None:
             negatives.append(drawn)
         seen += batch.batch_size
     model.train()
-    result = _named(model_sums.full, world_size, "")
-    if model_sums.sampled is not None:
-        result.update(_named(model_sums.sampled, world_size, "sampled_"))
+    result: dict[str, float] = {}
+    for use, prefix in SPLIT_PREFIX.items():
+        result.update(_named(sums[use].full, world_size, prefix))
+        if sums[use].sampled is not None:
+            result.update(_named(sums[use].sampled, world_size, f"{prefix}sampled_"))
     if world_size > 1:  # the baseline ranks items by their count over every rank's histories
         dist.all_reduce(counts)
     popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
