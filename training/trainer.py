@@ -88,39 +88,41 @@ class Trainer:
         self.config = config
         self.sink = sink or NullSink()
         self.env = env or init_distributed(config.parallel, config.training.threads)
-        self.manifest, self.loader = self._open_shards()
-        check_protocol(config.evaluation, self.manifest)  # before training, not after it
-        torch.manual_seed(config.training.seed)
-        # Two names, two objects: `sharded_model` is TorchRec's DistributedModelParallel
-        # wrapper (state dict, fused optimizer, comm routes); `model` is the recommender
-        # inside it, whose tables DMP replaced by sharded ones (forward, lookups, evaluation).
-        self.sharded_model = shard_model(
-            build_model(self.manifest.num_items, config.model, self.env.device,
-                        user_features=[(f.name, f.num_ids) for f in self.manifest.user_features]),
-            config.optimizer, config.parallel, self.env)
-        self.model = self.sharded_model.module
-        dense = dense_parameters(self.sharded_model)
-        broadcast_dense(dense)
-        self.comm = build_comm_layer(config.comm, self.sharded_model, self.env, dense,
-                                     timedelta(seconds=config.parallel.collective_timeout_s))
-        # Averages the dense gradients after the backward: one flat all-reduce (plain), or
-        # waiting for the buckets the backward already issued (comm layer).
-        self.sync_dense_grads = DenseGradSync(dense) if self.comm is None else self.comm.dense_sync.finish
-        self._next: tuple[SequenceBatch, torch.Tensor, Any] | None = None  # prefetched (batch, negatives, exchange)
-        self._dense_span: tuple[float, float, float] | None = None  # (start, end, thread CPU) of this step
-        self.comm_issue_order: list[str] = []
-        self.dense_optimizer = torch.optim.Adam(dense, lr=config.optimizer.dense_lr,
-                                                weight_decay=config.optimizer.weight_decay)
-        # Negatives and dropout differ per rank but replay exactly on resume.
-        self.generator = torch.Generator().manual_seed(config.training.seed * 1_000_003 + self.env.rank)
-        torch.manual_seed(config.training.seed * 1_000_003 + self.env.rank)
-        self.meter = bubbles.BubbleMeter(self.env.world_size, config.training.timing_sync_every)
+        # One job per checkpoint folder, until close(): taken first, so a refused job stops
+        # before it reads shards or builds the model.
         self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank)
-        self.step = 0
-        self.max_steps = config.training.max_steps or self.manifest.num_steps
-        self.resumed_sink_state: dict[str, Any] = {}
-        self.checkpointer.lock()  # one job per checkpoint folder, until close()
+        self.checkpointer.lock()
         try:
+            self.manifest, self.loader = self._open_shards()
+            check_protocol(config.evaluation, self.manifest)  # before training, not after it
+            torch.manual_seed(config.training.seed)
+            # Two names, two objects: `sharded_model` is TorchRec's DistributedModelParallel
+            # wrapper (state dict, fused optimizer, comm routes); `model` is the recommender
+            # inside it, whose tables DMP replaced by sharded ones (forward, lookups, evaluation).
+            self.sharded_model = shard_model(
+                build_model(self.manifest.num_items, config.model, self.env.device,
+                            user_features=[(f.name, f.num_ids) for f in self.manifest.user_features]),
+                config.optimizer, config.parallel, self.env)
+            self.model = self.sharded_model.module
+            dense = dense_parameters(self.sharded_model)
+            broadcast_dense(dense)
+            self.comm = build_comm_layer(config.comm, self.sharded_model, self.env, dense,
+                                         timedelta(seconds=config.parallel.collective_timeout_s))
+            # Averages the dense gradients after the backward: one flat all-reduce (plain), or
+            # waiting for the buckets the backward already issued (comm layer).
+            self.sync_dense_grads = DenseGradSync(dense) if self.comm is None else self.comm.dense_sync.finish
+            self._next: tuple[SequenceBatch, torch.Tensor, Any] | None = None  # prefetched (batch, negatives, exchange)
+            self._dense_span: tuple[float, float, float] | None = None  # (start, end, thread CPU) of this step
+            self.comm_issue_order: list[str] = []
+            self.dense_optimizer = torch.optim.Adam(dense, lr=config.optimizer.dense_lr,
+                                                    weight_decay=config.optimizer.weight_decay)
+            # Negatives and dropout differ per rank but replay exactly on resume.
+            self.generator = torch.Generator().manual_seed(config.training.seed * 1_000_003 + self.env.rank)
+            torch.manual_seed(config.training.seed * 1_000_003 + self.env.rank)
+            self.meter = bubbles.BubbleMeter(self.env.world_size, config.training.timing_sync_every)
+            self.step = 0
+            self.max_steps = config.training.max_steps or self.manifest.num_steps
+            self.resumed_sink_state: dict[str, Any] = {}
             if config.checkpoint.resume:
                 self.resume()
         except BaseException:
