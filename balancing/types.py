@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
+
+LeftoverPolicy = Literal["drop", "keep"]
+"""The samples of a last, partial global batch: ``drop`` leaves them out (counted and reported),
+``keep`` makes them a short last step."""
+LEFTOVER_POLICIES: tuple[str, ...] = get_args(LeftoverPolicy)
 
 
 class InfeasibleError(ValueError):

@@ -24,8 +24,10 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the project
 import numpy as np  # noqa: E402
 
 from balancing.strategies import STRATEGIES  # noqa: E402  (numpy only; OR-Tools loads when used)
+from balancing.types import LEFTOVER_POLICIES  # noqa: E402
 from jobs.job_errors import run_job  # noqa: E402
 from pipeline.errors import InputError, one_line  # noqa: E402
+from training.config import DEFAULT_EXPERIMENT  # noqa: E402  (plain dataclasses, no torch)
 
 CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")
@@ -48,14 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
                                         "a rank-speeds JSON written by `freescale calibrate`")
     p.add_argument("--seed", type=int, default=0, help="shuffle and tie-break seed (default 0)")
     p.add_argument("--time-limit", type=float, help="seconds per step for the ortools strategy")
-    p.add_argument("--leftover", choices=("drop", "keep"), default="drop",
+    p.add_argument("--leftover", choices=LEFTOVER_POLICIES, default="drop",
                    help="the last partial global batch: drop it (default) or keep it as a short step")
     p.add_argument("--control", choices=CONTROLS,
                    help="diagnostic shards: 'mirror' gives every rank the same samples each step")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables)")
-    p.add_argument("--experiment", default="freescale", help="MLflow experiment (default freescale)")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
+                   help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})")
     p.add_argument("--comparison", help="the `freescale compare` this run belongs to (MLflow tag freescale.comparison)")
     return p
 

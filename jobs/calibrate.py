@@ -48,6 +48,7 @@ if __package__ in (None, ""):
 
 from pipeline.calibration import check_lengths  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
+from training.config import DEFAULT_EXPERIMENT  # noqa: E402  (plain dataclasses, no torch)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_FLAG = "--rank-speeds-worker"
@@ -80,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
     p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; "
                                           "'none' disables)")
-    p.add_argument("--experiment", default="freescale", help="MLflow experiment (default freescale)")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
+                   help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})")
     p.add_argument("--run-name", help="MLflow run name (default calibrate-<host>)")
     return p
 

@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the project
 
 from jobs.job_errors import run_job  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
+from training.config import DEFAULT_EXPERIMENT  # noqa: E402  (plain dataclasses, no torch)
 from pipeline.layouts import FORMATS  # noqa: E402  (plain data, no pyspark)
 
 PREPARE_FORMAT = "freescale.prepared/1"
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
     p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables)")
-    p.add_argument("--experiment", default="freescale", help="MLflow experiment (default freescale)")
+    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
+                   help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})")
     return p
 
 

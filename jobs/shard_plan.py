@@ -13,8 +13,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from balancing.metrics import bubble_of_totals
-
-LEFTOVER_POLICIES = ("drop", "keep")
+from balancing.types import LEFTOVER_POLICIES
 
 ASSIGNMENT_SCHEMA = T.StructType([
     T.StructField("user_id", T.StringType(), False),
@@ -78,6 +77,8 @@ def apply_leftover_policy(positioned: DataFrame, num_samples: int, global_batch_
                           policy: str) -> DataFrame:
     """`drop`: the last partial global batch (random samples, by position) is left out.
     `keep`: it becomes a short last step, split over the ranks with +-1 samples each."""
+    if policy not in LEFTOVER_POLICIES:
+        raise ValueError(f"leftover policy {policy!r}: expected one of {', '.join(LEFTOVER_POLICIES)}")
     if policy == "keep":
         return positioned
     kept = (num_samples // global_batch_size) * global_batch_size

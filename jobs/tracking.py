@@ -13,7 +13,6 @@ from typing import Any, Iterator, Mapping
 from pipeline.errors import one_line
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-DEFAULT_EXPERIMENT = "freescale"
 DISABLED = "none"
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from balancing.strategies import STRATEGIES  # numpy only
+from balancing.types import LeftoverPolicy
 from pipeline.layouts import FORMATS  # plain data
-from training.config import ConfigError, apply_table, load_config, parse_overrides  # no torch
+from training.config import DEFAULT_EXPERIMENT, ConfigError, apply_table, load_config, parse_overrides  # no torch
 
 StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  # the balancing registry's names
 FormatName = Literal[("",) + FORMATS]  # type: ignore[valid-type]
@@ -32,7 +33,7 @@ class PipelineSection:
     tracking_uri: str = ""
     """MLflow URI of every stage; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables.
     Not part of any fingerprint: changing it reruns nothing."""
-    experiment: str = "freescale"
+    experiment: str = DEFAULT_EXPERIMENT
     """MLflow experiment of every stage."""
     world_size: int = 2
     """Training ranks K: balance plans for K, train starts K local ranks, compare uses K."""
@@ -102,7 +103,7 @@ class BalanceSection:
     """Every rank gets B samples (+-1) per step."""
     token_cap: int = 0
     """Per-rank cap on the sum of history lengths per step; 0 = none."""
-    leftover: Literal["drop", "keep"] = "drop"
+    leftover: LeftoverPolicy = "drop"
     """The last partial global batch: dropped (counted in the manifest) or kept as a short step."""
     time_limit: float = 0.0
     """Seconds per step for the ortools strategy; 0 = the job's default."""

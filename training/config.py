@@ -195,11 +195,14 @@ class CheckpointConfig:
     """Continue from the newest complete checkpoint in the folder, if any."""
 
 
+DEFAULT_EXPERIMENT = "freescale"  # every job's MLflow experiment unless told otherwise
+
+
 @dataclass
 class TrackingConfig:
     uri: str = ""
     """MLflow tracking URI; empty = $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables."""
-    experiment: str = "freescale"
+    experiment: str = DEFAULT_EXPERIMENT
     """MLflow experiment name."""
     run_name: str = ""
     """MLflow run name; empty = derived from the shards and strategy."""
