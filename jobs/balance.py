@@ -27,7 +27,7 @@ from balancing.strategies import STRATEGIES  # noqa: E402  (numpy only; OR-Tools
 from balancing.types import LEFTOVER_POLICIES  # noqa: E402
 from jobs.job_errors import run_job  # noqa: E402
 from pipeline.errors import InputError, one_line  # noqa: E402
-from training.config import DEFAULT_EXPERIMENT  # noqa: E402  (plain dataclasses, no torch)
+from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 
 CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")
@@ -56,9 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="diagnostic shards: 'mirror' gives every rank the same samples each step")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
-    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables)")
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
-                   help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})")
+    add_tracking_arguments(p)
     p.add_argument("--comparison", help="the `freescale compare` this run belongs to (MLflow tag freescale.comparison)")
     return p
 

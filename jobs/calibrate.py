@@ -48,7 +48,7 @@ if __package__ in (None, ""):
 
 from pipeline.calibration import check_lengths  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
-from training.config import DEFAULT_EXPERIMENT  # noqa: E402  (plain dataclasses, no torch)
+from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_FLAG = "--rank-speeds-worker"
@@ -79,10 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-speed-repeats", type=int, default=30,
                    help="lock-step repeats of the rank-speed measurement (default 30)")
     p.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; "
-                                          "'none' disables)")
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
-                   help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})")
+    add_tracking_arguments(p)
     p.add_argument("--run-name", help="MLflow run name (default calibrate-<host>)")
     return p
 

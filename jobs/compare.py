@@ -32,6 +32,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobs.job_errors import error_line, run_job  # noqa: E402
+from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 from pipeline.errors import InputError  # noqa: E402
 from training.config import CommMode  # noqa: E402  (typed config, no torch)
 
@@ -68,9 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                          "(default: the config's)")
     p.add_argument("--workdir", help="shards, run logs and summaries (default out/compare/<comparison>)")
     p.add_argument("--summary-json", help="write the comparison's numbers here")
-    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; "
-                                          "'none' disables)")
-    p.add_argument("--experiment", help="MLflow experiment (default freescale-<dataset>)")
+    add_tracking_arguments(p, experiment_default=None, experiment_note="freescale-<dataset>")
     return p
 
 

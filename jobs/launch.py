@@ -21,6 +21,7 @@ import threading
 import typing
 from pathlib import Path
 
+from jobs.tracking import add_tracking_arguments
 from shards.schema import MANIFEST_NAME
 from training.config import CommMode
 
@@ -50,7 +51,7 @@ def _launch(argv: list[str] | None) -> int:
     parser.add_argument("--max-steps", type=int,
                         help="stop after N >= 1 steps (default: the config's training.max_steps; 0 there = one pass "
                              "over the shards)")
-    parser.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    add_tracking_arguments(parser, experiment=False)
     parser.add_argument("--run-name", help="MLflow run name")
     parser.add_argument("--summary-json", help="write the run summary (and per-step losses) here")
     parser.add_argument("--comm-mode", choices=typing.get_args(CommMode),

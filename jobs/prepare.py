@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the project
 
 from jobs.job_errors import run_job  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
-from training.config import DEFAULT_EXPERIMENT  # noqa: E402  (plain dataclasses, no torch)
+from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 from pipeline.layouts import FORMATS  # noqa: E402  (plain data, no pyspark)
 
 PREPARE_FORMAT = "freescale.prepared/1"
@@ -61,9 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--master", help="Spark master (default: spark-submit's, else local[*])")
-    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; 'none' disables)")
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
-                   help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})")
+    add_tracking_arguments(p)
     return p
 
 

@@ -36,7 +36,7 @@ from balancing.simulate import NOISE_DISTS, Noise, TimeModel  # noqa: E402  (num
 from balancing.strategies import STRATEGIES  # noqa: E402
 from jobs.job_errors import run_job  # noqa: E402
 from pipeline.errors import InputError, one_line  # noqa: E402
-from training.config import DEFAULT_EXPERIMENT  # noqa: E402  (plain dataclasses, no torch)
+from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 
 LENGTHS_SPEC = re.compile(r"^lognormal:([^,]+),([^,]+)$")
 PLOT_NAME = "bubble_vs_k.png"
@@ -79,10 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sample draw, plan and noise seed (default 0)")
     p.add_argument("--json", help="write the predictions here")
     p.add_argument("--plot", help="also write the bubble-vs-K PNG here")
-    p.add_argument("--tracking-uri", help="MLflow URI (default $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; "
-                                          "'none' disables)")
-    p.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
-                   help=f"MLflow experiment (default {DEFAULT_EXPERIMENT})")
+    add_tracking_arguments(p)
     p.add_argument("--run-name", help="MLflow run name (default simulate)")
     return p
 

@@ -2,6 +2,7 @@
 statistics, artifacts), and the tags that line up the runs of one `freescale compare`."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -11,9 +12,21 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from pipeline.errors import one_line
+from training.config import DEFAULT_EXPERIMENT  # plain dataclasses, no torch
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DISABLED = "none"
+
+
+def add_tracking_arguments(parser: argparse.ArgumentParser, experiment: bool = True,
+                           experiment_default: str | None = DEFAULT_EXPERIMENT,
+                           experiment_note: str = DEFAULT_EXPERIMENT) -> None:
+    """Every job's ``--tracking-uri`` and (unless ``experiment`` is False) ``--experiment``."""
+    parser.add_argument("--tracking-uri", help=f"MLflow URI (default $MLFLOW_TRACKING_URI or {DEFAULT_TRACKING_URI}; "
+                                               f"'{DISABLED}' disables)")
+    if experiment:
+        parser.add_argument("--experiment", default=experiment_default,
+                            help=f"MLflow experiment (default {experiment_note})")
 
 
 def resolve_tracking_uri(cli_value: str | None) -> str:
