@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 from balancing.strategies import STRATEGIES  # noqa: E402  (numpy only; OR-Tools loads when used)
 from balancing.types import LEFTOVER_POLICIES  # noqa: E402
 from jobs.job_errors import run_job  # noqa: E402
-from pipeline.errors import InputError, one_line  # noqa: E402
 from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
+from pipeline.errors import InputError, one_line  # noqa: E402
 
 CONTROLS = ("mirror",)
 REQUIRED_COLUMNS = ("user_id", "items", "length")

@@ -46,9 +46,9 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 from pipeline.calibration import check_lengths  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
-from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_FLAG = "--rank-speeds-worker"

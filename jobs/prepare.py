@@ -26,8 +26,8 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the project
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobs.job_errors import run_job  # noqa: E402
-from pipeline.errors import InputError  # noqa: E402
 from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
+from pipeline.errors import InputError  # noqa: E402
 from pipeline.layouts import FORMATS  # noqa: E402  (plain data, no pyspark)
 
 PREPARE_FORMAT = "freescale.prepared/1"

@@ -35,8 +35,8 @@ import numpy as np  # noqa: E402
 from balancing.simulate import NOISE_DISTS, Noise, TimeModel  # noqa: E402  (numpy only)
 from balancing.strategies import STRATEGIES  # noqa: E402
 from jobs.job_errors import run_job  # noqa: E402
-from pipeline.errors import InputError, one_line  # noqa: E402
 from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
+from pipeline.errors import InputError, one_line  # noqa: E402
 
 LENGTHS_SPEC = re.compile(r"^lognormal:([^,]+),([^,]+)$")
 PLOT_NAME = "bubble_vs_k.png"
