@@ -1,5 +1,5 @@
 """Checkpoint folders: one job at a time (a lock naming its holder; a stale one is taken over), and a
-resume refused into another model shape, warned about with changed hyperparameters."""
+resume refused into another model shape or table placement, warned about with changed hyperparameters."""
 from __future__ import annotations
 
 import json
@@ -153,6 +153,14 @@ def test_resume_refuses_another_shape_and_warns_about_changed_hyperparameters(mo
     lines = train_lines(wider, "error:")
     assert lines and all("model.hstu.embedding_dim 64 -> 32" in line for line in lines), wider.stderr[-3000:]
     assert "Traceback" not in wider.stderr
+    # Another table placement: the per-rank sparse optimizer state cannot follow (it failed
+    # inside TorchRec with "Parameter embedding_bags.user_feature_0.weight not found").
+    moved = freescale_train(movielens_shards, "--max-steps", "4", *folder, *small_args("--parallel.sharding",
+                                                                                      "table_wise"))
+    assert moved.returncode == 2
+    lines = train_lines(moved, "error:")
+    assert lines and all("another table placement (parallel.sharding row_wise -> table_wise" in line
+                         for line in lines), moved.stderr[-3000:]
     faster = freescale_train(movielens_shards, "--max-steps", "4", *folder, *small_args("--optimizer.dense_lr",
                                                                                         "0.002"))
     assert faster.returncode == 0, faster.stderr[-3000:]

@@ -48,6 +48,10 @@ SHAPE_KEYS = ("model.hstu.embedding_dim", "model.hstu.num_layers", "model.hstu.n
 # a resume with any of them changed continues, with a warning naming them. Everything
 # else (steps, logging, comm mode, tracking, paths) may change freely.
 HYPERPARAMETER_KEYS = ("model.", "loss.", "optimizer.", "training.seed")
+# Keys that decide which rank holds which table. The fused sparse optimizer's state is
+# saved per rank, for the tables that rank held, so it cannot be restored into another
+# placement (TorchRec's KeyedOptimizer: "Parameter ... not found"): refused as well.
+PLACEMENT_KEYS = ("parallel.sharding",)
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -95,7 +99,7 @@ class Checkpointer:
                              "checkpoint.folder, or remove this one to start over")
 
     def check_config(self, step: int, config: dict[str, Any]) -> list[str]:
-        """Refuse a resume into another model shape; return the changed hyperparameters as
+        """Refuse a resume into another model shape or table placement; return the changed hyperparameters as
         ``key old -> new`` (a checkpoint from before CONFIG was recorded is not checked)."""
         recorded = self.step_dir(step) / CONFIG
         if not recorded.exists():
@@ -107,6 +111,12 @@ class Checkpointer:
         if shapes:
             raise ConfigError(f"checkpoint {self.step_dir(step)} holds another model shape ({', '.join(shapes)}): "
                               "use another checkpoint.folder, or the checkpoint's values")
+        moved = [f"{key} {saved[key]} -> {config.get(key)}" for key in PLACEMENT_KEYS
+                 if key in saved and saved[key] != config.get(key)]
+        if moved:
+            raise ConfigError(f"checkpoint {self.step_dir(step)} holds another table placement ({', '.join(moved)}; "
+                              "its sparse optimizer state is per rank): use another checkpoint.folder, or the "
+                              "checkpoint's values")
         return list(changed.values())
 
     # ------------------------------------------------------------------ lock
