@@ -59,7 +59,8 @@ def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def movielens_comparison(spark, movielens_prepared, tmp_path_factory):
     """One real `freescale compare` (jobs.compare.main) on MovieLens-100K: 2 ranks x 16 samples,
-    3 repeats of contiguous / balanced (kk) / mirror control, a few steps of a one-layer model,
+    3 repeats of contiguous / balanced (kk) / mirror control, a few steps of a one-layer model
+    (evaluated on 64 samples per rank),
     recorded in a fresh sqlite MLflow store. Attributes: tracking_uri, db_path, experiment_id,
     parent_run_id, child_run_ids ({variant: [run id per repeat]}), summary (the --summary-json
     content), workdir."""
@@ -76,7 +77,7 @@ def movielens_comparison(spark, movielens_prepared, tmp_path_factory):
                        "--repeats", "3", "--control", "--max-steps", "8", "--workdir", str(root / "work"),
                        "--summary-json", str(summary_json), "--tracking-uri", tracking_uri,
                        "--model.hstu.num_layers", "1", "--loss.num_negatives", "32",
-                       "--training.log_every", "1000"])
+                       "--training.eval_max_samples", "64", "--training.log_every", "1000"])
     assert rc == 0, f"freescale compare exited {rc} (logs in {root / 'work'})"
     summary = json.loads(summary_json.read_text())
     return SimpleNamespace(

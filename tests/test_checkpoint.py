@@ -14,7 +14,7 @@ import pytest
 
 from training.checkpoint import CONFIG, LOCK, SHAPE_KEYS, Checkpointer
 from training.config import ConfigError, TrainConfig, to_flat_dict
-from tests.test_train import freescale_train
+from tests.test_train import SMALL_RUN, freescale_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def test_changed_hyperparameters_are_named_and_other_keys_ignored(tmp_path):
 
 
 def small_args(*extra: str) -> list[str]:
-    return ["--tracking-uri", "none", "--model.hstu.num_layers", "1", "--loss.num_negatives", "32", *extra]
+    return ["--tracking-uri", "none", *SMALL_RUN, *extra]
 
 
 def train_lines(run: subprocess.CompletedProcess, marker: str) -> list[str]:

@@ -202,8 +202,7 @@ def test_overlapped_modes_compute_what_plain_computes(movielens_shards, tmp_path
     logs = {}
     for mode in MODES:
         run = freescale_train(movielens_shards, "--max-steps", "20", "--comm-mode", mode,
-                              *small_run_args(tmp_path, mode, "--parallel.sharding", sharding,
-                                              "--training.eval_max_samples", "64"))
+                              *small_run_args(tmp_path, mode, "--parallel.sharding", sharding))
         assert run.returncode == 0, run.stderr[-3000:]
         logs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
         assert logs[mode]["comm"].startswith(f"comm mode {mode}")

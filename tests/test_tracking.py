@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from jobs.tracking import DISABLED, reachable_tracking_uri
-from tests.test_train import REPO, freescale_train
+from tests.test_train import REPO, SMALL_RUN, freescale_train
 
 DEAD_URI = "http://127.0.0.1:9/"  # the discard port: nothing listens, the connection is refused
 
@@ -24,8 +24,7 @@ def unreachable_lines(output: str) -> list[str]:
 
 
 def train_args(tmp_path: Path, name: str, *extra: str) -> list[str]:
-    return ["--summary-json", str(tmp_path / f"{name}.json"), "--model.hstu.num_layers", "1",
-            "--loss.num_negatives", "32", *extra]
+    return ["--summary-json", str(tmp_path / f"{name}.json"), *SMALL_RUN, *extra]
 
 
 def runs_of(uri: str, experiment: str = "freescale") -> list:

@@ -29,9 +29,13 @@ def error_lines(run: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("freescale train: error:")]
 
 
+# A small model, and the end-of-run evaluation on 64 samples per rank (all 943 users, test and
+# validation item, cost ~1 s per run): tests that measure evaluation pass --training.eval_max_samples 0.
+SMALL_RUN = ("--model.hstu.num_layers", "1", "--loss.num_negatives", "32", "--training.eval_max_samples", "64")
+
+
 def small_run_args(tmp_path: Path, name: str, *extra: str) -> list[str]:
-    return ["--tracking-uri", "none", "--summary-json", str(tmp_path / f"{name}.json"),
-            "--model.hstu.num_layers", "1", "--loss.num_negatives", "32", *extra]
+    return ["--tracking-uri", "none", "--summary-json", str(tmp_path / f"{name}.json"), *SMALL_RUN, *extra]
 
 
 @pytest.mark.slow
