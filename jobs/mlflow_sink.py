@@ -59,10 +59,9 @@ class MLflowSink:
     def _start(self, experiment: str, run_name: str, parent_run_id: str):
         from mlflow.tracking.context.registry import resolve_tags  # the user/source tags of mlflow.start_run
 
-        from jobs.tracking import PARENT_TAG
+        from jobs.tracking import PARENT_TAG, find_or_create_experiment
 
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        experiment_id = find_or_create_experiment(self.client, experiment)
         # Nested under `freescale compare`'s parent run when it names one (the UI groups them).
         tags = resolve_tags({PARENT_TAG: parent_run_id} if parent_run_id else {})
         return self.client.create_run(experiment_id, run_name=run_name, tags=tags)

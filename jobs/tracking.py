@@ -98,8 +98,7 @@ class JobRun:
             logging.getLogger("mlflow").setLevel(logging.WARNING)
             # The client API, not mlflow's fluent one: no process-wide active run, no stdout.
             client = MlflowClient(self.uri)
-            found = client.get_experiment_by_name(experiment)
-            experiment_id = found.experiment_id if found else _create_experiment(client, experiment)
+            experiment_id = find_or_create_experiment(client, experiment)
             all_tags = {"freescale.job": self.job, "freescale.code_version": code_version(), **tags}
             if parent_run_id:
                 all_tags[PARENT_TAG] = parent_run_id
@@ -159,7 +158,11 @@ class JobRun:
             sys.stderr.flush()
 
 
-def _create_experiment(client, name: str) -> str:
+def find_or_create_experiment(client, name: str) -> str:
+    """The id of experiment `name`, created when missing (every job's and training's run)."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
     try:
         return client.create_experiment(name)
     except Exception:  # noqa: BLE001 - another job created it first: use theirs
