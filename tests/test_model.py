@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from training.config import HSTUConfig, ModelConfig
-from training.hstu import AttentionPlan, HSTUEncoder, HSTULayer, log_bucket
+from training.hstu import GroupedPlan, HSTUEncoder, HSTULayer, log_bucket
 from training.jagged import (
     group_by_length,
     jagged_concat_last,
@@ -195,7 +195,7 @@ def test_layer_matches_dense_reference_formula(block_size: int) -> None:
     lengths = [6, 3]
     values, offsets, timestamps = encoder_inputs(lengths, SMALL.embedding_dim)
     with torch.no_grad():
-        plan = AttentionPlan.build(offsets, timestamps, config)
+        plan = GroupedPlan.build(offsets, timestamps, config)
         out = layer(values[plan.order], plan)[plan.inverse]
         for i in range(len(lengths)):
             rows = slice(int(offsets[i]), int(offsets[i + 1]))

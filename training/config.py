@@ -29,6 +29,8 @@ ParallelBackendName = Literal["auto", "gloo", "nccl"]
 SparseOptimizerName = Literal["adagrad", "sgd", "adam"]
 AttentionNormalization = Literal["sample_length", "max_seq_len"]
 CommMode = Literal["plain", "overlap", "prioritized"]
+AttentionKernelName = Literal["triton", "grouped"]
+AttentionKernel = Literal["auto", AttentionKernelName]  # flattens to "auto" | "triton" | "grouped"
 
 
 @dataclass
@@ -64,14 +66,22 @@ class HSTUConfig:
     absorbs the scale up to its epsilon, so the choice rarely matters."""
 
     attention_block_size: int = 128
-    """Query rows per attention block; bounds the working set of long samples
-    and lets the causal mask skip whole key blocks (see ``AttentionBlock``)."""
+    """Query rows per attention block of the grouped kernel; bounds the working set of
+    long samples and lets the causal mask skip whole key blocks (see ``AttentionBlock``)."""
+    attention_kernel: AttentionKernel = "auto"
+    """How attention runs. ``"triton"``: one jagged Triton kernel per layer and direction
+    (``training.ops.hstu_attention``), needs a CUDA device (or ``TRITON_INTERPRET=1``, for
+    tests); ``"grouped"``: PyTorch ops per group of equal-length samples, the CPU path and
+    the kernel's reference; ``"auto"``: triton on CUDA, grouped on CPU. Both compute the
+    same numbers. Asking for triton where it cannot run stops the job, never falls back."""
 
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
-        allowed = typing.get_args(AttentionNormalization)
-        if self.attention_normalization not in allowed:
-            raise ValueError(f"attention_normalization must be one of {allowed}, got {self.attention_normalization!r}")
+        for name, choice in (("attention_normalization", AttentionNormalization),
+                             ("attention_kernel", AttentionKernel)):
+            allowed = typing.get_args(choice)
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim",
                      "max_seq_len", "num_position_buckets", "num_time_buckets", "attention_block_size"):
             if getattr(self, name) < 1:

@@ -2,10 +2,18 @@
 
 The encoder takes all positions of a batch concatenated (``values`` ``[T, D]``,
 ``offsets`` ``[B+1]``) and never pads a batch to its longest member: the
-linear parts run on ``[T, D]`` and attention runs per group of equal-length
-samples (see ``training.jagged``), in causal row blocks. Step time is therefore
-``sum_i (a*L_i^2 + b*L_i + c)`` -- the cost model the offline balancer uses --
-and ``tests/test_jagged_cost.py`` measures that it is.
+linear parts run on ``[T, D]``, and attention runs on each sample's own
+positions only, by one of two kernels (``HSTUConfig.attention_kernel``):
+
+* ``grouped`` (CPU, and the reference): PyTorch ops per group of equal-length
+  samples (see ``training.jagged``), in causal row blocks. Every group costs a
+  few dozen small ops per layer, which on a CPU is noise next to the math.
+* ``triton`` (CUDA): one jagged kernel per layer and direction
+  (``training.ops.hstu_attention``), with both biases computed inside it. On a GPU
+  the grouped ops' launches would cost milliseconds per distinct length in a batch.
+
+Either way step time is ``sum_i (a*L_i^2 + b*L_i + c)`` -- the cost model the
+offline balancer uses -- and ``tests/test_jagged_cost.py`` measures that it is.
 
 One HSTU layer, for one sample of length ``n``::
 
@@ -18,27 +26,20 @@ log-bucketed relative position ``i - j`` and time gap ``|t_i - t_j|``.
 """
 from __future__ import annotations
 
-import math
+import functools
+import os
+import typing
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import HSTUConfig
-from training.jagged import LengthGroup, group_by_length
-
-def log_bucket(distance: torch.Tensor, num_buckets: int, max_distance: float) -> torch.Tensor:
-    """Map non-negative distances to ``0..num_buckets-1`` on a log scale.
-
-    Distance 0 is bucket 0 and ``max_distance`` (or more) the last bucket; in
-    between ``log1p`` spacing keeps small distances -- the ones that carry the
-    most signal -- in separate buckets.
-    """
-    scale = (num_buckets - 1) / math.log1p(max_distance)
-    buckets = torch.log1p(distance.clamp(min=0).to(torch.float32)) * scale
-    return buckets.to(torch.int64).clamp(max=num_buckets - 1)
-
+from pipeline.errors import InputError
+from training.config import AttentionKernel, AttentionKernelName, HSTUConfig, keyed_by
+from training.jagged import LengthGroup, group_by_length, lengths_from_offsets
+from training.ops.relative_buckets import log_bucket
 
 @dataclass(frozen=True)
 class AttentionBlock:
@@ -71,9 +72,24 @@ class AttentionGroup:
     blocks: list[AttentionBlock]
 
 
+class AttentionPlan(Protocol):
+    """What a kernel needs of a batch, built once per forward and shared by every layer.
+
+    ``enter`` puts the encoder's input rows in the order the kernel works in and
+    ``leave`` restores jagged order; ``attend`` is one layer's ``A V``.
+    """
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               bias: "RelativeAttentionBias") -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
-class AttentionPlan:
-    """How a jagged batch splits into attention groups, built once per forward.
+class GroupedPlan:
+    """How a jagged batch splits into attention groups (the ``grouped`` kernel).
 
     The encoder permutes the batch's rows into *group order* once
     (``values[order]``), runs every layer in that order -- so each group is a
@@ -84,6 +100,7 @@ class AttentionPlan:
     per step, which broke the per-sample additivity of the cost.
     """
 
+    config: HSTUConfig
     groups: list[AttentionGroup]
     order: torch.Tensor
     """``[T]`` jagged row at each group-order position."""
@@ -93,7 +110,7 @@ class AttentionPlan:
     """Rows each group occupies in group order (``G * L``)."""
 
     @classmethod
-    def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "AttentionPlan":
+    def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "GroupedPlan":
         groups = [_attention_group(g, timestamps, config) for g in group_by_length(offsets)]
         if groups:
             order = torch.cat([g.rows.reshape(-1) for g in groups])
@@ -101,7 +118,122 @@ class AttentionPlan:
             order = torch.zeros(0, dtype=torch.int64, device=offsets.device)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return cls(groups=groups, order=order, inverse=inverse, group_rows=[g.rows.numel() for g in groups])
+        return cls(config=config, groups=groups, order=order, inverse=inverse,
+                   group_rows=[g.rows.numel() for g in groups])
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.order]
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.inverse]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               bias: "RelativeAttentionBias") -> torch.Tensor:
+        """``A V`` for every sample over its own positions only; ``[T, H * linear_dim]``."""
+        if not self.groups:
+            return v.new_zeros(0, self.config.num_heads * self.config.linear_dim)
+        # torch.split's backward is one concatenation, O(T) for all groups together.
+        pieces = zip(
+            self.groups,
+            torch.split(q, self.group_rows),
+            torch.split(k, self.group_rows),
+            torch.split(v, self.group_rows),
+        )
+        return torch.cat([self._group_attention(group, qg, kg, vg, bias) for group, qg, kg, vg in pieces])
+
+    def _group_attention(self, group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         bias: "RelativeAttentionBias") -> torch.Tensor:
+        """Attention of one group; ``q``, ``k``, ``v`` are its ``[G * L, ...]`` rows."""
+        num_samples, length = group.rows.shape
+        heads = self.config.num_heads
+
+        def per_head(t: torch.Tensor) -> torch.Tensor:
+            return t.view(num_samples, length, heads, -1).transpose(1, 2)  # [G, H, L, width]
+
+        qg, kg, vg = per_head(q), per_head(k), per_head(v)
+        blocks = []
+        for block in group.blocks:
+            keys, values = kg[:, :, : block.stop], vg[:, :, : block.stop]
+            scores = qg[:, :, block.start : block.stop] @ keys.transpose(-1, -2) + bias(block)
+            # Multiplying by the mask (not adding -inf) because SiLU is not a softmax:
+            # masked entries must contribute exactly 0, and SiLU(-inf) is NaN.
+            weights = F.silu(scores) * block.causal_weight
+            blocks.append(weights @ values)  # [G, H, rows, linear_dim]
+        out = torch.cat(blocks, dim=2).transpose(1, 2)  # [G, L, H, linear_dim]
+        return out.reshape(num_samples * length, -1)
+
+
+@dataclass(frozen=True)
+class JaggedPlan:
+    """The batch as the ``triton`` kernel takes it: jagged order throughout, nothing gathered."""
+
+    config: HSTUConfig
+    offsets: torch.Tensor
+    timestamps: torch.Tensor
+    max_length: int
+    """Longest sample: the kernels' grid. Read once per forward (one host sync), not per layer."""
+
+    @classmethod
+    def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "JaggedPlan":
+        lengths = lengths_from_offsets(offsets)
+        max_length = int(lengths.max()) if lengths.numel() else 0
+        return cls(config=config, offsets=offsets, timestamps=timestamps, max_length=max_length)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               bias: "RelativeAttentionBias") -> torch.Tensor:
+        ops = _triton_ops()
+        config = self.config
+        spec = ops.BiasSpec(
+            num_position_buckets=config.num_position_buckets, max_position=config.max_seq_len,
+            num_time_buckets=config.num_time_buckets, max_time_gap=config.max_time_gap_seconds,
+            normalizer=config.max_seq_len if config.attention_normalization == "max_seq_len" else 0,
+        )
+        return ops.jagged_hstu_attention(q, k, v, self.offsets, self.timestamps, bias.position_bias.weight,
+                                         bias.time_bias.weight, self.max_length, spec)
+
+
+PLANS = keyed_by(AttentionKernelName, {"grouped": GroupedPlan, "triton": JaggedPlan})
+
+
+@functools.cache
+def _triton_ops():
+    """``training.ops.hstu_attention``, imported on first use: importing triton takes seconds."""
+    from training.ops import hstu_attention
+
+    return hstu_attention
+
+
+def triton_runs_on(device: torch.device) -> str | None:
+    """Why the Triton kernel cannot run on ``device``; None when it can."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        return f"it needs a CUDA device and this process runs on {device.type}"
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return f"triton cannot be imported ({err})"
+    return None
+
+
+def resolve_attention_kernel(choice: AttentionKernel, device: torch.device | str) -> AttentionKernelName:
+    """The kernel ``choice`` means on ``device``; ``InputError`` (one line) if triton is asked for
+    and cannot run there -- never a quiet fall back to the slower kernel."""
+    device = torch.device(device)
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "grouped"
+    if choice == "triton":
+        reason = triton_runs_on(device)
+        if reason is not None:
+            allowed = "', '".join(typing.get_args(AttentionKernel))
+            raise InputError(f"model.hstu.attention_kernel = 'triton' cannot run: {reason} "
+                             f"(choose one of '{allowed}'; 'auto' picks triton on CUDA, grouped on CPU)")
+    return choice
 
 
 def _attention_group(group: LengthGroup, timestamps: torch.Tensor, config: HSTUConfig) -> AttentionGroup:
@@ -174,7 +306,7 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(value_width, config.embedding_dim)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        """``x`` ``[T, D]`` in the plan's group order -> ``[T, D]``, same order."""
+        """``x`` ``[T, D]`` in the plan's order -> ``[T, D]``, same order."""
         value_width = self.num_heads * self.linear_dim
         qk_width = self.num_heads * self.attention_dim
         u, v, q, k = torch.split(
@@ -182,48 +314,9 @@ class HSTULayer(nn.Module):
             [value_width, value_width, qk_width, qk_width],
             dim=-1,
         )
-        attended = self._jagged_attention(q, k, v, plan)
+        attended = plan.attend(q, k, v, self.relative_bias)
         gated = self.attention_norm(attended) * u
         return x + self.output(self.dropout(gated))
-
-    def _jagged_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan
-    ) -> torch.Tensor:
-        """``A V`` for every sample over its own positions only; ``[T, H * linear_dim]``."""
-        if not plan.groups:
-            return v.new_zeros(0, self.num_heads * self.linear_dim)
-        # torch.split's backward is one concatenation, O(T) for all groups together.
-        pieces = zip(
-            plan.groups,
-            torch.split(q, plan.group_rows),
-            torch.split(k, plan.group_rows),
-            torch.split(v, plan.group_rows),
-        )
-        return torch.cat([self._group_attention(group, qg, kg, vg) for group, qg, kg, vg in pieces])
-
-    def _group_attention(
-        self, group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention of one group; ``q``, ``k``, ``v`` are its ``[G * L, ...]`` rows."""
-        num_samples, length = group.rows.shape
-        heads = self.num_heads
-
-        def per_head(t: torch.Tensor, width: int) -> torch.Tensor:
-            return t.view(num_samples, length, heads, width).transpose(1, 2)  # [G, H, L, width]
-
-        qg = per_head(q, self.attention_dim)
-        kg = per_head(k, self.attention_dim)
-        vg = per_head(v, self.linear_dim)
-        blocks = []
-        for block in group.blocks:
-            keys, values = kg[:, :, : block.stop], vg[:, :, : block.stop]
-            scores = qg[:, :, block.start : block.stop] @ keys.transpose(-1, -2) + self.relative_bias(block)
-            # Multiplying by the mask (not adding -inf) because SiLU is not a softmax:
-            # masked entries must contribute exactly 0, and SiLU(-inf) is NaN.
-            weights = F.silu(scores) * block.causal_weight
-            blocks.append(weights @ values)  # [G, H, rows, linear_dim]
-        out = torch.cat(blocks, dim=2).transpose(1, 2)  # [G, L, H, linear_dim]
-        return out.reshape(num_samples * length, heads * self.linear_dim)
 
 
 class HSTUEncoder(nn.Module):
@@ -241,15 +334,19 @@ class HSTUEncoder(nn.Module):
         self.input_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
 
+    def kernel(self, device: torch.device | str) -> AttentionKernelName:
+        """The attention kernel this encoder runs on ``device`` (see ``resolve_attention_kernel``)."""
+        return resolve_attention_kernel(self.config.attention_kernel, device)
+
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         if values.shape[0] != int(offsets[-1]) or timestamps.shape[0] != values.shape[0]:
             raise ValueError(
                 f"jagged shapes disagree: values {tuple(values.shape)}, timestamps "
                 f"{tuple(timestamps.shape)}, offsets end at {int(offsets[-1])}"
             )
-        plan = AttentionPlan.build(offsets, timestamps, self.config)
-        x = self.input_dropout(values)[plan.order]
+        plan = PLANS[self.kernel(values.device)].build(offsets, timestamps, self.config)
+        x = plan.enter(self.input_dropout(values))
         for layer in self.layers:
             x = layer(x, plan)
         # Retrieval scores are cosine similarities against L2-normalised items.
-        return F.normalize(x[plan.inverse], dim=-1)
+        return F.normalize(plan.leave(x), dim=-1)

@@ -159,6 +159,8 @@ class SequentialRecommender(nn.Module):
             nn.init.zeros_(self.user_projection.weight)
             nn.init.zeros_(self.user_projection.bias)
         self.encoder = HSTUEncoder(config.hstu).to(device)
+        # A kernel that cannot run on this device stops the job here, not at the first step.
+        self.attention_kernel = self.encoder.kernel(device)
 
     # ------------------------------------------------------------------ lookups
 

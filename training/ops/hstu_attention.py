@@ -1,0 +1,371 @@
+"""Jagged HSTU attention in Triton: one launch per layer and direction, whatever the batch's lengths.
+
+For every sample ``s`` (rows ``offsets[s]:offsets[s+1]``), head ``h`` and query
+position ``i`` of it::
+
+    out[i] = sum_{j <= i} SiLU(q_i . k_j + pos_w[pb(i - j), h] + time_w[tb(|t_i - t_j|), h]) / n * v_j
+
+with ``pb``/``tb`` the log buckets of ``training.ops.relative_buckets`` and ``n``
+the sample's length (or ``max_seq_len``). The grouped PyTorch path in
+``training.hstu`` computes the same numbers and is this kernel's reference
+(``tests/test_hstu_kernel.py`` runs both under ``TRITON_INTERPRET=1``).
+
+Why a kernel: the grouped path issues a few dozen small ops per distinct length,
+so on a GPU a batch costs a fixed few milliseconds per distinct length and the
+balancer's ``a L^2 + b L + c`` does not describe it. Here a program handles one
+``BLOCK``-row tile of one sample and head; the grid is
+``(ceil(max_len / BLOCK), B, H)`` and programs past their sample's end return
+at once, so a step costs the sum of its samples' tiles.
+
+Forward: a program loops over its query tile's key tiles up to the diagonal,
+recomputing the bias from positions and timestamps (nothing ``L x L`` is ever
+stored). Backward, one launch, two phases per program (as FlashAttention-2's
+Triton backward): phase 1 owns key tile ``m`` and accumulates ``dK``, ``dV`` and
+the bias-table gradients over the query tiles at and below the diagonal; phase 2
+owns query tile ``m`` and accumulates ``dQ``. With ``w = SiLU(s) / n``::
+
+    dV_j += w_ij dO_i        dW_ij = dO_i . v_j
+    dS_ij = dW_ij * SiLU'(s_ij) / n          SiLU'(s) = sig(s) (1 + s (1 - sig(s)))
+    dK_j += dS_ij q_i        dQ_i += dS_ij k_j
+    d pos_w[pb(i-j), h] += dS_ij             d time_w[tb(.), h] += dS_ij
+
+The bias gradients are a scatter into tiny tables. Atomics per score would
+serialise on a few hundred addresses, so each tile first sums ``dS`` per bucket
+over the (usually narrow) range of buckets it touches, the program keeps one
+per-bucket vector across its tiles, and adds it to the table once (fp32
+atomics; their order makes these two gradients non-deterministic in the last
+bits on a GPU, which the other five are not).
+
+Import cost: triton is imported when this module is; ``training.hstu`` imports it
+only when the Triton kernel is selected. ``TRITON_INTERPRET=1`` must be set before
+the import to run the kernels on CPU tensors (tests).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from training.ops.relative_buckets import bucket_scale, bucket_thresholds
+
+
+def _interpreter_scalar_index() -> None:
+    """Let the interpreter use kernel scalars as loop bounds under NumPy >= 2.4.
+
+    The interpreter holds every scalar as a one-element array and converts it with
+    ``int(array)``, which NumPy 2.4 refuses for arrays of one dimension, so any
+    ``range(...)`` whose bound comes from a loaded length fails. Compiled kernels
+    are not affected. Wraps triton 3.6's tensor patching; other versions are left as they are.
+    """
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_freescale_scalar_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._freescale_scalar_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_scalar_index()
+
+
+@dataclass(frozen=True)
+class BiasSpec:
+    """How relative positions and time gaps map to bias-table rows (``HSTUConfig``'s buckets)."""
+
+    num_position_buckets: int
+    max_position: float
+    num_time_buckets: int
+    max_time_gap: float
+    normalizer: int
+    """Divisor of the attention weights; 0 = each sample's own length."""
+
+
+def default_block(device: torch.device) -> int:
+    # 64x64 tiles fill an H100/H200 SM with head dims up to 128; the interpreter runs every
+    # program in Python, where 16 (tl.dot's minimum) keeps the CPU tests quick.
+    return 64 if device.type == "cuda" else 16
+
+
+@triton.jit
+def _bucket(distance, thresholds, scale, NUM_BUCKETS: tl.constexpr):
+    """Bucket of int64 ``distance >= 0``: a float guess, then exact against the integer thresholds."""
+    guess = (tl.log(distance.to(tl.float32) + 1.0) * scale).to(tl.int32)
+    guess = tl.minimum(tl.maximum(guess, 0), NUM_BUCKETS - 1)
+    lower = tl.load(thresholds + guess)
+    upper = tl.load(thresholds + guess + 1)
+    return guess - (distance < lower).to(tl.int32) + (distance >= upper).to(tl.int32)
+
+
+@triton.jit
+def _scores(q, k, pos_b, time_b, pos_w, time_w, h, H):
+    """``q k^T`` plus both biases, fp32 ``[BLOCK, BLOCK]``."""
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+    s += tl.load(pos_w + pos_b * H + h).to(tl.float32)
+    s += tl.load(time_w + time_b * H + h).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _tile_buckets(offs_m, offs_n, t_m, t_n, valid, pos_thr, time_thr, pos_scale, time_scale,
+                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr):
+    distance = tl.where(valid, offs_m[:, None] - offs_n[None, :], 0).to(tl.int64)
+    gap = tl.where(valid, t_m[:, None] - t_n[None, :], 0)
+    gap = tl.where(gap < 0, -gap, gap)
+    return (_bucket(distance, pos_thr, pos_scale, NUM_POS),
+            _bucket(gap, time_thr, time_scale, NUM_TIME))
+
+
+@triton.jit
+def _add_per_bucket(hist, ds, buckets, valid, NUM_BUCKETS: tl.constexpr, PAD: tl.constexpr):
+    """``hist[b] += sum of ds where buckets == b``, looping only over the buckets this tile touches."""
+    first = tl.min(tl.min(tl.where(valid, buckets, NUM_BUCKETS), axis=1), axis=0)
+    last = tl.max(tl.max(tl.where(valid, buckets, -1), axis=1), axis=0)
+    index = tl.arange(0, PAD)
+    for b in range(first, last + 1):
+        total = tl.sum(tl.sum(tl.where(buckets == b, ds, 0.0), axis=1), axis=0)
+        hist += tl.where(index == b, total, 0.0)
+    return hist
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, OUT, offsets, times, pos_w, time_w, pos_thr, time_thr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    H, normalizer, pos_scale, time_scale,
+    DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr,
+):
+    tile, sample, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(offsets + sample)
+    n = (tl.load(offsets + sample + 1) - start).to(tl.int32)
+    m0 = tile * BLOCK
+    if m0 >= n:
+        return
+    inv_n = 1.0 / tl.where(normalizer > 0, normalizer, n).to(tl.float32)
+    offs_m = m0 + tl.arange(0, BLOCK)
+    mask_m = offs_m < n
+    dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + dq_range[None, :],
+                mask=mask_m[:, None] & (dq_range < DQ)[None, :], other=0.0)
+    t_m = tl.load(times + start + offs_m, mask=mask_m, other=0)
+    acc = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+    for n0 in range(0, m0 + BLOCK, BLOCK):
+        offs_n = n0 + tl.arange(0, BLOCK)
+        mask_n = offs_n < n
+        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + dq_range[None, :],
+                    mask=mask_n[:, None] & (dq_range < DQ)[None, :], other=0.0)
+        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + dv_range[None, :],
+                    mask=mask_n[:, None] & (dv_range < DV)[None, :], other=0.0)
+        t_n = tl.load(times + start + offs_n, mask=mask_n, other=0)
+        valid = mask_m[:, None] & mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
+        pos_b, time_b = _tile_buckets(offs_m, offs_n, t_m, t_n, valid, pos_thr, time_thr,
+                                      pos_scale, time_scale, NUM_POS, NUM_TIME)
+        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H)
+        w = tl.where(valid, s * tl.sigmoid(s) * inv_n, 0.0)
+        acc += tl.dot(w.to(v.dtype), v, out_dtype=tl.float32)
+    tl.store(OUT + (start + offs_m)[:, None] * stride_ot + h * stride_oh + dv_range[None, :],
+             acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & (dv_range < DV)[None, :])
+
+
+@triton.jit
+def _backward_kernel(
+    Q, K, V, DOUT, DQ_OUT, DK_OUT, DV_OUT, DPOS, DTIME,
+    offsets, times, pos_w, time_w, pos_thr, time_thr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    H, normalizer, pos_scale, time_scale,
+    DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr,
+    POS_PAD: tl.constexpr, TIME_PAD: tl.constexpr,
+):
+    tile, sample, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(offsets + sample)
+    n = (tl.load(offsets + sample + 1) - start).to(tl.int32)
+    m0 = tile * BLOCK
+    if m0 >= n:
+        return
+    inv_n = 1.0 / tl.where(normalizer > 0, normalizer, n).to(tl.float32)
+    dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
+    q_cols, v_cols = (dq_range < DQ)[None, :], (dv_range < DV)[None, :]
+    # The gradient outputs are contiguous [T, H, D] buffers allocated by the wrapper.
+    g_q_row, g_v_row = H * DQ, H * DV
+    own = tile * BLOCK + tl.arange(0, BLOCK)
+    mask_own = own < n
+    t_own = tl.load(times + start + own, mask=mask_own, other=0)
+
+    # Phase 1: this program's tile as keys -> dK, dV, bias-table gradients.
+    k = tl.load(K + (start + own)[:, None] * stride_kt + h * stride_kh + dq_range[None, :],
+                mask=mask_own[:, None] & q_cols, other=0.0)
+    v = tl.load(V + (start + own)[:, None] * stride_vt + h * stride_vh + dv_range[None, :],
+                mask=mask_own[:, None] & v_cols, other=0.0)
+    dk = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
+    dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
+    pos_hist = tl.zeros([POS_PAD], dtype=tl.float32)
+    time_hist = tl.zeros([TIME_PAD], dtype=tl.float32)
+    for i0 in range(m0, n, BLOCK):
+        offs_m = i0 + tl.arange(0, BLOCK)
+        mask_m = offs_m < n
+        q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + dq_range[None, :],
+                    mask=mask_m[:, None] & q_cols, other=0.0)
+        g = tl.load(DOUT + (start + offs_m)[:, None] * stride_dot + h * stride_doh + dv_range[None, :],
+                    mask=mask_m[:, None] & v_cols, other=0.0)
+        t_m = tl.load(times + start + offs_m, mask=mask_m, other=0)
+        valid = mask_m[:, None] & mask_own[None, :] & (offs_m[:, None] >= own[None, :])
+        pos_b, time_b = _tile_buckets(offs_m, own, t_m, t_own, valid, pos_thr, time_thr,
+                                      pos_scale, time_scale, NUM_POS, NUM_TIME)
+        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H)
+        sig = tl.sigmoid(s)
+        w = tl.where(valid, s * sig * inv_n, 0.0)
+        dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32)
+        dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32)
+        ds = tl.where(valid, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32)
+        pos_hist = _add_per_bucket(pos_hist, ds, pos_b, valid, NUM_POS, POS_PAD)
+        time_hist = _add_per_bucket(time_hist, ds, time_b, valid, NUM_TIME, TIME_PAD)
+    tl.store(DK_OUT + (start + own)[:, None] * g_q_row + h * DQ + dq_range[None, :],
+             dk.to(DK_OUT.dtype.element_ty), mask=mask_own[:, None] & q_cols)
+    tl.store(DV_OUT + (start + own)[:, None] * g_v_row + h * DV + dv_range[None, :],
+             dv.to(DV_OUT.dtype.element_ty), mask=mask_own[:, None] & v_cols)
+    pos_index, time_index = tl.arange(0, POS_PAD), tl.arange(0, TIME_PAD)
+    tl.atomic_add(DPOS + pos_index * H + h, pos_hist, mask=pos_index < NUM_POS)
+    tl.atomic_add(DTIME + time_index * H + h, time_hist, mask=time_index < NUM_TIME)
+
+    # Phase 2: this program's tile as queries -> dQ.
+    q = tl.load(Q + (start + own)[:, None] * stride_qt + h * stride_qh + dq_range[None, :],
+                mask=mask_own[:, None] & q_cols, other=0.0)
+    g = tl.load(DOUT + (start + own)[:, None] * stride_dot + h * stride_doh + dv_range[None, :],
+                mask=mask_own[:, None] & v_cols, other=0.0)
+    dq = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
+    for j0 in range(0, m0 + BLOCK, BLOCK):
+        offs_n = j0 + tl.arange(0, BLOCK)
+        mask_n = offs_n < n
+        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + dq_range[None, :],
+                    mask=mask_n[:, None] & q_cols, other=0.0)
+        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + dv_range[None, :],
+                    mask=mask_n[:, None] & v_cols, other=0.0)
+        t_n = tl.load(times + start + offs_n, mask=mask_n, other=0)
+        valid = mask_own[:, None] & mask_n[None, :] & (own[:, None] >= offs_n[None, :])
+        pos_b, time_b = _tile_buckets(own, offs_n, t_own, t_n, valid, pos_thr, time_thr,
+                                      pos_scale, time_scale, NUM_POS, NUM_TIME)
+        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H)
+        sig = tl.sigmoid(s)
+        dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32)
+        ds = tl.where(valid, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
+        dq += tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32)
+    tl.store(DQ_OUT + (start + own)[:, None] * g_q_row + h * DQ + dq_range[None, :],
+             dq.to(DQ_OUT.dtype.element_ty), mask=mask_own[:, None] & q_cols)
+
+
+@triton.jit
+def _bucket_kernel(DIST, OUT, thresholds, scale, count, NUM_BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
+    """The kernels' bucketing alone, for testing it against ``log_bucket``."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < count
+    distance = tl.load(DIST + offs, mask=mask, other=0)
+    tl.store(OUT + offs, _bucket(distance, thresholds, scale, NUM_BUCKETS).to(tl.int64), mask=mask)
+
+
+def kernel_buckets(distance: torch.Tensor, num_buckets: int, max_distance: float) -> torch.Tensor:
+    """Buckets of int64 ``distance >= 0`` as the attention kernels compute them."""
+    distance = distance.to(torch.int64).contiguous()
+    out = torch.empty_like(distance)
+    block = 1024
+    _bucket_kernel[(triton.cdiv(distance.numel(), block),)](
+        distance, out, bucket_thresholds(num_buckets, max_distance, distance.device),
+        bucket_scale(num_buckets, max_distance), distance.numel(), NUM_BUCKETS=num_buckets, BLOCK=block)
+    return out
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[T, H * d]`` (any row stride, unit column stride) -> ``[T, H, d]`` view."""
+    t = t.view(t.shape[0], heads, -1)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _JaggedHSTUAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, position_weight, time_weight, offsets, timestamps, max_length: int,
+                spec: BiasSpec, block: int):
+        total, heads, dq = q.shape
+        dv = v.shape[2]
+        out = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
+        pos_thr = bucket_thresholds(spec.num_position_buckets, spec.max_position, q.device)
+        time_thr = bucket_thresholds(spec.num_time_buckets, spec.max_time_gap, q.device)
+        grid = (triton.cdiv(max_length, block), offsets.numel() - 1, heads)
+        if total and grid[0] and grid[1]:
+            _forward_kernel[grid](
+                q, k, v, out, offsets, timestamps, position_weight, time_weight, pos_thr, time_thr,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                out.stride(0), out.stride(1),
+                heads, spec.normalizer,
+                bucket_scale(spec.num_position_buckets, spec.max_position),
+                bucket_scale(spec.num_time_buckets, spec.max_time_gap),
+                DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
+                BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK=block,
+                NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets,
+            )
+        ctx.save_for_backward(q, k, v, position_weight, time_weight, offsets, timestamps, pos_thr, time_thr)
+        ctx.max_length, ctx.spec, ctx.block = max_length, spec, block
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, position_weight, time_weight, offsets, timestamps, pos_thr, time_thr = ctx.saved_tensors
+        spec, block = ctx.spec, ctx.block
+        total, heads, dq = q.shape
+        dv = v.shape[2]
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        grad_q = torch.empty(total, heads, dq, dtype=q.dtype, device=q.device)
+        grad_k = torch.empty(total, heads, dq, dtype=k.dtype, device=k.device)
+        grad_v = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
+        grad_pos = torch.zeros(position_weight.shape, dtype=torch.float32, device=q.device)
+        grad_time = torch.zeros(time_weight.shape, dtype=torch.float32, device=q.device)
+        grid = (triton.cdiv(ctx.max_length, block), offsets.numel() - 1, heads)
+        if total and grid[0] and grid[1]:
+            _backward_kernel[grid](
+                q, k, v, grad_out, grad_q, grad_k, grad_v, grad_pos, grad_time,
+                offsets, timestamps, position_weight, time_weight, pos_thr, time_thr,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                grad_out.stride(0), grad_out.stride(1),
+                heads, spec.normalizer,
+                bucket_scale(spec.num_position_buckets, spec.max_position),
+                bucket_scale(spec.num_time_buckets, spec.max_time_gap),
+                DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
+                BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK=block,
+                NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets,
+                POS_PAD=triton.next_power_of_2(spec.num_position_buckets),
+                TIME_PAD=triton.next_power_of_2(spec.num_time_buckets),
+            )
+        return (grad_q, grad_k, grad_v, grad_pos.to(position_weight.dtype), grad_time.to(time_weight.dtype),
+                None, None, None, None, None)
+
+
+def jagged_hstu_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
+    position_weight: torch.Tensor, time_weight: torch.Tensor, max_length: int, spec: BiasSpec,
+    block: int | None = None,
+) -> torch.Tensor:
+    """``A V`` of every sample over its own positions, ``[T, H * dv]`` in jagged order.
+
+    ``q``, ``k`` ``[T, H * dq]`` and ``v`` ``[T, H * dv]`` (column views of one projection are
+    fine: only the last dimension must be unit-stride); ``offsets`` ``[B+1]`` int64;
+    ``timestamps`` ``[T]`` seconds; the bias tables ``[buckets, H]``; ``max_length`` the
+    longest sample (the caller knows it once per batch, so no layer syncs for it).
+    """
+    heads = position_weight.shape[1]
+    out = _JaggedHSTUAttention.apply(
+        _heads(q, heads), _heads(k, heads), _heads(v, heads),
+        position_weight.contiguous(), time_weight.contiguous(),
+        offsets.to(torch.int64).contiguous(), timestamps.to(torch.int64).contiguous(),
+        int(max_length), spec, block or default_block(q.device),
+    )
+    return out.view(out.shape[0], -1)
