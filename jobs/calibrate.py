@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--held-out-batches", type=int, default=24,
                    help="mixed batches the written model is checked on; 0 skips the check (default 24)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic batches and the model (default 0)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model is timed: cpu (thread CPU clock) or cuda (CUDA events); "
+                        "auto = cuda when available (default)")
     p.add_argument("--rank-speeds-output", help="also measure relative rank speeds and write them here "
                                                 "(for `freescale balance --capacities @FILE`)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks for the rank-speed measurement (default 2)")
@@ -299,6 +302,20 @@ def measure_rank_speeds(args: argparse.Namespace, overrides: list[str]) -> dict:
 # ---------------------------------------------------------------------------- the job
 
 
+def calibration_device(choice: str, attention_kernel: str) -> str:
+    """The device ``--device`` means here, checked with the model's attention kernel before any
+    run or output exists: a missing GPU or a kernel that cannot run is one ``InputError`` line."""
+    import torch
+
+    from training.hstu import resolve_attention_kernel
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available to this process")
+    device = choice if choice != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    resolve_attention_kernel(attention_kernel, device)
+    return device
+
+
 def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     # Arguments and the config (typed, torch-free) first: a bad one is reported before the
     # imports below, which load torch (seconds).
@@ -306,6 +323,7 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     from training.config import load_config, to_flat_dict
 
     config = load_config(args.config, overrides)
+    device = calibration_device(args.device, config.model.hstu.attention_kernel)
 
     import dataclasses
     import socket
@@ -327,7 +345,8 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
         settings = CalibrationSettings(
             lengths=tuple(lengths), num_items=args.num_items, repeats=args.repeats, warmup=args.warmup,
             replicates=args.replicates, held_out_batches=args.held_out_batches,
-            num_negatives=config.loss.num_negatives, full_softmax=config.loss.full_softmax, seed=args.seed)
+            num_negatives=config.loss.num_negatives, full_softmax=config.loss.full_softmax, seed=args.seed,
+            device=device)
         config_record = {"model": dataclasses.asdict(config.model), "loss": dataclasses.asdict(config.loss),
                          "config_file": args.config, "overrides": overrides}
         def log(message: str) -> None:
@@ -382,7 +401,7 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
         params = {**{k: v for k, v in to_flat_dict(config).items() if k.startswith(("model.", "loss."))},
                   "lengths": ",".join(map(str, result.grid)), "repeats": args.repeats, "warmup": args.warmup,
                   "replicates": args.replicates, "num_items": args.num_items, "held_out_batches": args.held_out_batches,
-                  "seed": args.seed, "output": args.output, "config": args.config,
+                  "seed": args.seed, "output": args.output, "config": args.config, "device": device,
                   "rank_speeds_output": args.rank_speeds_output,
                   "nproc_per_node": args.nproc_per_node if args.rank_speeds_output else None}
         run.log_params(params)

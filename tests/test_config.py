@@ -80,6 +80,7 @@ CHOICES = [
     ("parallel.backend", ("auto", "gloo", "nccl"), "mpi"),
     ("optimizer.sparse_optimizer", ("adagrad", "sgd", "adam"), "rowwise_adagrad"),
     ("model.hstu.attention_normalization", ("sample_length", "max_seq_len"), "padded"),
+    ("model.hstu.attention_kernel", ("auto", "triton", "grouped"), "cuda"),
     ("comm.mode", ("plain", "overlap", "prioritized"), "async"),
     ("comm.backend", ("auto", "gloo", "nccl", "copy_engine"), "mpi"),
 ]

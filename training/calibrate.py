@@ -170,8 +170,10 @@ def synthetic_batch(lengths: Sequence[int], num_items: int, seed: int) -> Sequen
 def time_dense_step(model: SequentialRecommender, batch: SequenceBatch, num_negatives: int,
                     full_softmax: bool = False, seed: int = 0) -> StepTime:
     """Time one training forward+backward's dense span; the same ``seed`` gives the same negatives."""
-    probe = DenseSpanProbe()
     generator = torch.Generator().manual_seed(seed)
+    if next(model.encoder.parameters()).device.type == "cuda":
+        return _time_cuda_step(model, batch, num_negatives, full_softmax, generator)
+    probe = DenseSpanProbe()
     loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator, probe=probe)
     loss.backward()
     end_cpu, end_wall = probe.end_cpu, probe.end_wall
@@ -179,6 +181,24 @@ def time_dense_step(model: SequentialRecommender, batch: SequenceBatch, num_nega
         end_cpu, end_wall = time.thread_time(), time.perf_counter()
     model.zero_grad(set_to_none=True)
     return StepTime(cpu_s=end_cpu - probe.start_cpu, wall_s=end_wall - probe.start_wall)
+
+
+def _time_cuda_step(model: SequentialRecommender, batch: SequenceBatch, num_negatives: int,
+                    full_softmax: bool, generator: torch.Generator) -> StepTime:
+    """The whole forward+backward between two CUDA events: GPU time, both fields.
+
+    Host clocks would time kernel launches, not kernels. The item lookup is a local
+    table here and costs microseconds next to the encoder, so the span includes it.
+    """
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator)
+    loss.backward()
+    end.record()
+    end.synchronize()
+    model.zero_grad(set_to_none=True)
+    seconds = start.elapsed_time(end) / 1000.0
+    return StepTime(cpu_s=seconds, wall_s=seconds)
 
 
 def time_round_robin(steps: Sequence[Callable[[], StepTime]], repeats: int, warmup: int,
@@ -261,9 +281,11 @@ def calibration_batches(lengths: Sequence[int], min_length: int, max_length: int
 # --------------------------------------------------------------------- orchestration
 
 
-def machine_info() -> dict:
+def machine_info(device: str = "cpu") -> dict:
     """Where the numbers were measured (goes into every calibration's provenance)."""
-    return {
+    gpu = {"gpu": torch.cuda.get_device_name(torch.device(device)), "cuda": torch.version.cuda} \
+        if torch.device(device).type == "cuda" else {}
+    return {**gpu,
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
@@ -289,6 +311,8 @@ class CalibrationSettings:
     num_negatives: int = 128
     full_softmax: bool = False
     seed: int = 0
+    device: str = "cpu"
+    """Where the model runs: ``cpu`` (thread CPU clock, one thread) or ``cuda`` (CUDA events)."""
 
 
 @dataclass
@@ -327,6 +351,8 @@ class CalibrationResult:
     created: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat())
     model: CostModel | None = None
     """The chosen form on the CPU clock, refitted on all batches, with provenance."""
+    attention_kernel: str = ""
+    """The encoder's attention kernel on the timed device (``HSTUEncoder.kernel``)."""
 
     @property
     def chosen(self) -> FittedForm:
@@ -349,17 +375,19 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
     mixes = heavy_tailed_batches(settings.held_out_batches, lo, hi, settings.seed + 1)
 
     torch.manual_seed(settings.seed)
-    model = build_local_model(settings.num_items, model_config)
+    model = build_local_model(settings.num_items, model_config, device=settings.device)
     model.train()  # dropout on, as in training
 
     def step(lengths: Sequence[int], index: int) -> Callable[[], StepTime]:
         batch = synthetic_batch(lengths, settings.num_items, seed=settings.seed * 100_003 + index)
+        batch = batch.to(settings.device)
         return lambda: time_dense_step(model, batch, settings.num_negatives, settings.full_softmax, seed=index)
 
     all_batches = [b.lengths for b in batches] + list(mixes)
     log(f"timing {len(batches)} calibration batches ({len(grid)} grid + {len(held_out)} held-out lengths x "
         f"{settings.replicates}) and {len(mixes)} held-out mixed batches: {settings.warmup} warm-up + "
-        f"{settings.repeats} rounds, 1 thread")
+        f"{settings.repeats} rounds, {_clock_words(settings.device)}, attention kernel "
+        f"{model.attention_kernel}")
     with single_thread(), caching_malloc():
         samples = time_round_robin([step(b, i) for i, b in enumerate(all_batches)], settings.repeats,
                                    settings.warmup, progress=lambda r: log(f"  round {r}/{settings.repeats}"))
@@ -380,10 +408,14 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
     if mixes:
         measured = {clock: medians[clock][len(batches):] for clock in CLOCKS}
         validation = validate(mixes, measured, fits[FIT_CLOCK].final)
-    result = CalibrationResult(settings, machine_info(), grid, held_out, batches, fits, validation,
-                               seconds=time.perf_counter() - started)
+    result = CalibrationResult(settings, machine_info(settings.device), grid, held_out, batches, fits, validation,
+                               seconds=time.perf_counter() - started, attention_kernel=model.attention_kernel)
     result.model = dataclasses.replace(result.chosen.model, provenance=build_provenance(result, config_record or {}))
     return result
+
+
+def _clock_words(device: str) -> str:
+    return "CUDA events" if torch.device(device).type == "cuda" else "1 thread, thread CPU clock"
 
 
 def validate(mixes: Sequence[Sequence[int]], measured: dict[str, np.ndarray],
@@ -443,7 +475,10 @@ def build_provenance(result: CalibrationResult, config_record: dict) -> dict:
         "method": ("t(batch) = d + sum cost(L_i), non-negative least squares on relative error, over batches of "
                    f"probe samples at each length on random Pareto({PARETO_ALPHA}) backgrounds of "
                    f"{MIX_SAMPLES[0]}-{MIX_SAMPLES[1]} samples"),
-        "clock": f"{FIT_CLOCK}: thread CPU time, 1 intra-op thread (the wall-clock fit is under fits.wall)",
+        "clock": (f"{FIT_CLOCK}: thread CPU time, 1 intra-op thread (the wall-clock fit is under fits.wall)"
+                  if torch.device(s.device).type == "cpu" else "CUDA events around forward+backward (both fits)"),
+        "device": s.device,
+        "attention_kernel": result.attention_kernel,
         "cv": "both forms fitted on the grid-length batches, scored on the held-out-length batches",
         "chosen": result.fits[FIT_CLOCK].choice.chosen,
         "reason": result.fits[FIT_CLOCK].choice.reason,

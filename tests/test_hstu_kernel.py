@@ -1,0 +1,168 @@
+"""The Triton HSTU attention kernel against the grouped PyTorch path, on CPU under TRITON_INTERPRET=1.
+
+The interpreter runs program instances one by one in NumPy, so shapes stay tiny
+(16-row tiles, two heads of 16) and every case below runs in about a second.
+The kernel module reads TRITON_INTERPRET when it is imported (triton.jit decides
+then) and the interpreter reads it again when it first runs, so this module sets
+it around the import and around each of its tests, and restores the environment
+after: no other test, and no process another test launches, sees it.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipeline.errors import InputError
+from training.config import HSTUConfig
+from training.hstu import GroupedPlan, HSTUEncoder, RelativeAttentionBias, log_bucket, resolve_attention_kernel
+from training.jagged import offsets_from_lengths
+
+_saved = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    from training.ops import hstu_attention as ops  # noqa: E402
+finally:
+    if _saved is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+TOLERANCE = 1e-4
+"""Largest difference allowed, relative to the largest entry of the reference tensor."""
+
+CONFIG = HSTUConfig(embedding_dim=32, num_layers=2, num_heads=2, attention_dim=16, linear_dim=16, dropout=0.0,
+                    max_seq_len=40, num_position_buckets=16, num_time_buckets=16, max_time_gap_seconds=10**7)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-12))
+
+
+def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    offsets = offsets_from_lengths(torch.tensor(lengths))
+    total = int(offsets[-1])
+    heads = config.num_heads
+    # One projection's column views, as the layer passes them (row stride > width).
+    projected = torch.randn(total, heads * (2 * config.attention_dim + config.linear_dim), generator=generator)
+    q, k, v = projected.split([heads * config.attention_dim] * 2 + [heads * config.linear_dim], dim=1)
+    # Gaps from 0 s (ties) to ~10^6 s: the time buckets span most of the table.
+    timestamps = torch.cumsum(torch.randint(0, 10**6, (total,), generator=generator), 0)
+    return q, k, v, offsets, timestamps
+
+
+def run_both(lengths: list[int], config: HSTUConfig, block: int = 16):
+    """Forward and the five gradients (q, k, v, position table, time table) of both kernels."""
+    torch.manual_seed(0)
+    bias = RelativeAttentionBias(config)
+    with torch.no_grad():  # large biases: a wrong bucket shows
+        bias.position_bias.weight.normal_(std=1.0)
+        bias.time_bias.weight.normal_(std=1.0)
+    q, k, v, offsets, timestamps = jagged_inputs(lengths, config)
+    grad = torch.randn(q.shape[0], config.num_heads * config.linear_dim)
+    results = []
+    for kernel in ("triton", "grouped"):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        bias.zero_grad(set_to_none=True)
+        if kernel == "triton":
+            spec = ops.BiasSpec(config.num_position_buckets, config.max_seq_len, config.num_time_buckets,
+                                config.max_time_gap_seconds,
+                                config.max_seq_len if config.attention_normalization == "max_seq_len" else 0)
+            out = ops.jagged_hstu_attention(*inputs, offsets, timestamps, bias.position_bias.weight,
+                                            bias.time_bias.weight, max(lengths), spec, block=block)
+        else:
+            plan = GroupedPlan.build(offsets, timestamps, config)
+            out = plan.leave(plan.attend(*(plan.enter(t) for t in inputs), bias))
+        out.backward(grad)
+        results.append([out.detach(), *(t.grad for t in inputs),
+                        bias.position_bias.weight.grad.clone(), bias.time_bias.weight.grad.clone()])
+    return results
+
+
+NAMES = ("output", "grad q", "grad k", "grad v", "grad position table", "grad time table")
+
+
+@pytest.mark.parametrize("lengths", [
+    pytest.param([1], id="length-1"),
+    pytest.param([23], id="one-sample-across-two-tiles"),
+    pytest.param([1, 17, 33, 5, 16, 15], id="lengths-crossing-the-tile"),
+    pytest.param([40, 3], id="longest-allowed"),
+    pytest.param([7] * 6, id="many-of-one-length"),
+])
+def test_kernel_equals_grouped_forward_and_every_gradient(lengths: list[int]) -> None:
+    triton_out, grouped_out = run_both(lengths, CONFIG)
+    for name, actual, expected in zip(NAMES, triton_out, grouped_out):
+        assert actual.shape == expected.shape, name
+        assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
+
+
+def test_kernel_equals_grouped_with_constant_normaliser_and_odd_head_widths() -> None:
+    config = HSTUConfig(**{**CONFIG.__dict__, "attention_normalization": "max_seq_len",
+                           "attention_dim": 12, "linear_dim": 20})
+    for name, actual, expected in zip(NAMES, *run_both([9, 18], config)):
+        assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
+
+
+def test_kernel_buckets_equal_log_bucket_exactly() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for num_buckets, max_distance in ((64, 1024), (64, 4 * 365 * 86400.0), (16, 40), (8, 5)):
+        distances = torch.cat([torch.arange(0, 4096),
+                               torch.randint(0, int(3 * max_distance) + 2, (4096,), generator=generator)])
+        expected = log_bucket(distances, num_buckets, max_distance)
+        assert torch.equal(ops.kernel_buckets(distances, num_buckets, max_distance), expected)
+
+
+def test_encoder_with_triton_kernel_equals_grouped_encoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole encoder (every parameter's gradient) through the selection key."""
+    lengths = [5, 18, 1]
+    offsets = offsets_from_lengths(torch.tensor(lengths))
+    values = torch.randn(int(offsets[-1]), CONFIG.embedding_dim)
+    timestamps = torch.cumsum(torch.randint(0, 10**5, (int(offsets[-1]),)), 0)
+    encoders = {}
+    for kernel in ("triton", "grouped"):
+        torch.manual_seed(0)
+        encoders[kernel] = HSTUEncoder(HSTUConfig(**{**CONFIG.__dict__, "attention_kernel": kernel}))
+        assert encoders[kernel].kernel("cpu") == kernel
+        out = encoders[kernel](values, offsets, timestamps)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    torch.testing.assert_close(encoders["triton"](values, offsets, timestamps),
+                               encoders["grouped"](values, offsets, timestamps), rtol=TOLERANCE, atol=TOLERANCE)
+    grouped = dict(encoders["grouped"].named_parameters())
+    for name, parameter in encoders["triton"].named_parameters():
+        assert relative_error(parameter.grad, grouped[name].grad) <= TOLERANCE, name
+
+
+def test_auto_picks_triton_on_cuda_and_grouped_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve_attention_kernel("auto", "cpu") == "grouped"
+    assert resolve_attention_kernel("grouped", "cuda") == "grouped"
+    assert resolve_attention_kernel("auto", "cuda") == "triton"  # needs no GPU to decide
+
+
+def test_triton_where_it_cannot_run_is_one_line_never_a_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InputError) as error:
+        resolve_attention_kernel("triton", "cpu")
+    message = str(error.value)
+    assert "\n" not in message and "attention_kernel" in message and "cpu" in message
+
+
+def test_calibrate_refuses_triton_on_cpu_before_writing(tmp_path, monkeypatch, capsys) -> None:
+    from jobs import calibrate
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    output = tmp_path / "cost_model.json"
+    status = calibrate.main(["--output", str(output), "--device", "cpu", "--tracking-uri", "none",
+                             "--model.hstu.attention_kernel", "triton"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and not output.exists()
+    assert len(err) == 1 and "attention_kernel = 'triton' cannot run" in err[0]
