@@ -146,10 +146,10 @@ def balance(args: argparse.Namespace) -> int:
 
     from pyspark.sql import functions as F
 
-    from jobs import shard_plan
+    from shards import spark_plan
     from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
-    from jobs.manifest import describe_files, relative_to
+    from shards.file_stats import describe_files, relative_to
     from jobs.tracking import job_run, reachable_tracking_uri, run_tags
     from pipeline.cost_model import CostModel, cost_column, default_cost_model
     from pipeline.session import build_spark_session
@@ -176,13 +176,13 @@ def balance(args: argparse.Namespace) -> int:
         if "user_features" in sequences.columns and not prepared.get("user_features"):
             raise InputError(f"input {sequences_path} has a user_features column but {input_uri}/prepare.json "
                              "does not list the features; rerun `freescale prepare`")
-        spec = shard_plan.PlanSpec(world_size=args.world_size, local_batch_size=args.local_batch_size,
+        spec = spark_plan.PlanSpec(world_size=args.world_size, local_batch_size=args.local_batch_size,
                                    window_steps=args.window_steps, strategy=args.strategy, seed=args.seed,
                                    token_cap=args.token_cap, equal_counts=args.equal_counts,
                                    capacities=capacities, time_limit_s=args.time_limit)
 
         costs = sequences.select("user_id", "length", cost_column(model, "length").alias("cost"))
-        positioned = shard_plan.with_global_position(costs, args.seed)
+        positioned = spark_plan.with_global_position(costs, args.seed)
         num_samples = positioned.count()
         g = spec.global_batch_size
         if num_samples == 0:
@@ -204,11 +204,11 @@ def balance(args: argparse.Namespace) -> int:
         plan_started = time.perf_counter()
         if args.control == "mirror":
             num_steps = num_samples // g
-            assignment = shard_plan.mirror_assignment(positioned, spec, num_steps)
+            assignment = spark_plan.mirror_assignment(positioned, spec, num_steps)
             planned = positioned.where(F.col("position") < num_steps * spec.local_batch_size)
         else:
-            planned = shard_plan.apply_leftover_policy(positioned, num_samples, g, args.leftover)
-            assignment = shard_plan.plan_windows(planned, spec)
+            planned = spark_plan.apply_leftover_policy(positioned, num_samples, g, args.leftover)
+            assignment = spark_plan.plan_windows(planned, spec)
         assignment = assignment.localCheckpoint(eager=True)
         plan_seconds = time.perf_counter() - plan_started
 
@@ -221,9 +221,9 @@ def balance(args: argparse.Namespace) -> int:
             raise RuntimeError(f"plan lost or duplicated samples: {summary['rows']} rows for {planned_samples} samples")
         num_steps = int(summary["last_step"]) + 1
 
-        step_table = shard_plan.step_loads(assignment, costs, spec).toPandas()
-        baseline = shard_plan.contiguous_assignment(planned, spec) if not args.control else assignment
-        baseline_table = shard_plan.step_loads(baseline, costs, spec).toPandas()
+        step_table = spark_plan.step_loads(assignment, costs, spec).toPandas()
+        baseline = spark_plan.contiguous_assignment(planned, spec) if not args.control else assignment
+        baseline_table = spark_plan.step_loads(baseline, costs, spec).toPandas()
         imbalance = step_table["max_time"] / step_table["mean_time"] - 1.0
         rank_totals = {int(r["rank"]): {"tokens": r["tokens"], "cost": r["cost"]} for r in (
             assignment.join(costs, "user_id").groupBy("rank")
@@ -244,10 +244,10 @@ def balance(args: argparse.Namespace) -> int:
         rows = (sequences.join(assignment, "user_id")
                 .join(F.broadcast(step_targets), "step")
                 .withColumn("cost", cost_column(model, "length")))
-        rows = shard_plan.shard_rows(rows)
+        rows = spark_plan.shard_rows(rows)
         stats = {
-            "bubble": shard_plan.bubble_of(step_table),
-            "bubble_contiguous": shard_plan.bubble_of(baseline_table),
+            "bubble": spark_plan.bubble_of(step_table),
+            "bubble_contiguous": spark_plan.bubble_of(baseline_table),
             "imbalance_mean": float(imbalance.mean()),
             "imbalance_p50": float(imbalance.median()),
             "imbalance_p95": float(imbalance.quantile(0.95)),

@@ -31,13 +31,13 @@ from pathlib import Path, PurePosixPath
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.job_errors import error_line, run_job  # noqa: E402
+from jobs.job_errors import Stopped, error_line, run_job  # noqa: E402
 from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 from pipeline.errors import InputError  # noqa: E402
+from training.comparison import comparison_metrics, medians  # noqa: E402  (stdlib only)
 from training.config import CommMode  # noqa: E402  (typed config, no torch)
 
 VARIANTS = ("contiguous", "balanced", "control")
-QUALITY = ("hr_at_10", "ndcg_at_10", "mrr")  # plus the sampled_* metrics when the runs have them
 TABLE = (("bubble_fraction", "bubble", "{:.4f}", 1), ("idle_fraction", "idle", "{:.3f}", 1),
          ("step_time_s", "step time (ms)", "{:.1f}", 1e3), ("samples_per_s", "samples/s", "{:.0f}", 1),
          ("hr_at_10", "HR@10", "{:.4f}", 1), ("ndcg_at_10", "NDCG@10", "{:.4f}", 1))
@@ -163,14 +163,6 @@ class StageFailed(Exception):
         self.code, self.message = code, message
 
 
-class Stopped(BaseException):
-    """A stop signal, raised in the main thread so the parent run ends KILLED."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by signal {signum}")
-        self.signum = signum
-
-
 def build_shard_sets(args: argparse.Namespace, work: Path, uri: str, experiment: str,
                      comparison: str) -> dict[str, Path]:
     """The real balance job, once per variant, into ``work``; their MLflow runs carry the comparison's tags."""
@@ -243,42 +235,6 @@ def run_trainings(args: argparse.Namespace, overrides: list[str], sets: dict[str
 
 
 # ----------------------------------------------------------------------- the numbers
-
-
-def medians(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
-    """Per variant, the median over repeats of every summary number all its runs have."""
-    out = {}
-    for variant, rows in runs.items():
-        keys = set.intersection(*(set(r["summary"]) for r in rows))
-        out[variant] = {k: statistics.median(float(r["summary"][k]) for r in rows) for k in sorted(keys)}
-    return out
-
-
-def removed_share(contiguous: float, balanced: float, floor: float) -> float | None:
-    """The share of the removable amount (contiguous - floor) that balancing removed; None when
-    there was nothing to remove."""
-    removable = contiguous - floor
-    return (contiguous - balanced) / removable if removable > 0 else None
-
-
-def comparison_metrics(med: dict[str, dict[str, float]]) -> dict[str, float | None]:
-    """The parent run's numbers, from the medians: reductions against the control's floor (0
-    without a control), speedup, and balanced - contiguous quality."""
-    con, bal = med["contiguous"], med["balanced"]
-    floor = med.get("control", {})
-    metrics: dict[str, float | None] = {
-        "bubble_reduction": removed_share(con["bubble_fraction"], bal["bubble_fraction"],
-                                          floor.get("bubble_fraction", 0.0)),
-        "idle_reduction": removed_share(con["idle_fraction"], bal["idle_fraction"], floor.get("idle_fraction", 0.0)),
-        "speedup": bal["samples_per_s"] / con["samples_per_s"] if con["samples_per_s"] > 0 else None,
-    }
-    sampled = sorted(k for k in con if k.startswith("sampled_") and k in bal)
-    for key in (*QUALITY, *sampled):
-        if key in con and key in bal:
-            metrics[f"delta_{key}"] = bal[key] - con[key]
-    for variant, values in med.items():
-        metrics.update({f"{variant}/{k}": v for k, v in values.items()})
-    return metrics
 
 
 def format_table(runs: dict[str, list[dict]], metrics: dict[str, float | None]) -> str:

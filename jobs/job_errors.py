@@ -30,6 +30,17 @@ EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 3
 
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGINT), raised in the main thread so the job's MLflow run ends
+    KILLED. A BaseException: no `except Exception` on the way may take it for an error."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
 # Where `freescale train` asks its ranks to leave their exit status (one file per rank).
 STATUS_DIR_ENV = "FREESCALE_STATUS_DIR"
 

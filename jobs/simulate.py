@@ -24,7 +24,6 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -34,6 +33,9 @@ import numpy as np  # noqa: E402
 
 from balancing.simulate import NOISE_DISTS, Noise, TimeModel  # noqa: E402  (numpy only)
 from balancing.strategies import STRATEGIES  # noqa: E402
+from balancing.time_model import (  # noqa: E402  (numpy only)
+    check_same_cost_model, describe_cost_model, fit_time_model, mirror_noise, predict, read_run, reductions,
+    runs_cost_model)
 from jobs.job_errors import run_job  # noqa: E402
 from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 from pipeline.errors import InputError, one_line  # noqa: E402
@@ -146,108 +148,29 @@ def check_args(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------- measured runs
 
 
-@dataclass(frozen=True)
-class RunTimings:
-    """One training run's measured steps (warm-up steps left out, as its summary does), [steps, K]."""
-
-    path: str
-    compute: np.ndarray
-    cost: np.ndarray
-    samples: np.ndarray
-    step_time: np.ndarray
-    """Per step: the slowest rank's whole step, as the trainer's bubbles divide by."""
-    cost_model: dict | None
-    """The JSON of the cost model ``cost`` is in (its shards'); None in a summary written before
-    summaries named it."""
-
-
-def read_run(path: str) -> RunTimings:
-    """A `freescale train --summary-json` file's per-step, per-rank timings."""
-    from pipeline.json_files import read_json
-
-    data = read_json(path, "run summary (freescale train --summary-json)")
-    try:
-        fields = list(data["timings"]["fields"])
-        table = np.asarray(data["timings"]["steps_ranks_fields"], dtype=np.float64)
-        measured = int(data["summary"]["measured_steps"])
-    except (KeyError, TypeError, ValueError):
-        raise InputError(f"{path}: not a run summary (no timings.fields, timings.steps_ranks_fields "
-                         "and summary.measured_steps)") from None
-    missing = [n for n in ("dense_compute_s", "cost", "samples", "step_s") if n not in fields]
-    if missing:
-        raise InputError(f"{path}: timings lack field {missing[0]!r}")
-    if table.ndim != 3 or table.shape[2] != len(fields) or not 0 < measured <= table.shape[0]:
-        raise InputError(f"{path}: timings are not [steps, ranks, fields] with {measured} measured steps")
-    table = table[table.shape[0] - measured:]
-    column = {name: table[..., i] for i, name in enumerate(fields)}
-    return RunTimings(path, column["dense_compute_s"], column["cost"], column["samples"],
-                      column["step_s"].max(axis=1), data.get("cost_model"))
-
-
 def build_noise(args: argparse.Namespace) -> tuple[Noise, dict]:
-    from balancing.simulate import rank_noise
-
     if args.noise_cv is not None:
         return Noise("normal", args.noise_cv), {"noise": "normal", "noise_cv": args.noise_cv}
     if not args.noise_from:
         return Noise(), {"noise": "none"}
-    run = read_run(args.noise_from)
-    if run.cost.shape[1] < 2:
-        raise InputError(f"{args.noise_from}: a 1-rank run shows no noise between ranks")
-    uneven = np.flatnonzero(~np.isclose(run.cost, run.cost[:, :1], rtol=1e-9).all(axis=1))
-    if uneven.size:
-        raise InputError(f"{args.noise_from}: not a mirror-control run (the ranks' planned costs differ in "
-                         f"measured step {int(uneven[0])}); balance with --control mirror")
-    noise = Noise.measured(rank_noise(run.compute), args.noise_dist or "empirical")
+    noise = mirror_noise(read_run(args.noise_from), args.noise_dist or "empirical")
     return noise, {"noise": noise.dist, "noise_cv": noise.cv, "noise_from": args.noise_from,
                    "noise_samples": int(noise.residuals.size)}
-
-
-def runs_cost_model(runs: list[RunTimings]):
-    """The one cost model the runs' costs are in (None when no run names it): seconds per cost
-    unit fitted across runs of different cost models would mix units."""
-    from pipeline.cost_model import CostModel
-
-    named = [(r.path, CostModel.from_json(r.cost_model, f"{r.path}: cost_model"))
-             for r in runs if r.cost_model is not None]
-    for run in runs:
-        if run.cost_model is None:
-            print(f"freescale simulate: warning: {run.path} does not name its shards' cost model (a summary "
-                  "from before summaries did): its costs are taken to be in the plans' cost model", file=sys.stderr)
-    for path, model in named[1:]:
-        if not model.same_costs(named[0][1]):
-            raise InputError(f"--calibrate-from: {named[0][0]} and {path} were trained on shards of different "
-                             "cost models; seconds per cost unit needs runs of one")
-    return named[0][1] if named else None
-
-
-def check_runs_cost_model(plans_model, runs_model, args: argparse.Namespace) -> None:
-    """Refuse plans costed by another model than the one the runs' seconds per cost unit is for."""
-    if runs_model is not None and not plans_model.same_costs(runs_model):
-        raise InputError(f"--calibrate-from {args.calibrate_from[0]}: its costs are in cost model "
-                         f"{describe_cost_model(runs_model)}, the plans' is {describe_cost_model(plans_model)}; "
-                         "pass --cost-model with the runs' cost model")
-
-
-def describe_cost_model(model) -> str:
-    return str(model.provenance.get("source", model.kind))
 
 
 def build_time_model(args: argparse.Namespace):
     """The fitted and explicit parts of the model, where each came from, and the cost model of the
     --calibrate-from runs (None without them)."""
-    from balancing.simulate import fit_comm, fit_seconds_per_cost, non_compute_s
-
     noise, described = build_noise(args)
     spc, latency, per_sample = 1.0, 0.0, 0.0
     runs_model = None
     if args.calibrate_from:
         runs = [read_run(path) for path in args.calibrate_from]
-        runs_model = runs_cost_model(runs)
-        spc = fit_seconds_per_cost(np.concatenate([r.cost.ravel() for r in runs]),
-                                   np.concatenate([r.compute.ravel() for r in runs]))
-        latency, per_sample = fit_comm(np.array([r.samples.mean() for r in runs]),
-                                       np.array([non_compute_s(r.compute, r.step_time).mean() for r in runs]))
+        runs_model, unnamed = runs_cost_model(runs)
+        for path in unnamed:
+            print(f"freescale simulate: warning: {path} does not name its shards' cost model (a summary "
+                  "from before summaries did): its costs are taken to be in the plans' cost model", file=sys.stderr)
+        spc, latency, per_sample = fit_time_model(runs)
         described["calibrate_from"] = list(args.calibrate_from)
     if args.seconds_per_cost is not None:
         spc = args.seconds_per_cost
@@ -258,6 +181,11 @@ def build_time_model(args: argparse.Namespace):
     described.update(seconds_per_cost=spc, comm_latency_s=latency, comm_seconds_per_sample=per_sample,
                      times_in="seconds" if args.calibrate_from or args.seconds_per_cost else "cost units")
     return TimeModel(spc, latency, per_sample, noise), described, runs_model
+
+
+def check_runs_cost_model(plans_model, runs_model, args: argparse.Namespace) -> None:
+    check_same_cost_model(plans_model, runs_model, f"--calibrate-from {args.calibrate_from[0]}"
+                          if args.calibrate_from else "--calibrate-from")
 
 
 # ----------------------------------------------------------------------- plans
@@ -351,32 +279,6 @@ def built_plans(args: argparse.Namespace, runs_model) -> tuple[dict, dict]:
 
 
 # ----------------------------------------------------------------------- the job
-
-
-def predict(plans: dict, model: TimeModel, b: int, seed: int) -> list[dict]:
-    from balancing.simulate import simulate
-
-    return [{"plan": name, **simulate(loads, model, b, seed=seed).to_json()}
-            for k, by_plan in plans.items() for name, loads in by_plan.items()]
-
-
-def reductions(rows: list[dict]) -> list[dict]:
-    """Per K with both plans: how much of contiguous's bubble, idle time and step time balancing removes."""
-    by_k: dict[int, dict[str, dict]] = {}
-    for row in rows:
-        by_k.setdefault(row["world_size"], {})[row["plan"]] = row
-    out = []
-    for k, plans in by_k.items():
-        if {"contiguous", "balanced"} <= plans.keys():
-            c, bal = plans["contiguous"], plans["balanced"]
-            out.append({"world_size": k, "bubble_reduction": _removed(c, bal, "bubble_fraction"),
-                        "idle_reduction": _removed(c, bal, "idle_fraction"),
-                        "speedup": c["step_time_s"] / bal["step_time_s"]})
-    return out
-
-
-def _removed(before: dict, after: dict, key: str) -> float:
-    return 1.0 - after[key] / before[key] if before[key] > 0 else 0.0
 
 
 def print_report(what: dict, described: dict, rows: list[dict], reduced: list[dict]) -> None:

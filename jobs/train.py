@@ -23,18 +23,10 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jobs.job_errors import Stopped  # noqa: E402
 from jobs.mlflow_sink import MLflowSink, build_sink  # noqa: E402  (no mlflow import until used)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # how torchrun (and a terminal) stop the ranks
-
-
-class Stopped(BaseException):
-    """A stop signal, raised in the main thread so the run ends KILLED (a BaseException:
-    no `except Exception` on the way may take it for an error)."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by signal {signum}")
-        self.signum = signum
 
 
 class RankJob:

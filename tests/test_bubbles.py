@@ -61,7 +61,7 @@ def test_warm_up_steps_are_left_out():
 def test_predicted_and_measured_bubbles_are_one_formula():
     """The balancer's bubble of loads [steps, ranks] is the measured compute bubble when the
     loads are the compute times, and the balance job's per-step table gives the same number."""
-    from jobs.shard_plan import bubble_of
+    from shards.spark_plan import bubble_of
 
     exact = pytest.approx(2 / 10, rel=1e-12)  # 1 - 4/5 and 2/10 round differently
     assert bubble([[3, 1], [2, 2]]) == exact and bubbles.summarize(HAND)["compute_bubble_fraction"] == exact

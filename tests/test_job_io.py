@@ -114,7 +114,7 @@ def test_balance_refuses_output_over_input(tmp_path, capsys, flag):
 
 @pytest.mark.parametrize("name", ["with space", "ä", "100%", "a%20b"])
 def test_to_uri_quotes_and_pyarrow_reads_it_back(tmp_path, name):
-    from jobs.manifest import describe_file
+    from shards.file_stats import describe_file
 
     folder = tmp_path / name / "rank=0"
     folder.mkdir(parents=True)

@@ -1,27 +1,34 @@
-"""Spark transforms of the balance job: shuffle, cut into windows, plan each window on the executors.
+"""Spark transforms that turn costed samples into a shard plan: shuffle, cut into windows, plan
+each window on the executors, and the per-step loads the manifest records.
 
-Every function is DataFrame -> DataFrame; the job (jobs/balance.py) wires them together.
+Every function is DataFrame -> DataFrame; the balance job (jobs/balance.py) wires them together.
+pyspark, pandas and numpy are imported inside the functions: ``shards`` stays importable with
+the standard library and pyarrow alone (the trainer reads the format without Spark).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-import pandas as pd
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
-from pyspark.sql import types as T
+if TYPE_CHECKING:
+    import pandas as pd
+    from pyspark.sql import DataFrame
+    from pyspark.sql import types as T
 
-from balancing.metrics import bubble_of_totals
-from balancing.types import LEFTOVER_POLICIES
+ASSIGNMENT_COLUMNS = ("user_id", "step", "rank", "slot", "origin_step")
+"""A plan's rows: which sample goes to which (step, rank, slot), and the step it was drawn for."""
 
-ASSIGNMENT_SCHEMA = T.StructType([
-    T.StructField("user_id", T.StringType(), False),
-    T.StructField("step", T.LongType(), False),
-    T.StructField("rank", T.IntegerType(), False),
-    T.StructField("slot", T.IntegerType(), False),
-    T.StructField("origin_step", T.LongType(), False),
-])
+
+def assignment_schema() -> T.StructType:
+    from pyspark.sql import types as T
+
+    return T.StructType([
+        T.StructField("user_id", T.StringType(), False),
+        T.StructField("step", T.LongType(), False),
+        T.StructField("rank", T.IntegerType(), False),
+        T.StructField("slot", T.IntegerType(), False),
+        T.StructField("origin_step", T.LongType(), False),
+    ])
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ def with_global_position(samples: DataFrame, seed: int) -> DataFrame:
     the input happens to be partitioned. Positions are the per-partition row index
     plus the row count of all earlier partitions (a tiny collect of P counts).
     """
+    from pyspark.sql import functions as F
+
     spark = samples.sparkSession
     keyed = samples.withColumn("_key", F.xxhash64(F.col("user_id"), F.lit(seed)))
     num_parts = max(1, spark.sparkContext.defaultParallelism)
@@ -77,6 +86,10 @@ def apply_leftover_policy(positioned: DataFrame, num_samples: int, global_batch_
                           policy: str) -> DataFrame:
     """`drop`: the last partial global batch (random samples, by position) is left out.
     `keep`: it becomes a short last step, split over the ranks with +-1 samples each."""
+    from pyspark.sql import functions as F
+
+    from balancing.types import LEFTOVER_POLICIES
+
     if policy not in LEFTOVER_POLICIES:
         raise ValueError(f"leftover policy {policy!r}: expected one of {', '.join(LEFTOVER_POLICIES)}")
     if policy == "keep":
@@ -91,11 +104,16 @@ def plan_windows(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
     Windows are planned in parallel on the executors (grouped pandas UDF); each gets
     its own seed so windows do not share tie-breaking.
     """
+    from pyspark.sql import functions as F
+
     windowed = positioned.select(
         "user_id", "cost", "length", "position",
         (F.col("position") / F.lit(spec.window_size)).cast("long").alias("window"))
 
     def plan_one_window(frame: pd.DataFrame) -> pd.DataFrame:
+        import numpy as np
+        import pandas as pd
+
         from balancing import plan
 
         frame = frame.sort_values("position", kind="stable")
@@ -116,13 +134,15 @@ def plan_windows(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
         })
         # Within a (step, rank) keep the shuffled order: the slot is the sample's rank in it.
         out["slot"] = out.groupby(["step", "rank"], sort=False).cumcount().astype(np.int32)
-        return out[[f.name for f in ASSIGNMENT_SCHEMA.fields]]
+        return out[list(ASSIGNMENT_COLUMNS)]
 
-    return windowed.groupBy("window").applyInPandas(plan_one_window, schema=ASSIGNMENT_SCHEMA)
+    return windowed.groupBy("window").applyInPandas(plan_one_window, schema=assignment_schema())
 
 
 def contiguous_assignment(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
     """The baseline (next B samples per rank, in shuffled order) as an assignment frame."""
+    from pyspark.sql import functions as F
+
     g, b = spec.global_batch_size, spec.local_batch_size
     step = (F.col("position") / F.lit(g)).cast("long")
     within = F.col("position") - step * F.lit(g)
@@ -137,7 +157,9 @@ def mirror_assignment(positioned: DataFrame, spec: PlanSpec, num_steps: int) -> 
     Ranks then do identical work each step, so the bubble it measures is the noise
     floor of the machine. Samples are replicated across ranks on purpose.
     """
-    spark: SparkSession = positioned.sparkSession
+    from pyspark.sql import functions as F
+
+    spark = positioned.sparkSession
     b = spec.local_batch_size
     step = (F.col("position") / F.lit(b)).cast("long")
     chosen = positioned.where(F.col("position") < num_steps * b).select(
@@ -152,6 +174,9 @@ def step_loads(assignment: DataFrame, costs: DataFrame, spec: PlanSpec) -> DataF
     Rank time is load / capacity (capacities normalised to mean 1), so a slower rank
     given less work counts as balanced.
     """
+    import numpy as np
+    from pyspark.sql import functions as F
+
     k = spec.world_size
     caps = np.ones(k) if spec.capacities is None else np.asarray(spec.capacities, dtype=np.float64)
     caps = caps / caps.mean()
@@ -169,12 +194,15 @@ def step_loads(assignment: DataFrame, costs: DataFrame, spec: PlanSpec) -> DataF
 
 def bubble_of(step_table: pd.DataFrame) -> float:
     """The predicted bubble of a ``step_loads`` table (the fraction of rank-time spent idle)."""
+    from balancing.metrics import bubble_of_totals
+
     return bubble_of_totals(float(step_table["mean_time"].sum()), float(step_table["max_time"].sum()))
 
 
 def shard_rows(rows: DataFrame) -> DataFrame:
     """``rank`` plus the shard format's columns (``shards.schema``), in its order and cast to its
     types, so the files hold exactly what the reader expects whatever the input's integer widths."""
+    from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import from_arrow_type
 
     from shards.schema import COLUMNS

@@ -1,13 +1,15 @@
-"""Describing the balance job's output files for the manifest: sizes, checksums and row counts,
-computed on the executors. The manifest itself is ``shards.manifest``."""
+"""What the manifest records of each shard file (size, SHA-256, Parquet row count), computed on
+Spark's executors. The manifest itself is ``shards.manifest``; pyspark is only needed by
+``describe_files``, which is handed a running session."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
-
-from pyspark.sql import SparkSession
+from typing import TYPE_CHECKING, Any
 
 from pipeline.paths import to_uri
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 def arrow_uri(path: str) -> str:
