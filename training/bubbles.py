@@ -8,13 +8,16 @@ fraction is the sum over ranks divided by ranks x step time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import time
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from training.model import EmbeddingSource
 
 
 @dataclass
@@ -58,26 +61,32 @@ class StepTiming:
 class DenseSpanProbe:
     """Marks the dense span of one step: lookup returned -> gradient back at the lookup's outputs.
 
-    Passed to the model's forward as ``probe``: the trainer's ``dense_compute_s`` and
-    the calibration's timings are this span, on the wall and thread CPU clocks.
+    ``timed(source)`` puts it around the model's embedding source: the span starts when
+    the rows the encoder needs are in, and ends at the last gradient to reach any row the
+    source handed out. The trainer's ``dense_compute_s`` and the calibration's timings
+    are this span, on the wall and thread CPU clocks.
     """
 
     def __init__(self) -> None:
         self.start_cpu = self.start_wall = 0.0
+        self.started = False
         self.end_cpu: float | None = None
         self.end_wall: float | None = None
 
     def __call__(self, *sparse_outputs: torch.Tensor) -> None:
         self.start_wall, self.start_cpu = time.perf_counter(), time.thread_time()
+        self.started = True
         for tensor in sparse_outputs:
-            if tensor.requires_grad:
-                tensor.register_hook(self._grad_arrived)
+            self.watch(tensor)
 
     def watch(self, tensor: torch.Tensor) -> None:
         """Also end the span no earlier than ``tensor``'s gradient (an output that arrived
         after the span started, such as the lowest-priority exchange group)."""
         if tensor.requires_grad:
             tensor.register_hook(self._grad_arrived)
+
+    def timed(self, source: "EmbeddingSource") -> "TimedSource":
+        return TimedSource(source, self)
 
     def _grad_arrived(self, grad: torch.Tensor) -> torch.Tensor:
         # Every output is reached by backward; the last one ends the dense part (the
@@ -86,11 +95,29 @@ class DenseSpanProbe:
         return grad
 
 
+class TimedSource:
+    """An embedding source (``training.model.EmbeddingSource``) whose rows a probe watches:
+    the model's math is the inner source's, the timing stays out of it."""
+
+    def __init__(self, source: "EmbeddingSource", probe: DenseSpanProbe):
+        self.source, self.probe = source, probe
+
+    def inputs(self, batch, negative_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        items, users = self.source.inputs(batch, negative_ids)
+        self.probe(*[t for t in (items, users) if t is not None])
+        return items, users
+
+    def negatives(self) -> torch.Tensor:
+        rows = self.source.negatives()
+        self.probe.watch(rows)
+        return rows
+
+
 TIMING_FIELDS = tuple(f.name for f in fields(StepTiming))
 FIELD_INDEX = {name: i for i, name in enumerate(TIMING_FIELDS)}
 
 
-class BubbleMeter:
+class StepTimeLog:
     """Collects this rank's StepTimings and all-gathers them into a [steps, ranks, fields] table."""
 
     def __init__(self, world_size: int, sync_every: int = 1, group: dist.ProcessGroup | None = None):

@@ -1,11 +1,14 @@
 """The comm layer applied to the sharded model: which features the exchange carries, in which groups.
 
-    comm = build_comm_layer(config.comm, dmp_model, env, dense_params, timeout)   # None for plain
-    step = comm.start(batch, negatives)      # a step ahead: ids leave during the previous step
-    step.look_up()                           # rows come back, highest priority first
-    loss, _ = model(batch, negative_ids=negatives, exchanged=step)
+    comm = CommLayer(config.comm, dmp_model, env, dense_params, timeout)
+    exchange = comm.start(batch, negatives)  # a step ahead: ids leave during the previous step
+    exchange.send_ids()
+    exchange.look_up()                       # rows come back, highest priority first
+    loss, _ = model(batch, negative_ids=negatives, source=exchange)
     loss.backward()                          # gradients leave as they become ready
-    step.finish_backward(); comm.dense_sync.finish()
+    exchange.finish_backward(); comm.dense_sync.finish()
+
+``training.step.OverlappedStep`` places these calls in a step.
 
 This is the only module that knows both the model's tables and the comm layer:
 the item table carries the ``item`` and ``negative`` features, each user feature
@@ -76,16 +79,40 @@ class CommLayer:
         groups = " > ".join(f"[{g}]" for g in self.exchange.group_names)
         return f"comm mode {self.mode}, backend {self.backend.name}: {self.backend.path}; exchange groups {groups}"
 
-    def start(self, batch: SequenceBatch, negatives: torch.Tensor) -> StepExchange:
+    def start(self, batch: SequenceBatch, negatives: torch.Tensor) -> BatchExchange:
         """Phase 1 of ``batch``'s exchange: its ids' counts leave now."""
         ids = {ITEM_FEATURE: batch.item_ids, NEGATIVE_FEATURE: negatives}
         for i, name in enumerate(self.user_feature_names):
             ids[name] = batch.user_features[:, i] if batch.user_features is not None and batch.batch_size \
                 else torch.zeros(0, dtype=torch.int64, device=negatives.device)
-        return self.exchange.start(ids)
+        return BatchExchange(self.exchange.start(ids), self.user_feature_names)
 
 
-def build_comm_layer(config: CommConfig, model: nn.Module, env: DistEnv, dense: list[nn.Parameter],
-                     timeout: timedelta) -> CommLayer | None:
-    """The overlapped comm layer, or None for ``plain`` (TorchRec's blocking step)."""
-    return None if config.mode == "plain" else CommLayer(config, model, env, dense, timeout)
+class BatchExchange:
+    """One batch's exchange: its phases, and the model's embedding source
+    (``training.model.EmbeddingSource``) over the rows it brings back."""
+
+    def __init__(self, exchange: StepExchange, user_feature_names: list[str]):
+        self.exchange = exchange
+        self.user_feature_names = user_feature_names
+
+    def send_ids(self) -> None:
+        self.exchange.send_ids()
+
+    def look_up(self) -> None:
+        self.exchange.look_up()
+
+    def finish_backward(self) -> None:
+        self.exchange.finish_backward()
+
+    def inputs(self, batch: SequenceBatch, negative_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The history items' and user features' groups (waits for those groups only)."""
+        items = self.exchange.feature(ITEM_FEATURE)
+        users = None
+        if self.user_feature_names:
+            users = torch.cat([self.exchange.feature(name) for name in self.user_feature_names], dim=1)
+        return items, users
+
+    def negatives(self) -> torch.Tensor:
+        """The lowest-priority group in the prioritized mode: waited for at the loss."""
+        return self.exchange.feature(NEGATIVE_FEATURE)

@@ -24,7 +24,7 @@ rank must call them, the same number of times.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,7 @@ from training.batch import (
     item_features,
     user_feature_kjt,
 )
+from training.bubbles import DenseSpanProbe
 from training.config import ModelConfig
 from training.hstu import HSTUEncoder
 from training.jagged import jagged_concat_last, last_positions, next_item_positions
@@ -61,11 +62,18 @@ NUM_RATINGS = 6  # 0 = unknown, 1..5
 PADDING_ID = 0
 
 
-class ExchangedEmbeddings(Protocol):
-    """Rows looked up elsewhere (the comm layer's exchange): ``feature(name)`` is ``[n, D]``
-    for that feature's ids in batch order, waiting for them if they are still in flight."""
+class EmbeddingSource(Protocol):
+    """Where one training forward's embedding rows come from: the model's own tables
+    (``TableLookup``) or rows looked up elsewhere (the comm layer's exchange)."""
 
-    def feature(self, name: str) -> torch.Tensor: ...
+    def inputs(self, batch: SequenceBatch, negative_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``([T, D] history item rows, [B, F * D] user feature rows or None)``: what the encoder needs."""
+        ...
+
+    def negatives(self) -> torch.Tensor:
+        """``[M, D]`` rows of the ``negative_ids`` given to ``inputs``; first needed by the loss,
+        so a source may still be receiving them while the encoder runs."""
+        ...
 
 
 class _SparseBoundary(torch.autograd.Function):
@@ -90,6 +98,28 @@ def _unique_with_first_index(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     positions = torch.arange(ids.numel(), device=ids.device)
     first = torch.full_like(unique, ids.numel()).scatter_reduce(0, inverse, positions, reduce="amin")
     return unique, first
+
+
+class TableLookup:
+    """The model's tables as the embedding source: TorchRec's lookups (blocking collectives
+    under DMP), every table's rows in one go."""
+
+    def __init__(self, model: "SequentialRecommender"):
+        self.model = model
+        self._negatives: torch.Tensor | None = None
+
+    def inputs(self, batch: SequenceBatch, negative_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        items, negatives = self.model.lookup(batch.lengths, batch.item_ids, negative_ids)
+        users = self.model.lookup_users(batch.user_features)
+        outputs = [items, negatives] + ([users] if users is not None else [])
+        if torch.is_grad_enabled():
+            outputs = list(_SparseBoundary.apply(*outputs))
+        self._negatives = outputs[1]
+        return outputs[0], (outputs[2] if users is not None else None)
+
+    def negatives(self) -> torch.Tensor:
+        assert self._negatives is not None, "inputs() looks the negatives up"
+        return self._negatives
 
 
 class SequentialRecommender(nn.Module):
@@ -283,9 +313,9 @@ class SequentialRecommender(nn.Module):
         *,
         full_softmax: bool = False,
         generator: torch.Generator | None = None,
-        probe: Callable[..., None] | None = None,
         negative_ids: torch.Tensor | None = None,
-        exchanged: ExchangedEmbeddings | None = None,
+        source: EmbeddingSource | None = None,
+        probe: DenseSpanProbe | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Next-item sampled-softmax loss over every position of every history.
 
@@ -296,17 +326,10 @@ class SequentialRecommender(nn.Module):
         instead the whole catalog (looked up through the table every step --
         only for small catalogs), which makes the loss the exact full softmax.
 
-        ``probe(*sparse_outputs)`` (item and negative embeddings, and the user
-        features' when present) is called as soon as the (possibly sharded) lookups
-        return: the trainer timestamps the end of the sparse forward there and hooks
-        the gradients that end the dense backward. The outputs pass one
-        ``_SparseBoundary``, so no table's backward starts before all are in.
-
-        ``negative_ids`` (default: sampled here) are the uniform negatives. With
-        ``exchanged`` the rows come from the comm layer's overlapped exchange instead
-        of the table's blocking lookups: ``exchanged.feature(name)`` waits for that
-        feature's priority group only, so the encoder starts once the history items
-        and user features are in and the negatives are waited for at the loss.
+        ``negative_ids`` (default: sampled here) are the uniform negatives. ``source``
+        supplies the rows (default: ``TableLookup(self)``, the model's own tables); the
+        comm layer's exchange is the other source. ``probe`` times the dense span of a
+        forward through the model's own tables (``source=probe.timed(TableLookup(model))``).
 
         Returns ``(loss, stats)``; stats are detached scalar tensors (no host
         sync), so the trainer decides when to read or all-reduce them.
@@ -316,25 +339,11 @@ class SequentialRecommender(nn.Module):
             negative_ids = torch.arange(1, self.num_items + 1, device=device)
         elif negative_ids is None:
             negative_ids = self.sample_negatives(num_negatives, device, generator)
-        if exchanged is None:
-            item_embeddings, negative_embeddings = self.lookup(batch.lengths, batch.item_ids, negative_ids)
-            user_embeddings = self.lookup_users(batch.user_features)
-            sparse_outputs = [item_embeddings, negative_embeddings]
-            if user_embeddings is not None:
-                sparse_outputs.append(user_embeddings)
-            if torch.is_grad_enabled():
-                sparse_outputs = list(_SparseBoundary.apply(*sparse_outputs))
-            if probe is not None:
-                probe(*sparse_outputs)
-            item_embeddings, negative_embeddings = sparse_outputs[:2]
-            user_embeddings = sparse_outputs[2] if user_embeddings is not None else None
-        else:
-            item_embeddings = exchanged.feature(ITEM_FEATURE)
-            user_embeddings = None
-            if self.user_feature_names:
-                user_embeddings = torch.cat([exchanged.feature(name) for name in self.user_feature_names], dim=1)
-            if probe is not None:
-                probe(*[t for t in (item_embeddings, user_embeddings) if t is not None])
+        if source is None:
+            source = TableLookup(self)
+        if probe is not None:
+            source = probe.timed(source)
+        item_embeddings, user_embeddings = source.inputs(batch, negative_ids)
         user_vectors = self.user_vectors(user_embeddings)
 
         offsets = batch.offsets
@@ -342,11 +351,7 @@ class SequentialRecommender(nn.Module):
         query_rows, target_rows = next_item_positions(offsets)
         target_ids = batch.item_ids[target_rows]
         positive = F.normalize(item_embeddings[target_rows], dim=-1)
-        if exchanged is not None:  # the lowest-priority group: first needed here
-            negative_embeddings = exchanged.feature(NEGATIVE_FEATURE)
-            if probe is not None:
-                probe.watch(negative_embeddings)
-        negatives = F.normalize(negative_embeddings, dim=-1)
+        negatives = F.normalize(source.negatives(), dim=-1)
         if self.config.in_batch_negatives and not full_softmax:
             # Unique, so a popular item is not counted several times in each partition function.
             unique_ids, first = _unique_with_first_index(target_ids)

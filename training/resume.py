@@ -1,0 +1,57 @@
+"""What a rank's checkpoint holds, and the resume from the newest one."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.checkpoint import Checkpointer, materialize_optimizer_state
+from training.config import TrainConfig, to_flat_dict
+from training.model import SequentialRecommender
+
+
+def checkpoint_states(sharded_model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: Any,
+                      loader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(shared, own)`` ``Stateful`` objects for the checkpointer.
+
+    Shared (through DCP): the model, the item table's fused optimizer and the dense
+    optimizer. Own (this rank's file): the run's progress (step, RNG states, the sink's
+    record), the loader position and the user feature tables' fused optimizer. The user
+    tables are sharded table-wise and their bag collection's optimizer lists only the
+    tables a rank holds (unlike the item table's, whose state is a ShardedTensor on every
+    rank), so DCP would find keys only some ranks have; the same world size and plan put
+    the same tables on the same rank on resume. Each sharded collection owns its fused
+    optimizer, so no key needs parsing.
+    """
+    model: SequentialRecommender = sharded_model.module
+    shared = {"model": sharded_model, "sparse_optimizer": model.embedding_collection.fused_optimizer,
+              "dense_optimizer": dense_optimizer}
+    own: dict[str, Any] = {"trainer": progress, "loader": loader}
+    if model.user_embedding_collection is not None:
+        own["user_table_optimizer"] = model.user_embedding_collection.fused_optimizer
+    return shared, own
+
+
+def resume_latest(checkpointer: Checkpointer, config: TrainConfig, shards_sha256: str, rank: int,
+                  dense_optimizer: torch.optim.Optimizer, states: tuple[dict[str, Any], dict[str, Any]],
+                  max_steps: int) -> int | None:
+    """Load the newest complete checkpoint into ``states``; its step, or None when there is none.
+
+    Refused for other shards or another model shape; changed hyperparameters are named
+    in a warning (``training.checkpoint``)."""
+    step = checkpointer.latest_step()
+    if step is None:
+        return None
+    checkpointer.check_shards(step, shards_sha256)
+    changed = checkpointer.check_config(step, to_flat_dict(config))
+    if changed and rank == 0:
+        print(f"freescale train: warning: resuming {checkpointer.step_dir(step)} with changed "
+              f"settings: {', '.join(changed)}", file=sys.stderr, flush=True)
+    materialize_optimizer_state(dense_optimizer)
+    checkpointer.load(step, *states)
+    if step >= max_steps and rank == 0:
+        print(f"freescale train: checkpoint {checkpointer.step_dir(step)} already reached max_steps "
+              f"{max_steps}: nothing left to train, evaluating only", file=sys.stderr, flush=True)
+    return step
