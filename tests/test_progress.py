@@ -8,7 +8,7 @@ import threading
 import time
 
 from pipeline.progress import describe, spark_progress
-from training.trainer import format_step_line
+from training.step_report import format_step_line
 
 LINE = re.compile(r"^freescale test: stage (\d+) \(count at test_progress\.py:\d+\) (\d+)% \((\d+)/8 tasks\)$")
 
