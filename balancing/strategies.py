@@ -4,7 +4,7 @@ A strategy is a solver ``(problem, seed, time_limit_s) -> rank of every sample``
 strategies that are deterministic anyway ignore the seed, and only ortools reads the time limit.
 Adding a strategy is its module (the algorithm, on a ``Problem``) plus one entry in ``SOLVERS``.
 
-Importing this module loads numpy and the strategy modules only: ``balancing.cpsat`` imports
+Importing this module loads numpy and the strategy modules only: ``balancing.ortools`` imports
 OR-Tools inside its solve, so the balance job's argument parser stays light.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Callable
 import numpy as np
 
 from balancing.contiguous import contiguous_ranks
-from balancing.cpsat import cpsat_ranks
 from balancing.inputs import Problem
 from balancing.karmarkar_karp import kk_ranks
 from balancing.local_search import refine
 from balancing.lpt import lpt_ranks
+from balancing.ortools import ortools_ranks
 from balancing.types import InfeasibleError
 
 Solver = Callable[[Problem, int, float | None], np.ndarray]
@@ -64,7 +64,7 @@ def _ortools(p: Problem, seed: int, time_limit_s: float | None) -> np.ndarray:
         warm = _kk(p, seed, time_limit_s)
     except InfeasibleError:
         warm = None  # CP-SAT may still find (or disprove) a feasible assignment from scratch
-    return cpsat_ranks(p, warm, seed, time_limit_s)
+    return ortools_ranks(p, warm, seed, time_limit_s)
 
 
 SOLVERS: dict[str, Solver] = {

@@ -235,17 +235,17 @@ def test_kk_is_close_to_the_lower_bound_on_heavy_tails() -> None:
 
 def test_ortools_lns_improves_a_poor_warm_start() -> None:
     from balancing.contiguous import contiguous_ranks
-    from balancing.cpsat import cpsat_ranks
+    from balancing.ortools import ortools_ranks
     from balancing.inputs import build_problem
     from balancing.metrics import makespan
 
     costs, _ = heavy_tailed(128 * 8, seed=2)
     p = build_problem(costs, 128)  # K * buckets is far above the full-model size: LNS
     warm = contiguous_ranks(p.n, 128)
-    improved = cpsat_ranks(p, warm, seed=0, time_limit_s=0.3)
+    improved = ortools_ranks(p, warm, seed=0, time_limit_s=0.3)
     assert makespan(p, improved) < 0.9 * makespan(p, warm)
-    np.testing.assert_array_equal(improved, cpsat_ranks(p, warm, seed=0, time_limit_s=0.3))
-    assert makespan(p, cpsat_ranks(p, warm, seed=-5, time_limit_s=0.1)) <= makespan(p, warm)
+    np.testing.assert_array_equal(improved, ortools_ranks(p, warm, seed=0, time_limit_s=0.3))
+    assert makespan(p, ortools_ranks(p, warm, seed=-5, time_limit_s=0.1)) <= makespan(p, warm)
 
 
 def test_ortools_never_worse_than_kk() -> None:

@@ -14,7 +14,7 @@ from tests.test_train import freescale_train, small_run_args
 from training.batch import SequenceBatch
 from training.config import ConfigError, EvaluationConfig, HSTUConfig, ModelConfig
 from training.evaluator import batch_negatives, check_protocol, evaluate
-from training.metrics import most_popular_baseline, sampled_retrieval_metrics, unseen_negatives
+from training.ranking_metrics import most_popular_baseline, sampled_retrieval_metrics, unseen_negatives
 from training.model import build_local_model
 
 METRICS = ("hr_at_10", "ndcg_at_10", "mrr")

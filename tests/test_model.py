@@ -21,7 +21,7 @@ from training.jagged import (
     offsets_from_lengths,
 )
 from training.losses import sampled_softmax_loss
-from training.metrics import (
+from training.ranking_metrics import (
     RetrievalMetrics,
     metrics_from_ranks,
     most_popular_baseline,

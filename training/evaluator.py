@@ -26,8 +26,8 @@ from shards.manifest import Manifest
 from training.batch import SequenceBatch
 from training.config import ConfigError, EvaluationConfig
 from training.jagged import jagged_concat_last
-from training.metrics import ProtocolMetrics, RetrievalMetrics, most_popular_baseline, unseen_negatives
 from training.model import SequentialRecommender
+from training.ranking_metrics import ProtocolMetrics, RetrievalMetrics, most_popular_baseline, unseen_negatives
 from training.shard_reader import build_loader
 
 K = 10

@@ -51,7 +51,7 @@ from training.config import ModelConfig
 from training.hstu import HSTUEncoder
 from training.jagged import jagged_concat_last, last_positions, next_item_positions
 from training.losses import sampled_softmax_loss
-from training.metrics import ExcludeIds, ProtocolMetrics, retrieval_metrics, sampled_retrieval_metrics
+from training.ranking_metrics import ExcludeIds, ProtocolMetrics, retrieval_metrics, sampled_retrieval_metrics
 
 # Not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow.
 ITEM_TABLE = "item_embedding"

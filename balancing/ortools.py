@@ -38,7 +38,7 @@ BUILD_CHARGE_S_PER_VAR = 3e-5
 SCALE_BITS = 30
 
 
-def cpsat_ranks(p: Problem, warm: np.ndarray | None, seed: int, time_limit_s: float | None) -> np.ndarray:
+def ortools_ranks(p: Problem, warm: np.ndarray | None, seed: int, time_limit_s: float | None) -> np.ndarray:
     """Best assignment found by CP-SAT, never worse than ``warm`` (when given)."""
     budget = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
     if p.n == 0:
