@@ -60,7 +60,7 @@ def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0):
     return q, k, v, offsets, timestamps
 
 
-def run_both(lengths: list[int], config: HSTUConfig, block: int = 16):
+def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16):
     """Forward and the five gradients (q, k, v, position table, time table) of both kernels."""
     torch.manual_seed(0)
     bias = RelativeAttentionBias(config)
@@ -110,6 +110,19 @@ def test_kernel_equals_grouped_with_constant_normaliser_and_odd_head_widths() ->
                            "attention_dim": 12, "linear_dim": 20})
     for name, actual, expected in zip(NAMES, *run_both([9, 18], config)):
         assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
+
+
+def test_autotuned_launch_gives_the_same_numbers_and_trials_leave_no_sum(monkeypatch) -> None:
+    """The compiled path autotunes the tile; its trials run the backward several times into the
+    bias-table gradients, which must be zeroed between them. Driven here with a stand-in timer."""
+    monkeypatch.setattr(ops, "INTERPRETED_BLOCK", None)
+    for tuned in (ops._forward_tuned, ops._backward_tuned):
+        monkeypatch.setattr(tuned, "_do_bench", lambda call, quantiles=None: (call(), [1.0, 1.0, 1.0])[1])
+        monkeypatch.setattr(tuned, "cache", {})
+    triton_out, grouped_out = run_both([3, 17], CONFIG, block=None)
+    for name, actual, expected in zip(NAMES, triton_out, grouped_out):
+        assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
+    assert len(ops._backward_tuned.configs) > 1 and ops._backward_tuned.cache  # the tuner did run
 
 
 def test_kernel_buckets_equal_log_bucket_exactly() -> None:

@@ -90,10 +90,9 @@ class BiasSpec:
     """Divisor of the attention weights; 0 = each sample's own length."""
 
 
-def default_block(device: torch.device) -> int:
-    # 64x64 tiles fill an H100/H200 SM with head dims up to 128; the interpreter runs every
-    # program in Python, where 16 (tl.dot's minimum) keeps the CPU tests quick.
-    return 64 if device.type == "cuda" else 16
+INTERPRETED_BLOCK: int | None = 16
+"""Tile rows under the interpreter, which runs every program in Python: tl.dot's minimum keeps the CPU
+tests quick. Compiled kernels pick their tile by autotuning (``_tuned``)."""
 
 
 @triton.jit
@@ -274,6 +273,30 @@ def _bucket_kernel(DIST, OUT, thresholds, scale, count, NUM_BUCKETS: tl.constexp
     tl.store(OUT + offs, _bucket(distance, thresholds, scale, NUM_BUCKETS).to(tl.int64), mask=mask)
 
 
+def _tuned(kernel, configs: list[tuple[int, int]], reset: list[str]):
+    """``kernel`` autotuned over ``(BLOCK, num_warps)`` once per head widths; ``reset`` names the
+    buffers it accumulates into, zeroed before each trial so the trials leave no sum behind."""
+    return triton.autotune(
+        configs=[triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in configs],
+        key=["DQ", "DV"], reset_to_zero=reset or None,
+    )(kernel)
+
+
+# Untimed on this project's machines (no GPU to tune on): a small grid around FlashAttention's 64x64.
+_forward_tuned = _tuned(_forward_kernel, [(64, 4), (64, 8), (128, 8), (32, 4)], [])
+_backward_tuned = _tuned(_backward_kernel, [(64, 4), (64, 8), (32, 4)], ["DPOS", "DTIME"])
+
+
+def _launch(kernel, tuned, block: int | None, max_length: int, batch: int, heads: int, *args, **meta) -> None:
+    """One launch over ``(tiles of the longest sample, samples, heads)``; ``block`` None autotunes."""
+    if block is None and os.environ.get("TRITON_INTERPRET") == "1":
+        block = INTERPRETED_BLOCK  # None: autotune here too (a test drives the tuner this way)
+    if block is None:
+        tuned[lambda m: (triton.cdiv(max_length, m["BLOCK"]), batch, heads)](*args, **meta)
+    else:
+        kernel[(triton.cdiv(max_length, block), batch, heads)](*args, BLOCK=block, **meta)
+
+
 def kernel_buckets(distance: torch.Tensor, num_buckets: int, max_distance: float) -> torch.Tensor:
     """Buckets of int64 ``distance >= 0`` as the attention kernels compute them."""
     distance = distance.to(torch.int64).contiguous()
@@ -294,15 +317,15 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 class _JaggedHSTUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, position_weight, time_weight, offsets, timestamps, max_length: int,
-                spec: BiasSpec, block: int):
+                spec: BiasSpec, block: int | None):
         total, heads, dq = q.shape
         dv = v.shape[2]
         out = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
         pos_thr = bucket_thresholds(spec.num_position_buckets, spec.max_position, q.device)
         time_thr = bucket_thresholds(spec.num_time_buckets, spec.max_time_gap, q.device)
-        grid = (triton.cdiv(max_length, block), offsets.numel() - 1, heads)
-        if total and grid[0] and grid[1]:
-            _forward_kernel[grid](
+        if total and max_length and offsets.numel() > 1:
+            _launch(
+                _forward_kernel, _forward_tuned, block, max_length, offsets.numel() - 1, heads,
                 q, k, v, out, offsets, timestamps, position_weight, time_weight, pos_thr, time_thr,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1),
@@ -310,7 +333,7 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 bucket_scale(spec.num_position_buckets, spec.max_position),
                 bucket_scale(spec.num_time_buckets, spec.max_time_gap),
                 DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
-                BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK=block,
+                BLOCK_DV=max(16, triton.next_power_of_2(dv)),
                 NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets,
             )
         ctx.save_for_backward(q, k, v, position_weight, time_weight, offsets, timestamps, pos_thr, time_thr)
@@ -329,9 +352,9 @@ class _JaggedHSTUAttention(torch.autograd.Function):
         grad_v = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
         grad_pos = torch.zeros(position_weight.shape, dtype=torch.float32, device=q.device)
         grad_time = torch.zeros(time_weight.shape, dtype=torch.float32, device=q.device)
-        grid = (triton.cdiv(ctx.max_length, block), offsets.numel() - 1, heads)
-        if total and grid[0] and grid[1]:
-            _backward_kernel[grid](
+        if total and ctx.max_length and offsets.numel() > 1:
+            _launch(
+                _backward_kernel, _backward_tuned, block, ctx.max_length, offsets.numel() - 1, heads,
                 q, k, v, grad_out, grad_q, grad_k, grad_v, grad_pos, grad_time,
                 offsets, timestamps, position_weight, time_weight, pos_thr, time_thr,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -340,7 +363,7 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 bucket_scale(spec.num_position_buckets, spec.max_position),
                 bucket_scale(spec.num_time_buckets, spec.max_time_gap),
                 DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
-                BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK=block,
+                BLOCK_DV=max(16, triton.next_power_of_2(dv)),
                 NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets,
                 POS_PAD=triton.next_power_of_2(spec.num_position_buckets),
                 TIME_PAD=triton.next_power_of_2(spec.num_time_buckets),
@@ -359,13 +382,14 @@ def jagged_hstu_attention(
     ``q``, ``k`` ``[T, H * dq]`` and ``v`` ``[T, H * dv]`` (column views of one projection are
     fine: only the last dimension must be unit-stride); ``offsets`` ``[B+1]`` int64;
     ``timestamps`` ``[T]`` seconds; the bias tables ``[buckets, H]``; ``max_length`` the
-    longest sample (the caller knows it once per batch, so no layer syncs for it).
+    longest sample (the caller knows it once per batch, so no layer syncs for it); ``block``
+    fixes the tile rows (tests) instead of autotuning them.
     """
     heads = position_weight.shape[1]
     out = _JaggedHSTUAttention.apply(
         _heads(q, heads), _heads(k, heads), _heads(v, heads),
         position_weight.contiguous(), time_weight.contiguous(),
         offsets.to(torch.int64).contiguous(), timestamps.to(torch.int64).contiguous(),
-        int(max_length), spec, block or default_block(q.device),
+        int(max_length), spec, block,
     )
     return out.view(out.shape[0], -1)
