@@ -133,9 +133,148 @@ def check_inputs(args: argparse.Namespace) -> None:
                                     "or a sequences Parquet; run `freescale prepare` first")
 
 
-def prepared_metadata(fs, input_uri: str) -> dict:
+def prepared_metadata(fs, input_uri: str, sequences, sequences_path: str) -> dict:
+    """`prepare.json` of a prepare output ({} for a bare sequences Parquet); it must list the user
+    features when the sequences carry them (the manifest and the model take the list from it)."""
     meta_path = f"{input_uri}/prepare.json"
-    return json.loads(fs.read_text(meta_path)) if fs.exists(meta_path) else {}
+    prepared = json.loads(fs.read_text(meta_path)) if fs.exists(meta_path) else {}
+    if "user_features" in sequences.columns and not prepared.get("user_features"):
+        raise InputError(f"input {sequences_path} has a user_features column but {input_uri}/prepare.json "
+                         "does not list the features; rerun `freescale prepare`")
+    return prepared
+
+
+def check_sample_count(num_samples: int, spec, args: argparse.Namespace, sequences_path: str) -> None:
+    """Enough samples for one global batch (unless a short last step is kept), and one per rank."""
+    g = spec.global_batch_size
+    if num_samples == 0:
+        raise InputError(f"input {sequences_path} has no samples")
+    if num_samples < g and (args.leftover == "drop" or args.control):
+        raise InputError(f"input {sequences_path} has {num_samples} samples, fewer than one global batch "
+                         f"(world size {spec.world_size} x local batch {spec.local_batch_size} = {g})")
+    if num_samples < spec.world_size:
+        # Every rank must hold samples: the trainer refuses an empty rank shard.
+        raise InputError(f"input {sequences_path} has {num_samples} samples for --world-size {spec.world_size}: "
+                         f"{spec.world_size - num_samples} ranks would get none")
+
+
+def check_token_cap(costs, token_cap: int | None) -> None:
+    """No single history may be longer than the per-rank token cap: no rank could hold it."""
+    from pyspark.sql import functions as F
+
+    if token_cap is None:
+        return
+    longest = costs.orderBy(F.col("length").desc(), "user_id").select("user_id", "length").first()
+    if longest["length"] > token_cap:
+        raise InputError(f"--token-cap {token_cap} is below the history of user {longest['user_id']} "
+                         f"({longest['length']} items): no rank can hold it")
+
+
+def assign_samples(positioned, spec, args: argparse.Namespace, num_samples: int):
+    """Each sample's (step, rank, slot): the mirror control, or the strategy's plan of every window
+    after the leftover policy. Returns the assignment (checkpointed: it is read several times),
+    the samples it plans, and the planning time in seconds."""
+    from pyspark.sql import functions as F
+
+    from shards import spark_plan
+
+    started = time.perf_counter()
+    if args.control == "mirror":
+        num_steps = num_samples // spec.global_batch_size
+        assignment = spark_plan.mirror_assignment(positioned, spec, num_steps)
+        planned = positioned.where(F.col("position") < num_steps * spec.local_batch_size)
+    else:
+        planned = spark_plan.apply_leftover_policy(positioned, num_samples, spec.global_batch_size, args.leftover)
+        assignment = spark_plan.plan_windows(planned, spec)
+    assignment = assignment.localCheckpoint(eager=True)
+    return assignment, planned, time.perf_counter() - started
+
+
+def count_assignment(assignment, planned, spec, control: str | None) -> tuple[dict, int]:
+    """The plan's rows, users, steps and samples moved between steps, checked against the planned
+    samples (each once, or once per rank for the mirror control); and the planned sample count."""
+    from pyspark.sql import functions as F
+
+    counts = assignment.agg(F.count(F.lit(1)).alias("rows"), F.countDistinct("user_id").alias("users"),
+                            F.max("step").alias("last_step"),
+                            F.sum((F.col("step") != F.col("origin_step")).cast("long")).alias("moved")).first()
+    planned_samples = planned.count()
+    expected_rows = planned_samples * (spec.world_size if control else 1)
+    if counts["rows"] != expected_rows or counts["users"] != planned_samples:
+        raise RuntimeError(f"plan lost or duplicated samples: {counts['rows']} rows for {planned_samples} samples")
+    return counts.asDict(), planned_samples
+
+
+def plan_statistics(assignment, planned, costs, spec, control: str | None, sequences_path: str,
+                    plan_seconds: float):
+    """Per-step loads (the plan's and the contiguous baseline's), the manifest's stats (predicted
+    bubbles, imbalance), and per-rank tokens and cost; refuses a plan that leaves a rank empty or
+    a cost model that gives zero total cost."""
+    from pyspark.sql import functions as F
+
+    from shards import spark_plan
+
+    step_table = spark_plan.step_loads(assignment, costs, spec).toPandas()
+    baseline = spark_plan.contiguous_assignment(planned, spec) if not control else assignment
+    baseline_table = spark_plan.step_loads(baseline, costs, spec).toPandas()
+    imbalance = step_table["max_time"] / step_table["mean_time"] - 1.0
+    rank_totals = {int(r["rank"]): {"tokens": r["tokens"], "cost": r["cost"]} for r in (
+        assignment.join(costs, "user_id").groupBy("rank")
+        .agg(F.sum("length").alias("tokens"), F.sum("cost").alias("cost")).collect())}
+    empty = sorted(set(range(spec.world_size)) - set(rank_totals))
+    if empty:
+        raise InputError(f"the {spec.strategy} plan of {sequences_path} leaves {len(empty)} of {spec.world_size} ranks "
+                         f"without samples (first: rank {empty[0]}); use fewer ranks or --equal-counts")
+    total_cost = sum(t["cost"] for t in rank_totals.values())
+    if not math.isfinite(total_cost) or total_cost <= 0:
+        raise InputError(f"the cost model gives {sequences_path} a total cost of {total_cost}: "
+                         "nothing to balance (check --cost-model)")
+    stats = {
+        "bubble": spark_plan.bubble_of(step_table),
+        "bubble_contiguous": spark_plan.bubble_of(baseline_table),
+        "imbalance_mean": float(imbalance.mean()),
+        "imbalance_p50": float(imbalance.median()),
+        "imbalance_p95": float(imbalance.quantile(0.95)),
+        "imbalance_max": float(imbalance.max()),
+        "plan_seconds": plan_seconds,
+    }
+    return step_table, stats, rank_totals
+
+
+def shard_rows(sequences, assignment, costs, model):
+    """The sequences with their (step, rank, slot), cost and the step's target count, in the shard
+    format's columns and types."""
+    from pyspark.sql import functions as F
+
+    from pipeline.cost_model import cost_column
+    from shards import spark_plan
+
+    # Next-item targets per step over all ranks: the trainer divides each rank's loss
+    # sum by it, so every plan weights every target the same.
+    step_targets = (assignment.join(costs, "user_id").groupBy("step")
+                    .agg(F.sum(F.col("length") - 1).alias("step_targets")))
+    rows = (sequences.join(assignment, "user_id")
+            .join(F.broadcast(step_targets), "step")
+            .withColumn("cost", cost_column(model, "length")))
+    return spark_plan.shard_rows(rows)
+
+
+def write_shards(spark, fs, staging: str, rows, step_table, world_size: int) -> list[dict]:
+    """Each rank's rows in step order under rank=<k>/, the per-step loads, and every written file's
+    description (size, SHA-256, rows, path relative to the output) for the manifest."""
+    from shards.file_stats import describe_files, relative_to
+    from shards.schema import STEP_STATS_DIR, rank_dir
+
+    (rows.repartition(min(world_size, 256), "rank")
+     .sortWithinPartitions("rank", "step", "slot")
+     .write.option("parquet.block.size", ROW_GROUP_BYTES)
+     .partitionBy("rank").parquet(staging))
+    spark.createDataFrame(step_table).coalesce(1).write.parquet(f"{staging}/{STEP_STATS_DIR}")
+    uris = []
+    for rank in range(world_size):
+        if fs.exists(directory := f"{staging}/{rank_dir(rank)}"):
+            uris.extend(fs.list_files(directory, ".parquet"))
+    return [{**d, "path": relative_to(staging, d["uri"])} for d in describe_files(spark, uris)]
 
 
 def balance(args: argparse.Namespace) -> int:
@@ -144,17 +283,14 @@ def balance(args: argparse.Namespace) -> int:
     check_inputs(args)
     capacities = parse_capacities(args.capacities, args.world_size)
 
-    from pyspark.sql import functions as F
-
-    from shards import spark_plan
     from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
-    from shards.file_stats import describe_files, relative_to
     from jobs.tracking import job_run, reachable_tracking_uri, run_tags
     from pipeline.cost_model import CostModel, cost_column, default_cost_model
     from pipeline.session import build_spark_session
+    from shards import spark_plan
     from shards.manifest import UserFeature, build_rank_shards, new_manifest
-    from shards.schema import MANIFEST_NAME, STEP_STATS_DIR, rank_dir
+    from shards.schema import MANIFEST_NAME, STEP_STATS_DIR
     args.tracking_uri = reachable_tracking_uri("balance", args.tracking_uri)  # unreachable: one warning, untracked
 
     # The run spans the job's work: opened before Spark starts, FAILED if the job fails.
@@ -172,10 +308,7 @@ def balance(args: argparse.Namespace) -> int:
         check_output_free(fs, output_uri, args.overwrite)
         stale_removed = remove_stale_siblings(fs, output_uri)
         sequences_path, sequences = read_sequences(spark, fs, input_uri)
-        prepared = prepared_metadata(fs, input_uri)
-        if "user_features" in sequences.columns and not prepared.get("user_features"):
-            raise InputError(f"input {sequences_path} has a user_features column but {input_uri}/prepare.json "
-                             "does not list the features; rerun `freescale prepare`")
+        prepared = prepared_metadata(fs, input_uri, sequences, sequences_path)
         spec = spark_plan.PlanSpec(world_size=args.world_size, local_batch_size=args.local_batch_size,
                                    window_steps=args.window_steps, strategy=args.strategy, seed=args.seed,
                                    token_cap=args.token_cap, equal_counts=args.equal_counts,
@@ -184,112 +317,43 @@ def balance(args: argparse.Namespace) -> int:
         costs = sequences.select("user_id", "length", cost_column(model, "length").alias("cost"))
         positioned = spark_plan.with_global_position(costs, args.seed)
         num_samples = positioned.count()
-        g = spec.global_batch_size
-        if num_samples == 0:
-            raise InputError(f"input {sequences_path} has no samples")
-        if num_samples < g and (args.leftover == "drop" or args.control):
-            raise InputError(f"input {sequences_path} has {num_samples} samples, fewer than one global batch "
-                             f"(world size {spec.world_size} x local batch {spec.local_batch_size} = {g})")
-        if num_samples < spec.world_size:
-            # Every rank must hold samples: the trainer refuses an empty rank shard.
-            raise InputError(f"input {sequences_path} has {num_samples} samples for --world-size {spec.world_size}: "
-                             f"{spec.world_size - num_samples} ranks would get none")
+        check_sample_count(num_samples, spec, args, sequences_path)
+        check_token_cap(costs, spec.token_cap)
 
-        if spec.token_cap is not None:
-            longest = costs.orderBy(F.col("length").desc(), "user_id").select("user_id", "length").first()
-            if longest["length"] > spec.token_cap:
-                raise InputError(f"--token-cap {spec.token_cap} is below the history of user {longest['user_id']} "
-                                 f"({longest['length']} items): no rank can hold it")
-
-        plan_started = time.perf_counter()
-        if args.control == "mirror":
-            num_steps = num_samples // g
-            assignment = spark_plan.mirror_assignment(positioned, spec, num_steps)
-            planned = positioned.where(F.col("position") < num_steps * spec.local_batch_size)
-        else:
-            planned = spark_plan.apply_leftover_policy(positioned, num_samples, g, args.leftover)
-            assignment = spark_plan.plan_windows(planned, spec)
-        assignment = assignment.localCheckpoint(eager=True)
-        plan_seconds = time.perf_counter() - plan_started
-
-        summary = assignment.agg(F.count(F.lit(1)).alias("rows"), F.countDistinct("user_id").alias("users"),
-                                 F.max("step").alias("last_step"),
-                                 F.sum((F.col("step") != F.col("origin_step")).cast("long")).alias("moved")).first()
-        planned_samples = planned.count()
-        expected_rows = planned_samples * (spec.world_size if args.control else 1)
-        if summary["rows"] != expected_rows or summary["users"] != planned_samples:
-            raise RuntimeError(f"plan lost or duplicated samples: {summary['rows']} rows for {planned_samples} samples")
-        num_steps = int(summary["last_step"]) + 1
-
-        step_table = spark_plan.step_loads(assignment, costs, spec).toPandas()
-        baseline = spark_plan.contiguous_assignment(planned, spec) if not args.control else assignment
-        baseline_table = spark_plan.step_loads(baseline, costs, spec).toPandas()
-        imbalance = step_table["max_time"] / step_table["mean_time"] - 1.0
-        rank_totals = {int(r["rank"]): {"tokens": r["tokens"], "cost": r["cost"]} for r in (
-            assignment.join(costs, "user_id").groupBy("rank")
-            .agg(F.sum("length").alias("tokens"), F.sum("cost").alias("cost")).collect())}
-        empty = sorted(set(range(spec.world_size)) - set(rank_totals))
-        if empty:
-            raise InputError(f"the {spec.strategy} plan of {sequences_path} leaves {len(empty)} of {spec.world_size} ranks "
-                             f"without samples (first: rank {empty[0]}); use fewer ranks or --equal-counts")
-        total_cost = sum(t["cost"] for t in rank_totals.values())
-        if not math.isfinite(total_cost) or total_cost <= 0:
-            raise InputError(f"the cost model gives {sequences_path} a total cost of {total_cost}: "
-                             "nothing to balance (check --cost-model)")
-
-        # Next-item targets per step over all ranks: the trainer divides each rank's loss
-        # sum by it, so every plan weights every target the same.
-        step_targets = (assignment.join(costs, "user_id").groupBy("step")
-                        .agg(F.sum(F.col("length") - 1).alias("step_targets")))
-        rows = (sequences.join(assignment, "user_id")
-                .join(F.broadcast(step_targets), "step")
-                .withColumn("cost", cost_column(model, "length")))
-        rows = spark_plan.shard_rows(rows)
-        stats = {
-            "bubble": spark_plan.bubble_of(step_table),
-            "bubble_contiguous": spark_plan.bubble_of(baseline_table),
-            "imbalance_mean": float(imbalance.mean()),
-            "imbalance_p50": float(imbalance.median()),
-            "imbalance_p95": float(imbalance.quantile(0.95)),
-            "imbalance_max": float(imbalance.max()),
-            "plan_seconds": plan_seconds,
-        }
+        assignment, planned, plan_seconds = assign_samples(positioned, spec, args, num_samples)
+        counts, planned_samples = count_assignment(assignment, planned, spec, args.control)
+        num_steps = int(counts["last_step"]) + 1
+        step_table, stats, rank_totals = plan_statistics(assignment, planned, costs, spec, args.control,
+                                                         sequences_path, plan_seconds)
+        rows = shard_rows(sequences, assignment, costs, model)
         leftover = num_samples - planned_samples
         with atomic_output(fs, output_uri, args.overwrite) as staging:
-            (rows.repartition(min(spec.world_size, 256), "rank")
-             .sortWithinPartitions("rank", "step", "slot")
-             .write.option("parquet.block.size", ROW_GROUP_BYTES)
-             .partitionBy("rank").parquet(staging))
-            spark.createDataFrame(step_table).coalesce(1).write.parquet(f"{staging}/{STEP_STATS_DIR}")
-            uris = []
-            for rank in range(spec.world_size):
-                if fs.exists(directory := f"{staging}/{rank_dir(rank)}"):
-                    uris.extend(fs.list_files(directory, ".parquet"))
-            files = [{**d, "path": relative_to(staging, d["uri"])} for d in describe_files(spark, uris)]
+            files = write_shards(spark, fs, staging, rows, step_table, spec.world_size)
             manifest = new_manifest(
                 ranks=build_rank_shards(files, rank_totals, spec.world_size),
-                world_size=spec.world_size, local_batch_size=spec.local_batch_size, global_batch_size=g,
+                world_size=spec.world_size, local_batch_size=spec.local_batch_size,
+                global_batch_size=spec.global_batch_size,
                 num_steps=num_steps, window_steps=spec.window_steps, strategy=spec.strategy,
                 control=args.control, seed=args.seed, equal_counts=spec.equal_counts, token_cap=spec.token_cap,
                 capacities=list(capacities) if capacities else None, cost_model=model.to_json(),
                 num_items=prepared.get("num_items"),
                 user_features=tuple(UserFeature(f["name"], f["num_ids"]) for f in prepared.get("user_features", [])),
                 input={"uri": input_uri, "samples": num_samples},
-                num_samples=planned_samples, num_rows=summary["rows"],
+                num_samples=planned_samples, num_rows=counts["rows"],
                 leftover={"policy": args.leftover, "samples": leftover},
-                moved_samples=int(summary["moved"]), columns=["rank", *rows.columns[1:]], stats=stats,
+                moved_samples=int(counts["moved"]), columns=["rank", *rows.columns[1:]], stats=stats,
                 step_stats=STEP_STATS_DIR)
             fs.write_text(f"{staging}/{MANIFEST_NAME}", manifest.dumps())
 
         run.set_tags({"freescale.output": output_uri})
         run.log_metrics({**stats, "num_samples": planned_samples, "num_steps": num_steps, "leftover_samples": leftover,
-                         "moved_samples": summary["moved"], "job_seconds": time.perf_counter() - started})
+                         "moved_samples": counts["moved"], "job_seconds": time.perf_counter() - started})
         run.log_text(manifest.dumps(), MANIFEST_NAME)
-    print(f"freescale balance: wrote {planned_samples} samples ({summary['rows']} rows) in {num_steps} steps x "
+    print(f"freescale balance: wrote {planned_samples} samples ({counts['rows']} rows) in {num_steps} steps x "
           f"{spec.world_size} ranks to {output_uri}; strategy {spec.strategy}"
           f"{' (control ' + args.control + ')' if args.control else ''}, predicted bubble "
           f"{stats['bubble']:.2%} vs {stats['bubble_contiguous']:.2%} contiguous; "
-          f"{leftover} leftover samples dropped ({args.leftover}), {summary['moved']} moved between steps"
+          f"{leftover} leftover samples dropped ({args.leftover}), {counts['moved']} moved between steps"
           f"{stale_note(stale_removed)}")
     return 0
 

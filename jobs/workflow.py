@@ -15,7 +15,9 @@ changed or whose output is damaged, and everything downstream of a stage that ra
 stage continues from its checkpoints when its last run stopped before finishing, and starts
 over (its checkpoints removed) otherwise: never into shards that were rebuilt.
 
-The config's sections and keys are the dataclasses in jobs/workflow_config.py.
+The engine (records, fingerprints, skip or run, stale downstream records) is pipeline/stages.py;
+this module says which stages there are and how each calls its job. The config's sections and
+keys are the dataclasses in jobs/workflow_config.py.
 `<workdir>/LOCK` (host, PID) keeps a second run off the working directory. Exit status: 0
 done (or nothing to do); 2 bad config (one line naming the key); 3 the working directory is
 in use by another run (retry later: nothing is wrong with the config); otherwise the failed
@@ -24,13 +26,11 @@ stage's own status.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,52 +40,15 @@ if __package__ in (None, ""):  # run as a file (python jobs/workflow.py): make t
 from jobs.workflow_config import WorkflowConfig, load_workflow_config, override_argv, toml_text  # noqa: E402
 from pipeline import locks  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
-from pipeline.json_files import read_json, write_json  # noqa: E402
-from pipeline.paths import local_path  # noqa: E402
+from pipeline.stages import LOCK, Stage, file_identity, json_damage, run_stages  # noqa: E402
 
 STAGES = ("prepare", "calibrate", "balance", "train", "compare")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
                                         "train": ("balance",), "compare": ("prepare", "calibrate")}
 """The stages whose output a stage reads: when one of them runs, the stage runs too."""
-RECORD = "{stage}.fingerprint.json"
-"""A finished (or started) stage's record, in the working directory next to its output."""
-LOCK = "LOCK"
-"""The working directory's lock: one pipeline run at a time."""
 
 
 # ------------------------------------------------------------------------------ stages
-
-
-@dataclass
-class Stage:
-    name: str
-    run: Callable[[list[str]], int]
-    argv: list[str]
-    params: dict[str, Any]
-    """Every value the arguments are built from (tracking excepted) and the inputs' identities: the fingerprint's content."""
-    output: Path
-    damage: Callable[[], str | None]
-    """What is wrong with the output (None: intact)."""
-    off: str | None = None
-    """Why the stage is not part of this pipeline (None: it is)."""
-
-
-def file_identity(path: str) -> str:
-    """A local file's or directory's identity (its files' relative paths, sizes and modification
-    times); a remote path's is its URI (its content cannot be checked from here)."""
-    local = local_path(path)
-    if local is None:
-        return f"remote {path}"
-    p = Path(local)
-    if p.is_file():
-        stat = p.stat()
-        return f"{stat.st_size} bytes, mtime_ns {stat.st_mtime_ns}"
-    if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file())
-        digest = hashlib.sha256("\n".join(f"{f.relative_to(p)} {f.stat().st_size} {f.stat().st_mtime_ns}"
-                                          for f in files).encode()).hexdigest()
-        return f"{len(files)} files, sha256 {digest[:16]}"
-    return "missing"
 
 
 def _job(module: str, function: str = "main") -> Callable[[list[str]], int]:
@@ -95,16 +58,6 @@ def _job(module: str, function: str = "main") -> Callable[[list[str]], int]:
 
         return getattr(importlib.import_module(module), function)(argv)
     return run
-
-
-def _json_damage(path: Path, what: str) -> Callable[[], str | None]:
-    def damage() -> str | None:
-        try:
-            read_json(path, what)
-        except InputError as exc:
-            return str(exc)
-        return None
-    return damage
 
 
 def build_stages(config: WorkflowConfig) -> list[Stage]:
@@ -143,7 +96,7 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
     def prepare_damage() -> str | None:
         if not (prepared / "sequences").is_dir():
             return f"{prepared / 'sequences'} is missing"
-        return _json_damage(prepared / "prepare.json", "prepare summary")()
+        return json_damage(prepared / "prepare.json", "prepare summary")()
 
     # calibrate
     cal = config.calibrate
@@ -163,7 +116,7 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
             CostModel.load(cost_model)
         except InputError as exc:
             return str(exc)
-        return _json_damage(rank_speeds, "rank speeds file")() if cal.rank_speeds else None
+        return json_damage(rank_speeds, "rank speeds file")() if cal.rank_speeds else None
 
     # balance
     bal = config.balance
@@ -218,7 +171,10 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
                       **train_inputs, **{key: toml_text(value) for key, value in tr.overrides.items()},
                       **({"cost_model identity": file_identity(cal.cost_model)} if cal.cost_model else {})}
 
-    return [
+    def checkpoints(continuable: bool) -> str:
+        return _prepare_checkpoints(work / "checkpoints", continuable)
+
+    stages = [
         Stage("prepare", _job("jobs.prepare"), prepare_argv + tracking, prepare_params, prepared, prepare_damage),
         Stage("calibrate", _job("jobs.calibrate"), calibrate_argv + tracking, calibrate_params, cost_model,
               calibrate_damage,
@@ -227,67 +183,14 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
                                             "the built-in cost model")),
         Stage("balance", _job("jobs.balance"), balance_argv + tracking, balance_params, shards, balance_damage),
         Stage("train", _job("jobs.launch", "launch"), train_argv, train_params, summary,
-              _json_damage(summary, "training summary")),
+              json_damage(summary, "training summary"), before_run=checkpoints),
         Stage("compare", _job("jobs.compare"), compare_argv, compare_params, compare_summary,
-              _json_damage(compare_summary, "comparison summary"),
+              json_damage(compare_summary, "comparison summary"),
               off=None if cmp_cfg.enabled else "[compare] enabled = false"),
     ]
-
-
-# ------------------------------------------------------------------------------ records
-
-
-def fingerprint(params: dict[str, Any], upstream: dict[str, str]) -> str:
-    text = json.dumps({"params": params, "upstream": upstream}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def record_path(work: Path, stage: str) -> Path:
-    return work / RECORD.format(stage=stage)
-
-
-def read_record(work: Path, stage: str) -> dict[str, Any] | None:
-    try:
-        record = read_json(record_path(work, stage), "stage record")
-    except InputError:
-        return None  # none, or unreadable: the stage runs
-    return record if isinstance(record, dict) else None
-
-
-def write_record(work: Path, stage: Stage, status: str, fp: str, upstream: dict[str, str], why: str = "") -> None:
-    write_json(record_path(work, stage.name),
-               {"stage": stage.name, "status": status, "fingerprint": fp, "params": stage.params,
-                "upstream": upstream, "output": str(stage.output), "why": why, "updated_unix_s": int(time.time())})
-
-
-def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    keys = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
-    return [f"{k} {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys]
-
-
-def why_run(stage: Stage, record: dict[str, Any] | None, fp: str, upstream: dict[str, str],
-            ran: list[str], fresh: bool) -> str | None:
-    """Why `stage` must run; None when its record matches and its output is intact (skip)."""
-    if fresh:
-        return "--fresh"
-    reran = [name for name in UPSTREAM[stage.name] if name in ran]
-    if reran:
-        return f"upstream {', '.join(reran)} ran"
-    if record is None:
-        return "no earlier run"
-    if record.get("status") == "stale":
-        return record.get("why") or "an upstream stage reran"
-    if record.get("fingerprint") != fp:
-        changed = _changes(record.get("params") or {}, stage.params)
-        if changed:
-            more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
-            return "parameters changed: " + ", ".join(changed[:3]) + more
-        moved = [name for name in upstream if (record.get("upstream") or {}).get(name) != upstream[name]]
-        return f"upstream {', '.join(moved)} changed" if moved else "fingerprint changed"
-    if record.get("status") != "done":
-        return "the last run stopped before finishing"
-    damage = stage.damage()
-    return f"output damaged: {damage}" if damage else None
+    for stage in stages:
+        stage.upstream = UPSTREAM[stage.name]
+    return stages
 
 
 # ------------------------------------------------------------------------------ the run
@@ -329,10 +232,6 @@ def run_stage(stage: Stage) -> tuple[int, str, bool]:
     return rc, (tap.last if rc else ""), bool(rc) and tap.details
 
 
-def line(name: str, status: str, why: str) -> str:
-    return f"freescale pipeline: {name:<9} {status:<8} ({why})"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freescale pipeline", description=__doc__.split("\n\n")[0],
                                 epilog="Other --section.key VALUE arguments override the config file "
@@ -371,73 +270,23 @@ def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
     from jobs.job_errors import error_line
 
     started = time.perf_counter()
-    stages = build_stages(config)
-    fingerprints: dict[str, str] = {}
-    ran: list[str] = []
     lines: list[str] = []
-    failed: tuple[str, int, str, bool] | None = None
 
     def say(text: str) -> None:
         lines.append(text)
         print(text, flush=True)
 
-    for stage in stages:
-        if stage.off is not None:
-            say(line(stage.name, "off", stage.off))
-            continue
-        if failed is not None:
-            say(line(stage.name, "not run", f"{failed[0]} failed"))
-            continue
-        upstream = {name: fingerprints[name] for name in UPSTREAM[stage.name] if name in fingerprints}
-        fp = fingerprints[stage.name] = fingerprint(stage.params, upstream)
-        record = read_record(work, stage.name)
-        why = why_run(stage, record, fp, upstream, ran, fresh)
-        if why is None:
-            say(line(stage.name, "skipped", f"fingerprint matches {stage.output}"))
-            continue
-        if stage.name == "train":
-            # Continue only the same training: same fingerprint, no upstream rerun since (the record
-            # would be stale), not --fresh; a damaged summary with a finished checkpoint re-evaluates.
-            resumable = (not fresh and not ran_upstream(stage.name, ran) and record is not None
-                         and record.get("status") in ("running", "done") and record.get("fingerprint") == fp)
-            why += _prepare_checkpoints(work / "checkpoints", resumable)
-        # Downstream records go stale before this stage changes their input: a run killed in between
-        # must not leave them looking current.
-        for later in stages:
-            if stage.name in _all_upstream(later.name) and (old := read_record(work, later.name)) is not None:
-                write_json(record_path(work, later.name), {**old, "status": "stale", "why": f"upstream {stage.name} reran"})
-        print(f"freescale pipeline: {stage.name}: running ({why})", flush=True)
-        write_record(work, stage, "running", fp, upstream, why)
-        rc, error, details = run_stage(stage)
-        ran.append(stage.name)
-        if rc:
-            failed = (stage.name, rc, error, details)
-            say(line(stage.name, "failed", f"exit {rc}: {error}" if error else f"exit {rc}"))
-            continue
-        write_record(work, stage, "done", fp, upstream, why)
-        say(line(stage.name, "ran", why))
-
+    ran, failed = run_stages(build_stages(config), work, fresh, run_stage, say)
     print(f"freescale pipeline: summary of {config.pipeline.workdir}:", flush=True)
     for text in lines:
         print(text, flush=True)
     if failed is not None:
-        name, rc, error, details = failed
-        error_line("pipeline", f"stage {name} failed (exit {rc}" + (f": {error})" if error else ")"), details=details)
-        return rc
+        error_line("pipeline", f"stage {failed.stage} failed (exit {failed.code}"
+                               + (f": {failed.error})" if failed.error else ")"), details=failed.details)
+        return failed.code
     print(f"freescale pipeline: done in {time.perf_counter() - started:.0f} s: {len(ran)} stage(s) ran; "
           f"records in {work}", flush=True)
     return 0
-
-
-def ran_upstream(stage: str, ran: list[str]) -> bool:
-    return any(name in ran for name in _all_upstream(stage))
-
-
-def _all_upstream(stage: str) -> set[str]:
-    found: set[str] = set()
-    for name in UPSTREAM[stage]:
-        found |= {name} | _all_upstream(name)
-    return found
 
 
 def _prepare_checkpoints(folder: Path, resumable: bool) -> str:
