@@ -98,12 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
     sys.path.insert(0, str(REPO))
-    bench = Bench(args)
-    lines = bench.run()
-    text = "\n".join(lines) + "\n"
-    if args.output:
+    if args.output:  # written line by line: a run cut short still leaves its finished tables
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text)
+        Path(args.output).write_text("")
+    Bench(args).run()
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
     if loaded:
         print(f"hstu_gpu_bench: error: loaded {', '.join(loaded)}; the GPU machine has none of them", file=sys.stderr)
@@ -135,6 +133,9 @@ class Bench:
     def emit(self, line: str = "") -> None:
         print(line, flush=True)
         self.out.append(line)
+        if self.args.output:
+            with open(self.args.output, "a") as handle:
+                handle.write(line + "\n")
 
     def table(self, header: list[str], rows: list[list[str]]) -> None:
         self.emit("| " + " | ".join(header) + " |")
@@ -272,31 +273,31 @@ class Bench:
         spec = ops.BiasSpec(config.num_position_buckets, config.max_seq_len, config.num_time_buckets,
                             config.max_time_gap_seconds, 0)
 
-        def run(kernel: str, dtype):
+        def run(kernel: str, dtype, precise: bool = False):
             q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv.split(heads * width, dim=1))
             bias.zero_grad(set_to_none=True)
+            torch.backends.cuda.matmul.allow_tf32 = not precise
             if kernel == "triton":
                 out = ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
-                                                bias.time_bias.weight, max(lengths), spec)
+                                                bias.time_bias.weight, max(lengths), spec, precise=precise)
             else:
                 plan = GroupedPlan.build(offsets, timestamps, config)
                 with torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32):
                     out = plan.leave(plan.attend(plan.enter(q), plan.enter(k), plan.enter(v), bias))
             out.backward(grad.to(out.dtype))
+            torch.backends.cuda.matmul.allow_tf32 = True
             return [t.detach().float() for t in (out, q.grad, k.grad, v.grad, bias.position_bias.weight.grad,
                                                   bias.time_bias.weight.grad)]
 
         names = ("output", "dq", "dk", "dv", "d position table", "d time table")
         # The reference is grouped in full fp32 (no TF32), so both kernels' errors are against the same truth.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        truth = run("grouped", torch.float32)
-        torch.backends.cuda.matmul.allow_tf32 = True
+        truth = run("grouped", torch.float32, precise=True)
         rows = []
-        dtypes = [("fp32 (TF32 dots)", torch.float32)]
+        dtypes = [("fp32, TF32 dots", torch.float32, False), ("fp32, full fp32 dots", torch.float32, True)]
         if not self.smoke:
-            dtypes.append(("bf16", torch.bfloat16))
-        for label, dtype in dtypes:
-            measured = {kernel: run(kernel, dtype) for kernel in ("triton", "grouped")}
+            dtypes.append(("bf16", torch.bfloat16, False))
+        for label, dtype, precise in dtypes:
+            measured = {kernel: run(kernel, dtype, precise) for kernel in ("triton", "grouped")}
             for name, t, g, ref in zip(names, measured["triton"], measured["grouped"], truth):
                 rows.append([label, name, f"{relative_error(t, ref):.1e}", f"{relative_error(g, ref):.1e}",
                              f"{relative_error(t, g):.1e}"])

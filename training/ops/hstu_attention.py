@@ -106,9 +106,9 @@ def _bucket(distance, thresholds, scale, NUM_BUCKETS: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, pos_b, time_b, pos_w, time_w, h, H):
+def _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION: tl.constexpr):
     """``q k^T`` plus both biases, fp32 ``[BLOCK, BLOCK]``."""
-    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+    s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION)
     s += tl.load(pos_w + pos_b * H + h).to(tl.float32)
     s += tl.load(time_w + time_b * H + h).to(tl.float32)
     return s
@@ -142,7 +142,7 @@ def _forward_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     H, normalizer, pos_scale, time_scale,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile, sample, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(offsets + sample)
@@ -169,9 +169,9 @@ def _forward_kernel(
         valid = mask_m[:, None] & mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
         pos_b, time_b = _tile_buckets(offs_m, offs_n, t_m, t_n, valid, pos_thr, time_thr,
                                       pos_scale, time_scale, NUM_POS, NUM_TIME)
-        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H)
+        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION)
         w = tl.where(valid, s * tl.sigmoid(s) * inv_n, 0.0)
-        acc += tl.dot(w.to(v.dtype), v, out_dtype=tl.float32)
+        acc += tl.dot(w.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
     tl.store(OUT + (start + offs_m)[:, None] * stride_ot + h * stride_oh + dv_range[None, :],
              acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & (dv_range < DV)[None, :])
 
@@ -184,7 +184,7 @@ def _backward_kernel(
     H, normalizer, pos_scale, time_scale,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr,
-    POS_PAD: tl.constexpr, TIME_PAD: tl.constexpr,
+    POS_PAD: tl.constexpr, TIME_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile, sample, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(offsets + sample)
@@ -221,13 +221,13 @@ def _backward_kernel(
         valid = mask_m[:, None] & mask_own[None, :] & (offs_m[:, None] >= own[None, :])
         pos_b, time_b = _tile_buckets(offs_m, own, t_m, t_own, valid, pos_thr, time_thr,
                                       pos_scale, time_scale, NUM_POS, NUM_TIME)
-        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H)
+        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION)
         sig = tl.sigmoid(s)
         w = tl.where(valid, s * sig * inv_n, 0.0)
-        dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32)
-        dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32)
+        dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
+        dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION)
         ds = tl.where(valid, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
         pos_hist = _add_per_bucket(pos_hist, ds, pos_b, valid, NUM_POS, POS_PAD)
         time_hist = _add_per_bucket(time_hist, ds, time_b, valid, NUM_TIME, TIME_PAD)
     tl.store(DK_OUT + (start + own)[:, None] * g_q_row + h * DQ + dq_range[None, :],
@@ -255,11 +255,11 @@ def _backward_kernel(
         valid = mask_own[:, None] & mask_n[None, :] & (own[:, None] >= offs_n[None, :])
         pos_b, time_b = _tile_buckets(own, offs_n, t_own, t_n, valid, pos_thr, time_thr,
                                       pos_scale, time_scale, NUM_POS, NUM_TIME)
-        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H)
+        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION)
         sig = tl.sigmoid(s)
-        dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32)
+        dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION)
         ds = tl.where(valid, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
-        dq += tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32)
+        dq += tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
     tl.store(DQ_OUT + (start + own)[:, None] * g_q_row + h * DQ + dq_range[None, :],
              dq.to(DQ_OUT.dtype.element_ty), mask=mask_own[:, None] & q_cols)
 
@@ -317,7 +317,7 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 class _JaggedHSTUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, position_weight, time_weight, offsets, timestamps, max_length: int,
-                spec: BiasSpec, block: int | None):
+                spec: BiasSpec, block: int | None, precision: str):
         total, heads, dq = q.shape
         dv = v.shape[2]
         out = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
@@ -334,10 +334,10 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 bucket_scale(spec.num_time_buckets, spec.max_time_gap),
                 DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
                 BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets,
+                NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets, PRECISION=precision,
             )
         ctx.save_for_backward(q, k, v, position_weight, time_weight, offsets, timestamps, pos_thr, time_thr)
-        ctx.max_length, ctx.spec, ctx.block = max_length, spec, block
+        ctx.max_length, ctx.spec, ctx.block, ctx.precision = max_length, spec, block, precision
         return out
 
     @staticmethod
@@ -366,16 +366,16 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 BLOCK_DV=max(16, triton.next_power_of_2(dv)),
                 NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets,
                 POS_PAD=triton.next_power_of_2(spec.num_position_buckets),
-                TIME_PAD=triton.next_power_of_2(spec.num_time_buckets),
+                TIME_PAD=triton.next_power_of_2(spec.num_time_buckets), PRECISION=ctx.precision,
             )
         return (grad_q, grad_k, grad_v, grad_pos.to(position_weight.dtype), grad_time.to(time_weight.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def jagged_hstu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
     position_weight: torch.Tensor, time_weight: torch.Tensor, max_length: int, spec: BiasSpec,
-    block: int | None = None,
+    block: int | None = None, precise: bool = False,
 ) -> torch.Tensor:
     """``A V`` of every sample over its own positions, ``[T, H * dv]`` in jagged order.
 
@@ -383,13 +383,14 @@ def jagged_hstu_attention(
     fine: only the last dimension must be unit-stride); ``offsets`` ``[B+1]`` int64;
     ``timestamps`` ``[T]`` seconds; the bias tables ``[buckets, H]``; ``max_length`` the
     longest sample (the caller knows it once per batch, so no layer syncs for it); ``block``
-    fixes the tile rows (tests) instead of autotuning them.
+    fixes the tile rows (tests) instead of autotuning them. fp32 dots run in TF32, as the
+    trainer's matmuls do on GPUs; ``precise`` makes them full fp32 (slower; for checking).
     """
     heads = position_weight.shape[1]
     out = _JaggedHSTUAttention.apply(
         _heads(q, heads), _heads(k, heads), _heads(v, heads),
         position_weight.contiguous(), time_weight.contiguous(),
         offsets.to(torch.int64).contiguous(), timestamps.to(torch.int64).contiguous(),
-        int(max_length), spec, block,
+        int(max_length), spec, block, "ieee" if precise and q.dtype == torch.float32 else "tf32",
     )
     return out.view(out.shape[0], -1)

@@ -1,0 +1,105 @@
+"""The compiled Triton HSTU kernel on a CUDA GPU against the grouped path (skips without one).
+
+Shapes are the GPU check's model (4 heads of 64) and lengths around the 64-row tiles and up
+to 1024. Run on the GPU machine with only torch, triton, numpy and pytest:
+``python -m pytest -q tests/test_hstu_kernel_cuda.py``. tests/test_hstu_kernel.py checks the
+same equalities on CPU through the interpreter.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from training.config import HSTUConfig
+from training.hstu import GroupedPlan, HSTUEncoder, RelativeAttentionBias
+from training.jagged import offsets_from_lengths
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    from training.ops import hstu_attention as ops
+
+CONFIG = HSTUConfig(embedding_dim=256, num_layers=2, num_heads=4, attention_dim=64, linear_dim=64, dropout=0.0,
+                    max_seq_len=1024)
+LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 300, 1024, 7, 7, 7]
+NAMES = ("output", "grad q", "grad k", "grad v", "grad position table", "grad time table")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp(min=1e-30))
+
+
+@pytest.fixture(scope="module")
+def problem():
+    generator = torch.Generator().manual_seed(0)
+    offsets = offsets_from_lengths(torch.tensor(LENGTHS))
+    total, heads, width = int(offsets[-1]), CONFIG.num_heads, CONFIG.attention_dim
+    qkv = torch.randn(total, 3 * heads * width, generator=generator)
+    timestamps = torch.cumsum(torch.randint(0, 10**6, (total,), generator=generator), 0)
+    grad = torch.randn(total, heads * width, generator=generator)
+    torch.manual_seed(0)
+    bias = RelativeAttentionBias(CONFIG)
+    with torch.no_grad():
+        bias.position_bias.weight.normal_(std=0.5)
+        bias.time_bias.weight.normal_(std=0.5)
+    device = torch.device("cuda")
+    return (qkv.to(device), offsets.to(device), timestamps.to(device), grad.to(device), bias.to(device))
+
+
+def run(problem, kernel: str, dtype=torch.float32, precise: bool = False):
+    qkv, offsets, timestamps, grad, bias = problem
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv.split(CONFIG.num_heads * CONFIG.attention_dim, 1))
+    bias.zero_grad(set_to_none=True)
+    if kernel == "triton":
+        spec = ops.BiasSpec(CONFIG.num_position_buckets, CONFIG.max_seq_len, CONFIG.num_time_buckets,
+                            CONFIG.max_time_gap_seconds, 0)
+        out = ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
+                                        bias.time_bias.weight, max(LENGTHS), spec, precise=precise)
+    else:
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False  # the reference in full fp32
+        try:
+            plan = GroupedPlan.build(offsets, timestamps, CONFIG)
+            out = plan.leave(plan.attend(plan.enter(q), plan.enter(k), plan.enter(v), bias))
+            out.backward(grad.to(out.dtype))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+    if kernel == "triton":
+        out.backward(grad.to(out.dtype))
+    return [out.detach(), q.grad, k.grad, v.grad, bias.position_bias.weight.grad.clone(),
+            bias.time_bias.weight.grad.clone()]
+
+
+def test_full_fp32_dots_equal_grouped(problem) -> None:
+    for name, a, b in zip(NAMES, run(problem, "triton", precise=True), run(problem, "grouped")):
+        assert relative_error(a, b) <= 1e-4, f"{name}: {relative_error(a, b):.2e}"
+
+
+def test_tf32_dots_stay_within_tf32_rounding(problem) -> None:
+    for name, a, b in zip(NAMES, run(problem, "triton"), run(problem, "grouped")):
+        assert relative_error(a, b) <= 1e-2, f"{name}: {relative_error(a, b):.2e}"
+
+
+def test_bf16_is_as_close_as_bf16_can_be(problem) -> None:
+    """bf16 carries 8 bits: the kernel in bf16 against fp32 stays within a few bf16 steps."""
+    for name, a, b in zip(NAMES, run(problem, "triton", dtype=torch.bfloat16), run(problem, "grouped")):
+        assert relative_error(a, b) <= 5e-2, f"{name}: {relative_error(a, b):.2e}"
+
+
+def test_q_k_v_gradients_are_deterministic(problem) -> None:
+    """Only the bias tables' gradients use atomics; everything else is bitwise repeatable."""
+    first, second = run(problem, "triton"), run(problem, "triton")
+    for name, a, b in list(zip(NAMES, first, second))[:4]:
+        assert torch.equal(a, b), name
+
+
+def test_auto_runs_the_kernel_in_the_encoder() -> None:
+    encoder = HSTUEncoder(HSTUConfig(**{**CONFIG.__dict__, "attention_kernel": "auto"})).cuda()
+    assert encoder.kernel("cuda") == "triton"
+    offsets = offsets_from_lengths(torch.tensor([5, 700, 1])).cuda()
+    values = torch.randn(int(offsets[-1]), CONFIG.embedding_dim, device="cuda", requires_grad=True)
+    timestamps = torch.arange(int(offsets[-1]), device="cuda") * 1000
+    out = encoder(values, offsets, timestamps)
+    out.square().sum().backward()
+    assert torch.isfinite(values.grad).all() and out.shape == values.shape
