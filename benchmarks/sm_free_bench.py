@@ -1,7 +1,7 @@
 """How much does moving bytes slow down a GEMM: SM-kernel copies vs copy-engine copies.
 
-UNMEASURED: written on a machine without a GPU; this script has not been run on a GPU yet,
-so nothing here has produced a number so far.
+Part (a) has run on one H200 (docs/results/sm_free_bench.md); part (b) needs several GPUs and
+is unmeasured.
 
 (a) One GPU (``python benchmarks/sm_free_bench.py``): bf16 GEMM throughput alone, and beside a
     copy of ``--copy-mib`` MiB running concurrently on another stream, one copy kind at a time:

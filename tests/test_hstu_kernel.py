@@ -18,6 +18,7 @@ from pipeline.errors import InputError
 from training.config import HSTUConfig
 from training.hstu import GroupedPlan, HSTUEncoder, RelativeAttentionBias, log_bucket, resolve_attention_kernel
 from training.jagged import offsets_from_lengths
+from training.ops.relative_buckets import bucket_by_thresholds
 
 if torch.cuda.is_available():
     # One process holds one copy of the kernel module: interpreted here, it would shadow the
@@ -129,6 +130,17 @@ def test_autotuned_launch_gives_the_same_numbers_and_trials_leave_no_sum(monkeyp
     for name, actual, expected in zip(NAMES, triton_out, grouped_out):
         assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
     assert len(ops._backward_tuned.configs) > 1 and ops._backward_tuned.cache  # the tuner did run
+
+
+def test_thresholds_reproduce_the_cpu_formula_exactly() -> None:
+    """log_bucket on CPU is the formula the thresholds come from; counting thresholds (GPUs, the
+    kernel) must give the same bucket for every distance, including past max_distance."""
+    generator = torch.Generator().manual_seed(1)
+    for num_buckets, max_distance in ((64, 1024), (64, 4 * 365 * 86400.0), (16, 40), (8, 5), (3, 1)):
+        distances = torch.cat([torch.arange(0, 70_000),
+                               torch.randint(0, int(3 * max_distance) + 2, (70_000,), generator=generator)])
+        assert torch.equal(bucket_by_thresholds(distances, num_buckets, max_distance),
+                           log_bucket(distances, num_buckets, max_distance))
 
 
 def test_kernel_buckets_equal_log_bucket_exactly() -> None:
