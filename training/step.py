@@ -96,8 +96,9 @@ class TrainStep(ABC):
     def __init__(self, parts: StepParts):
         self.parts = parts
         self.comm_issue_order: list[str] = []
-        """Rank 0's collectives of one steady-state step (the second), in the order issued
-        (empty in plain mode, whose collectives TorchRec issues)."""
+        """Rank 0's collectives of one steady-state step (the second this process trained, so a
+        resumed run has one too), in the order issued (empty in plain mode, whose collectives
+        TorchRec issues)."""
 
     @abstractmethod
     def progress(self, batches: Iterator[StepBatch]) -> StepTiming:
@@ -183,6 +184,7 @@ class OverlappedStep(TrainStep):
         self.layer = layer
         self.sync_dense_grads = layer.dense_sync.finish
         self._next: InFlight | None = None
+        self._trained = 0
 
     def describe(self) -> str:
         return self.layer.describe()
@@ -210,7 +212,8 @@ class OverlappedStep(TrainStep):
             current.exchange.finish_backward()
         self._finish(timer)
         timing = timer.close_overlapped(self.layer.clock)
-        if current.step == 1:
+        self._trained += 1
+        if self._trained == 2:  # the first had no exchange in flight when it began
             self.comm_issue_order = list(self.layer.clock.step_issue_log)
         return timing
 

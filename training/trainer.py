@@ -58,7 +58,7 @@ class TrainResult:
     """Global loss per step (targets-weighted over all ranks)."""
     manifest: Manifest | None = None
     comm_issue_order: list[str] = field(default_factory=list)
-    """Rank 0's collectives of one steady-state step (the second), in the order issued
+    """Rank 0's collectives of one steady-state step (the second this process trained), in the order issued
     (empty in plain mode, whose collectives TorchRec issues)."""
 
 
