@@ -153,6 +153,89 @@ def kill_balance_then_rerun(s: Sweep) -> Outcome:
                        "--world-size", "2", "--local-batch-size", "8")
 
 
+SOAK_KILLS, SOAK_STEPS = 5, 8
+
+
+def _kill_tree(root: int) -> None:
+    """kill -9 of a process and all its descendants (torchrun starts each rank in its own session)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(proc.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def kill_training_soak(s: Sweep) -> Outcome:
+    """kill -9 of a whole training (launcher, torchrun and ranks) at a random step, five times.
+    Each resume must give the uninterrupted run's losses, take over the stale lock, and continue
+    its MLflow run -- not a new one -- to FINISHED with every step's loss exactly once. (The test
+    suite does this once, killing one rank: tests/test_tracking.py.)"""
+    import random
+
+    from mlflow.tracking import MlflowClient
+
+    start = time.perf_counter()
+    small = ("--model.hstu.num_layers", "1", "--loss.num_negatives", "16", "--training.eval_max_samples", "64")
+    base = ("train", "--shards", str(s.path("shards")), "--nproc-per-node", "2", "--max-steps", str(SOAK_STEPS),
+            *small)
+    whole = s.freescale(*base, "--tracking-uri", "none", "--summary-json", str(s.path("soak-whole.json")))
+    if whole.code:
+        return whole
+    reference = json.loads(s.path("soak-whole.json").read_text())["losses"]
+    problems = []
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    for trial, kill_step in enumerate(random.Random(8).choices(range(1, SOAK_STEPS - 1), k=SOAK_KILLS)):
+        folder, uri = s.path(f"soak-ckpt{trial}"), f"sqlite:///{s.path(f'soak{trial}.db')}"
+        common = ("--checkpoint.folder", str(folder), "--checkpoint.every_steps", "1", "--tracking-uri", uri)
+        proc = subprocess.Popen([FREESCALE, *base, *common, "--training.log_every", "1"], cwd=s.work, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            for line in proc.stdout:
+                if line.startswith("step ") and int(line.split()[1].split("/")[0]) > kill_step:
+                    break
+        finally:
+            _kill_tree(proc.pid)
+            proc.wait(timeout=60)
+        if not (folder / "LOCK").exists():
+            problems.append(f"trial {trial}: no lock left by the killed job")
+        resumed = s.freescale(*base, *common, "--summary-json", str(s.path(f"soak{trial}.json")))
+        if resumed.code:
+            problems.append(f"trial {trial}: resume exit {resumed.code}: {resumed.stderr[-1:]}")
+            continue
+        if not any("taking over the stale lock" in line for line in resumed.stderr):
+            problems.append(f"trial {trial}: no stale-lock note")
+        log = json.loads(s.path(f"soak{trial}.json").read_text())
+        first = log["steps"][0]
+        if not (1 <= first <= kill_step + 1 and log["steps"] == list(range(first, SOAK_STEPS))):
+            problems.append(f"trial {trial} (kill after step {kill_step}): resumed steps {log['steps']}")
+        if log["losses"] != reference[first:]:
+            problems.append(f"trial {trial} (kill after step {kill_step}): losses differ from the whole run's")
+        client = MlflowClient(uri)
+        runs = client.search_runs([client.get_experiment_by_name("freescale").experiment_id])
+        if len(runs) != 1 or runs[0].info.status != "FINISHED":
+            problems.append(f"trial {trial}: {len(runs)} MLflow runs, status {[r.info.status for r in runs]}")
+        else:
+            logged = sorted((m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, "step/loss"))
+            if logged != list(enumerate(reference)):
+                problems.append(f"trial {trial}: MLflow step/loss is not every step once with the whole run's loss")
+        if (folder / "LOCK").exists():
+            problems.append(f"trial {trial}: the resumed job left its lock")
+    return Outcome(1 if problems else 0, problems, time.perf_counter() - start)
+
+
 def manifest_ok(s: Sweep, out: Path, world_size: int = 2) -> str:
     sys.path.insert(0, str(REPO))
     from shards.manifest import ShardError, load_manifest
@@ -254,6 +337,7 @@ CASES = [
     # 9. kill -9, then rerun
     Case("balance killed with -9, then rerun", "ok", kill_balance_then_rerun,
          output=lambda s: s.path("killed-shards"), check=lambda s, o: manifest_ok(s, s.path("killed-shards"))),
+    Case("training killed with -9 at random steps (5 times), each resumed", "ok", kill_training_soak),
 ]
 
 

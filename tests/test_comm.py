@@ -2,8 +2,6 @@
 ranks the overlapped modes computing exactly what the plain step computes."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -15,7 +13,7 @@ from comm.clock import CommClock, overlap_length, union_length
 from comm.dense_sync import BucketedGradSync
 from comm.exchange import priority_groups
 from comm.routes import TableRoute
-from tests.test_train import error_lines, freescale_train, small_run_args
+from tests.helpers import in_process_args, train_in_process
 
 MODES = ("plain", "overlap", "prioritized")
 
@@ -194,55 +192,67 @@ def _column(log: dict, name: str) -> np.ndarray:
     return table[..., log["timings"]["fields"].index(name)]
 
 
+def _check_timings(mode: str, log: dict) -> None:
+    comm, exposed, step = (_column(log, name) for name in ("comm_s", "exposed_comm_s", "step_s"))
+    assert (exposed >= 0).all() and (exposed <= comm).all() and (comm <= step).all(), mode
+    if mode == "plain":
+        assert (exposed == comm).all()
+    else:  # collectives were in flight while the thread computed
+        assert exposed.sum() < comm.sum()
+        assert log["summary"]["overlap_fraction"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
-def test_overlapped_modes_compute_what_plain_computes(movielens_shards, tmp_path, sharding):
-    """20 steps of each mode on the same shards and seed, with user features: the losses
-    agree step for step, the measured times nest, and the collectives go out in priority order."""
-    logs = {}
-    for mode in MODES:
-        run = freescale_train(movielens_shards, "--max-steps", "20", "--comm-mode", mode,
-                              *small_run_args(tmp_path, mode, "--parallel.sharding", sharding))
-        assert run.returncode == 0, run.stderr[-3000:]
-        logs[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
-        assert logs[mode]["comm"].startswith(f"comm mode {mode}")
-    plain = logs["plain"]["losses"]
-    assert len(plain) == 20
-    for mode in ("overlap", "prioritized"):
-        assert len(logs[mode]["losses"]) == 20
-        assert max(abs(a - b) for a, b in zip(plain, logs[mode]["losses"])) <= 1e-6, (mode, plain,
-                                                                                      logs[mode]["losses"])
+def test_overlapped_modes_compute_what_plain_computes(sharding, request):
+    """The same shards and seed, with user features, in each mode (the session's runs): the losses
+    agree step for step, to the last bit, the measured times nest, and the collectives go out in
+    priority order.
+    Row-wise: prioritized (8 steps), plain (the steps a stopped run recorded in MLflow), overlap
+    (resumed from that run's step 3). Table-wise: overlap (8 steps), prioritized (the steps recorded
+    before one of its ranks was killed), plain (the resumed rest)."""
+    if sharding == "row_wise":
+        row, stopped, resumed = (request.getfixturevalue(name) for name in ("row_run", "stopped_run", "row_resume"))
+        reference = row.log["losses"]
+        plain = [loss for step, loss in stopped.logged if step < len(reference)]
+        assert len(plain) >= 3 and plain == reference[:len(plain)]
+        assert resumed.log["losses"] == reference[3:]
+        logs = {"prioritized": row.log, "overlap": resumed.log}
+    else:
+        table, killed = request.getfixturevalue("table_run"), request.getfixturevalue("killed_run")
+        reference = table.log["losses"]
+        first = killed.log["steps"][0]
+        assert first >= 1 and killed.logged == list(enumerate(reference))  # prioritized before `first`
+        assert killed.log["losses"] == reference[first:]
+        logs = {"overlap": table.log, "plain": killed.log}
+    assert len(reference) == 8
     for mode, log in logs.items():
-        comm, exposed, step = (_column(log, name) for name in ("comm_s", "exposed_comm_s", "step_s"))
-        assert (exposed >= 0).all() and (exposed <= comm).all() and (comm <= step).all(), mode
-        if mode == "plain":
-            assert (exposed == comm).all()
-        else:  # collectives were in flight while the thread computed
-            assert exposed.sum() < comm.sum()
-            assert log["summary"]["overlap_fraction"] > 0
-    order = logs["prioritized"]["comm_issue_order"]
-    first, last = "embeddings[item,age,gender,occupation,zip_code]", "embeddings[negative]"
-    assert order.index(first) < order.index(last)
-    # The next step's ids leave during this step, before its gradients come back.
-    assert order.index("ids_counts") < order.index("ids") < order.index("embedding_grads[negative]")
-    # Gradients go back lowest priority first, and ahead of the last dense bucket.
-    grads = order.index("embedding_grads[item,age,gender,occupation,zip_code]")
-    assert order.index("embedding_grads[negative]") < grads
-    dense = [i for i, name in enumerate(order) if name.startswith("dense_allreduce")]
-    assert dense and grads < dense[-1]
+        assert log["comm"].startswith(f"comm mode {mode}")
+        _check_timings(mode, log)
+    if "prioritized" in logs:
+        order = logs["prioritized"]["comm_issue_order"]
+        first, last = "embeddings[item,age,gender,occupation,zip_code]", "embeddings[negative]"
+        assert order.index(first) < order.index(last)
+        # The next step's ids leave during this step, before its gradients come back.
+        assert order.index("ids_counts") < order.index("ids") < order.index("embedding_grads[negative]")
+        # Gradients go back lowest priority first, and ahead of the last dense bucket.
+        grads = order.index("embedding_grads[item,age,gender,occupation,zip_code]")
+        assert order.index("embedding_grads[negative]") < grads
+        dense = [i for i, name in enumerate(order) if name.startswith("dense_allreduce")]
+        assert dense and grads < dense[-1]
     assert "embeddings[item,negative,age,gender,occupation,zip_code]" in logs["overlap"]["comm_issue_order"]
-    assert logs["plain"]["comm_issue_order"] == []
+    if "plain" in logs:
+        assert logs["plain"]["comm_issue_order"] == []
 
 
-@pytest.mark.slow
-def test_copy_engine_backend_without_a_gpu_is_one_line_on_every_rank(movielens_shards, tmp_path):
+def test_copy_engine_backend_without_a_gpu_is_one_line(movielens_shards_1, capsys):
+    """One rank, in process: an environment problem (exit 3, jobs/job_errors.py) in one line."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    run = freescale_train(movielens_shards, "--max-steps", "2", "--comm.backend", "copy_engine",
-                          *small_run_args(tmp_path, "ce"))
-    assert run.returncode == 3  # an environment problem (jobs/job_errors.py)
-    lines = error_lines(run)
-    assert len(lines) == 1 and "comm.backend copy_engine needs CUDA" in lines[0] and "ranks 0, 1 of 2" in lines[0], lines
+    assert train_in_process(*in_process_args(movielens_shards_1, "--training.max_steps", "2",
+                                             "--comm.backend", "copy_engine")) == 3
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("freescale train (rank 0): error: comm.backend copy_engine needs CUDA"), lines
 
 
 def test_idle_and_overlap_fractions_hand_computed():

@@ -25,7 +25,7 @@ def span_s(run) -> float:
 
 
 @pytest.mark.slow
-def test_the_parent_run_holds_the_nine_training_runs(movielens_comparison):
+def test_the_parent_run_holds_the_training_runs(movielens_comparison):
     cmp = movielens_comparison
     client = client_of(cmp.tracking_uri)
     parent = client.get_run(cmp.parent_run_id)
@@ -39,19 +39,50 @@ def test_the_parent_run_holds_the_nine_training_runs(movielens_comparison):
         "freescale.comparison": comparison}
 
     nested = client.search_runs([cmp.experiment_id], f"tags.mlflow.parentRunId = '{cmp.parent_run_id}'")
-    assert len(nested) == 9
+    assert len(nested) == 3  # one repeat of each variant
     assert sorted(r.info.run_id for r in nested) == sorted(i for ids in cmp.child_run_ids.values() for i in ids)
     for variant, ids in cmp.child_run_ids.items():
-        assert len(ids) == 3
+        assert len(ids) == 1
         for repeat, run_id in enumerate(ids):
             run = client.get_run(run_id)
             assert run.info.status == "FINISHED" and run.info.run_name == f"compare-k2-b16-{variant}-r{repeat}"
             assert (run.data.tags["freescale.strategy"], run.data.tags["freescale.control"]) == VARIANT_TAGS[variant]
             assert run.data.tags["freescale.comparison"] == comparison and run.data.tags["freescale.job"] == "train"
-            assert run.data.params["training.seed"] == str(repeat)  # the same seed per repeat on every variant
-    # The runs alternated: contiguous, balanced, control, contiguous, ...
+            assert run.data.params["training.seed"] == str(repeat)
     ordered = sorted(nested, key=lambda r: r.info.start_time)
-    assert [r.info.run_name.rsplit("-", 2)[1] for r in ordered] == ["contiguous", "balanced", "control"] * 3
+    assert [r.info.run_name.rsplit("-", 2)[1] for r in ordered] == ["contiguous", "balanced", "control"]
+
+
+def test_repeats_alternate_the_variants_with_one_seed_per_repeat(tmp_path, monkeypatch):
+    """Three repeats, in process with the trainings stubbed out (train_once records its settings):
+    the variants alternate, every variant of a repeat gets the repeat's seed, and the summaries
+    come back per variant in repeat order."""
+    import argparse
+
+    from jobs import compare
+
+    calls = []
+
+    def fake_train_once(shards: Path, out: Path, settings: list[str]) -> dict:
+        seed = int(settings[settings.index("--training.seed") + 1])
+        calls.append((shards.name, settings[settings.index("--run-name") + 1], seed))
+        return {"summary": {"bubble_fraction": 0.1 * len(calls), "idle_fraction": 0.0, "step_time_s": 0.01,
+                            "hr_at_10": 0.0}, "mlflow_run_id": f"run{len(calls)}"}
+
+    monkeypatch.setattr(compare, "train_once", fake_train_once)
+    sets = {"contiguous": tmp_path / "c", "balanced": tmp_path / "b", "control": tmp_path / "m"}
+    monkeypatch.setattr("shards.manifest.load_manifest", lambda path: argparse.Namespace(world_size=2))
+    args = argparse.Namespace(repeats=3, seed=5, config=None, comm_mode=None)
+    runs = compare.run_trainings(args, [], sets, 8, tmp_path / "work", "none", "exp", "cmp", "cmp-id", None)
+    assert [run_name.rsplit("-", 2)[1] for _, run_name, _ in calls] == ["contiguous", "balanced", "control"] * 3
+    assert [seed for _, _, seed in calls] == [5, 5, 5, 6, 6, 6, 7, 7, 7]
+    assert [name for name, _, _ in calls] == ["c", "b", "m"] * 3
+    assert {v: [(r["repeat"], r["seed"], r["run_id"]) for r in rows] for v, rows in runs.items()} == {
+        "contiguous": [(0, 5, "run1"), (1, 6, "run4"), (2, 7, "run7")],
+        "balanced": [(0, 5, "run2"), (1, 6, "run5"), (2, 7, "run8")],
+        "control": [(0, 5, "run3"), (1, 6, "run6"), (2, 7, "run9")]}
+    medians = compare.medians(runs)
+    assert medians["balanced"]["bubble_fraction"] == pytest.approx(0.5)  # runs 2, 5, 8: 0.2, 0.5, 0.8
 
 
 @pytest.mark.slow
@@ -103,7 +134,7 @@ def test_the_balance_runs_span_their_job(movielens_comparison):
         assert run.data.tags["freescale.comparison"] == cmp.summary["comparison"]
         # Opened before the work started, ended after it: the run is at least as long as the work
         # it timed (before, runs were logged after the job and lasted ~60 ms).
-        assert run.data.metrics["job_seconds"] > 0.5
+        assert run.data.metrics["job_seconds"] > 0
         assert span_s(run) >= run.data.metrics["job_seconds"]
 
 
@@ -123,7 +154,7 @@ def test_prepare_run_spans_the_job_and_a_failing_balance_ends_failed(spark, movi
     runs = {r.data.tags["freescale.job"]: r
             for r in client.search_runs([client.get_experiment_by_name("spans").experiment_id])}
     assert runs["prepare"].info.status == "FINISHED" and runs["balance"].info.status == "FAILED"
-    assert span_s(runs["prepare"]) >= runs["prepare"].data.metrics["job_seconds"] > 0.5
+    assert span_s(runs["prepare"]) >= runs["prepare"].data.metrics["job_seconds"] > 0
     assert runs["balance"].info.end_time > runs["balance"].info.start_time
     assert (runs["balance"].data.tags["freescale.strategy"], runs["balance"].data.tags["freescale.control"]) == \
         ("kk", "none")

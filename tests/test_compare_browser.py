@@ -210,7 +210,10 @@ def check_compare_view(comparison, browser: str, workdir: Path) -> tuple[Path, d
         now = time.monotonic()
         seconds[phase], last = now - last, now
 
-    with mlflow_server(comparison.tracking_uri, workdir) as server:
+    # The session's server when the comparison is recorded there; else one for its store.
+    serving = (contextlib.nullcontext(comparison.tracking_uri) if comparison.tracking_uri.startswith("http")
+               else mlflow_server(comparison.tracking_uri, workdir))
+    with serving as server:
         lap("server_start")
         with headless_chromium(browser, workdir) as tools:
             url = compare_runs_url(server, run_ids, [str(comparison.experiment_id)])

@@ -2,15 +2,12 @@
 (``[evaluation] sampled_negatives``, SASRec's protocol)."""
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
 
 from shards.manifest import load_manifest
-from tests.test_model import single_thread  # noqa: F401  (autouse: one intra-op thread, as in the model tests)
-from tests.test_train import freescale_train, small_run_args
 from training.batch import SequenceBatch
 from training.config import ConfigError, EvaluationConfig, HSTUConfig, ModelConfig
 from training.evaluator import batch_negatives, check_protocol, evaluate
@@ -18,6 +15,7 @@ from training.ranking_metrics import most_popular_baseline, sampled_retrieval_me
 from training.model import build_local_model
 
 METRICS = ("hr_at_10", "ndcg_at_10", "mrr")
+pytestmark = pytest.mark.usefixtures("single_thread")  # one intra-op thread, as in the model tests
 
 
 def history_batch(histories: list[list[int]], valid: list[int], test: list[int], users: list[str]) -> SequenceBatch:
@@ -109,12 +107,9 @@ def test_protocol_zero_keeps_the_full_catalog_summary(movielens_shards) -> None:
 
 
 @pytest.mark.slow
-def test_two_rank_run_reports_both_protocols(movielens_shards, tmp_path) -> None:
-    run = freescale_train(movielens_shards, "--max-steps", "4",
-                          *small_run_args(tmp_path, "sampled", "--evaluation.sampled_negatives", "100",
-                                          "--training.eval_max_samples", "0"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads((tmp_path / "sampled.json").read_text())["summary"]
+def test_two_rank_run_reports_both_protocols(row_run) -> None:
+    """The session's row-wise run evaluated every user with 100 sampled negatives too."""
+    summary = row_run.log["summary"]
     assert summary["eval_samples"] == 943 - 943 % 32  # both ranks' users, once each
     for name in METRICS:
         for key in (f"sampled_{name}", f"popular_sampled_{name}", name, f"valid_{name}", f"valid_sampled_{name}"):

@@ -207,17 +207,15 @@ def test_prepare_keep_duplicates(spark, duplicated_ratings, tmp_path, capsys):
 # ---------------------------------------------------------------- 8. bad input fails before Spark starts
 
 
-def _run_fresh(job: str, args: list[str]) -> tuple[int, str, list[str], float]:
-    """``jobs.<job>.main(args)`` in a fresh interpreter: exit status, stderr, heavy modules
-    loaded (pyspark, torch) and seconds taken."""
-    probe = (f"import sys, time\nfrom jobs import {job}\nrc = {job}.main({args!r})\n"
+def _run_fresh(job: str, args: list[str]) -> tuple[int, str, list[str]]:
+    """``jobs.<job>.main(args)`` in a fresh interpreter: exit status, stderr and the heavy modules
+    loaded (pyspark, torch): none means Spark never started."""
+    probe = (f"import sys\nfrom jobs import {job}\nrc = {job}.main({args!r})\n"
              "print(rc, sorted(m for m in ('pyspark', 'torch') if m in sys.modules))")
-    start = time.perf_counter()
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True,
                          timeout=300)
-    seconds = time.perf_counter() - start
     rc, loaded = run.stdout.strip().splitlines()[-1].split(" ", 1)
-    return int(rc), run.stderr.strip(), json.loads(loaded.replace("'", '"')), seconds
+    return int(rc), run.stderr.strip(), json.loads(loaded.replace("'", '"'))
 
 
 def _bad_prepare_input(tmp_path: Path, case: str) -> tuple[list[str], tuple[str, ...]]:
@@ -251,13 +249,12 @@ def _bad_prepare_input(tmp_path: Path, case: str) -> tuple[list[str], tuple[str,
 def test_prepare_bad_input_fails_before_spark(tmp_path, case):
     """A bad local input took 16-30 s to report, because Spark started first."""
     args, fragments = _bad_prepare_input(tmp_path, case)
-    rc, err, loaded, seconds = _run_fresh("prepare", [*args, "--output", str(tmp_path / "out"), *NO_TRACKING])
+    rc, err, loaded = _run_fresh("prepare", [*args, "--output", str(tmp_path / "out"), *NO_TRACKING])
     assert rc == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("freescale prepare: error: "), err
     for fragment in fragments:
         assert fragment in err, err
     assert loaded == [], (loaded, err)
-    assert seconds < 10, seconds
     assert not (tmp_path / "out").exists()
 
 
@@ -278,7 +275,7 @@ def test_balance_bad_input_fails_before_spark(tmp_path, case):
         fragments = ("part-0.parquet", "'length'")
     else:
         fragments = ("no Parquet data files", "freescale prepare")
-    rc, err, loaded, seconds = _run_fresh("balance", ["--input", str(data), "--output", str(tmp_path / "out"),
+    rc, err, loaded = _run_fresh("balance", ["--input", str(data), "--output", str(tmp_path / "out"),
                                                       "--world-size", "2", "--local-batch-size", "4",
                                                       *NO_TRACKING])
     assert rc == 2, err
@@ -286,7 +283,6 @@ def test_balance_bad_input_fails_before_spark(tmp_path, case):
     for fragment in fragments:
         assert fragment in err, err
     assert loaded == [], (loaded, err)
-    assert seconds < 10, seconds
 
 
 # ---------------------------------------------------------------- 9. leftovers of an interrupted run

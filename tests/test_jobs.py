@@ -306,26 +306,19 @@ def test_importing_a_job_loads_nothing_heavy(job):
     assert _loaded_after(f"import jobs.{job}")[0] == []
 
 
-def test_balance_argument_error_is_one_line_in_under_a_second():
-    """`freescale balance --world-size 0` is reported before any heavy import (it took 13.8 s when
-    the error handling imported the trainer's config, and with it torch and torchrec). The
-    structural check says why it is fast; the clock (best of three, as a user would notice it)
-    says that it is."""
+def test_balance_argument_error_is_one_line_before_any_heavy_import():
+    """`freescale balance --world-size 0` is reported before any heavy import (the error handling
+    once imported the trainer's config, and with it torch and torchrec): through the installed
+    command, and with nothing heavy loaded. How long it takes is benchmarks/latency_bench.py's."""
     import subprocess
     import sys
-    import time
 
     command = [str(Path(sys.executable).parent / "freescale"), "balance", "--input", "x", "--output", "y",
                "--world-size", "0", "--local-batch-size", "4"]
-    seconds = []
-    for _ in range(3):
-        start = time.perf_counter()
-        run = subprocess.run(command, capture_output=True, text=True, timeout=60)
-        seconds.append(time.perf_counter() - start)
-        assert run.returncode == 2
-        assert run.stderr.strip().splitlines() == ["freescale balance: error: --world-size must be a positive "
-                                                   "integer, got 0"]
-    assert min(seconds) < 1.0, seconds
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == ["freescale balance: error: --world-size must be a positive "
+                                               "integer, got 0"]
     loaded, stderr = _loaded_after("from jobs import balance\n"
                                    "balance.main(['--input', 'x', '--output', 'y', '--world-size', '0', "
                                    "'--local-batch-size', '4'])")

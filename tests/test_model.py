@@ -42,14 +42,7 @@ SMALL = HSTUConfig(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy shared
-    2-core machine OpenMP threads waiting on each other made steps 10-50x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-op thread
 
 
 USER_FEATURES = [("age", 5), ("gender", 3), ("zip", 11)]
@@ -510,17 +503,20 @@ def test_same_seed_same_model_and_loss() -> None:
 # ------------------------------------------------------------- distributed
 
 
-def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: str) -> None:
+def _sharded_check(rank: int, world_size: int, store_path: str, sharding_type: str) -> None:
     """One rank: shard the tables with the trainer's shard_model, train a step, and
     compare with an unsharded copy."""
     import torch.distributed as dist
 
     from training.config import OptimizerConfig, ParallelConfig
-    from training.distributed import DistEnv, exit_without_finalization
+    from training.distributed import DistEnv
     from training.model import USER_TABLE
     from training.sharding import shard_model
 
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
     try:
         torch.set_num_threads(1)
         torch.manual_seed(0)
@@ -573,19 +569,48 @@ def _sharded_worker(rank: int, world_size: int, store_path: str, sharding_type: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+SHARDINGS = ("table_wise", "row_wise")
+
+
+def _sharded_worker(rank: int, world_size: int, folder: str) -> None:
+    """One rank of the spawned pair: the check for each sharding, its outcome written to a file
+    ("ok" or the traceback)."""
+    import traceback
+    from pathlib import Path
+
+    from training.distributed import exit_without_finalization
+
+    for sharding_type in SHARDINGS:
+        try:
+            _sharded_check(rank, world_size, f"{folder}/store-{sharding_type}", sharding_type)
+            outcome = "ok"
+        except BaseException:  # noqa: BLE001 - reported to the test through the file
+            outcome = traceback.format_exc()
+        Path(folder, f"{sharding_type}-rank{rank}.txt").write_text(outcome)
     # Gloo's worker threads may still be freeing finished collectives: interpreter
     # finalization now would abort this rank (see exit_without_finalization).
     exit_without_finalization(0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
-def test_sharded_model_matches_local_model(tmp_path, sharding_type: str) -> None:
-    """build_model + shard_model on CPU/gloo: negatives, user features and full-catalog
-    lookups go through the sharded tables, and the loss equals an unsharded copy's."""
+@pytest.fixture(scope="module")
+def sharded_outcomes(tmp_path_factory) -> dict[str, list[str]]:
+    """Both shardings checked by one pair of spawned ranks (one launch): sharding -> each rank's outcome."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_sharded_worker, args=(2, str(tmp_path / "store"), sharding_type), nprocs=2, join=True)
+    folder = tmp_path_factory.mktemp("sharded")
+    mp.spawn(_sharded_worker, args=(2, str(folder)), nprocs=2, join=True)
+    return {s: [(folder / f"{s}-rank{r}.txt").read_text() for r in range(2)] for s in SHARDINGS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding_type", SHARDINGS)
+def test_sharded_model_matches_local_model(sharded_outcomes, sharding_type: str) -> None:
+    """build_model + shard_model on CPU/gloo: negatives, user features and full-catalog
+    lookups go through the sharded tables, and the loss equals an unsharded copy's."""
+    for rank, outcome in enumerate(sharded_outcomes[sharding_type]):
+        assert outcome == "ok", f"rank {rank}:\n{outcome}"
 
 
 def test_user_features_reach_every_position_and_their_tables() -> None:

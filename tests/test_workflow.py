@@ -2,8 +2,10 @@
 downstream of it, refuses a second run on one working directory, resumes a killed training from its
 checkpoints, and refuses a bad config in one line.
 
-One small pipeline (300 synthetic users, 2 ranks x 8 samples, a tiny model, 6 steps) runs once per
-module; each test works on its own copy of that working directory."""
+One small pipeline (300 synthetic users, 1 rank x 8 samples, a tiny model, 6 steps) runs once per
+module; each test works on its own copy of that working directory. Its trainings start their one
+rank without torchrun (tests/helpers.py, one_rank_without_torchrun): the launcher's torchrun path is
+test_train's and test_failures'."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ import pytest
 
 from jobs import workflow
 from pipeline import logs
+from tests.helpers import one_rank_without_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_LINE = re.compile(r"^freescale pipeline: (\S+) +(ran|skipped|failed|off|not run) +\((.*)\)$", re.M)
@@ -46,7 +49,7 @@ PIPELINE_TOML = """
 [pipeline]
 workdir = "{workdir}"
 tracking_uri = "none"
-world_size = 2
+world_size = 1
 local_batch_size = 8
 [prepare]
 synthetic_users = 300
@@ -86,6 +89,7 @@ def first_run(spark, tmp_path_factory):
     folder = tmp_path_factory.mktemp("workflow")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(logs.LOG_DIR_ENV, str(folder / "logs"))
+        one_rank_without_torchrun(mp)
         config = write_config(folder, folder / "work")
         import io
         from contextlib import redirect_stdout
@@ -102,6 +106,7 @@ def copy(first_run, tmp_path, monkeypatch):
     """A copy of the first run's working directory and a config pointing at it."""
     folder, _ = first_run
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
+    one_rank_without_torchrun(monkeypatch)
     work = tmp_path / "work"
     shutil.copytree(folder / "work", work)
     shutil.copy2(folder / "train.toml", tmp_path / "train.toml")  # the same modification time: the same identity
@@ -118,14 +123,11 @@ def test_first_run_runs_every_stage_and_a_rerun_skips_them(first_run, copy, caps
     work, config = copy
     record = json.loads((work / "balance.fingerprint.json").read_text())
     assert record["status"] == "done" and record["params"]["window_steps"] == 4
-    started = time.perf_counter()
     assert run(config) == 0
-    seconds = time.perf_counter() - started
     seen = statuses(capsys.readouterr().out)
     for stage in ("prepare", "balance", "train"):
         assert seen[stage][0] == "skipped", seen
         assert seen[stage][1].startswith("fingerprint matches ")
-    assert seconds < 30  # nothing ran: no Spark job, no training
 
 
 @pytest.mark.slow
@@ -146,7 +148,7 @@ def test_a_changed_balance_parameter_reruns_balance_and_train_not_prepare(copy, 
 @pytest.mark.slow
 def test_a_deleted_shard_file_reruns_balance_and_train(copy, capsys):
     work, config = copy
-    victim = next((work / "shards").glob("rank=1/*.parquet"))
+    victim = next((work / "shards").glob("rank=0/*.parquet"))
     victim.unlink()
     assert run(config) == 0
     seen = statuses(capsys.readouterr().out)
@@ -175,9 +177,7 @@ def test_a_second_run_on_the_same_workdir_is_refused_in_one_line(failing, other_
     work.mkdir()
     lock = work / workflow.LOCK
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": other_process, "start": None}))
-    started = time.perf_counter()
     assert run(config) == 3
-    assert time.perf_counter() - started < 10
     captured = capsys.readouterr()
     assert captured.out == ""  # no stage looked at
     assert captured.err.strip().splitlines() == [
@@ -202,6 +202,15 @@ def test_a_stale_lock_is_taken_over_and_released(failing, capsys):
     assert not (work / workflow.LOCK).exists()
 
 
+PIPELINE_ONE_RANK = """
+import sys
+from tests.helpers import one_rank_without_torchrun
+one_rank_without_torchrun()
+from jobs.cli import main
+sys.exit(main(["pipeline", *sys.argv[1:]]))
+"""
+
+
 @pytest.mark.slow
 def test_a_killed_run_resumes_training_from_its_checkpoint(copy, capsys):
     """Killed (SIGKILL, the whole process group) once the first checkpoint of a longer training is
@@ -210,7 +219,7 @@ def test_a_killed_run_resumes_training_from_its_checkpoint(copy, capsys):
     longer = ["--train.overrides.training.max_steps", "40", "--train.overrides.checkpoint.every_steps", "4"]
     shutil.rmtree(work / "checkpoints")  # the first run's: wait for this run's own
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "pipeline", "--config", str(config), *longer],
+    proc = subprocess.Popen([sys.executable, "-c", PIPELINE_ONE_RANK, "--config", str(config), *longer],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 240

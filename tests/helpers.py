@@ -1,0 +1,275 @@
+"""Test helpers shared by the test modules (no test module imports another): starting trainings,
+reading their output and MLflow record, and counting the suite's multi-process launches.
+
+Launch counting: ``count_launches()`` (installed by conftest.py) wraps ``subprocess.Popen`` and
+torch's ``mp.spawn`` in the test process. A launch is a process that starts several ranks: torch's
+elastic launcher (``torch.distributed.run``), a ``freescale train`` / ``freescale pipeline``
+child (each starts torchrun itself), or ``mp.spawn`` of two or more processes. conftest prints
+the count in the terminal summary."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+
+# ------------------------------------------------------------------ launch counting
+
+LAUNCHES: list[str] = []
+"""One entry per multi-process launch the suite started: the test's node id and the command's gist."""
+CURRENT_TEST = [""]
+
+
+def is_launch(cmd) -> bool:
+    """Whether `cmd` (a Popen argv) starts several ranks."""
+    if not isinstance(cmd, (list, tuple)):
+        return False
+    argv = [str(a) for a in cmd]
+    if "torch.distributed.run" in argv or any(Path(a).name == "torchrun" for a in argv[:1]):
+        return True
+    if "jobs.cli" in argv:
+        sub = argv[argv.index("jobs.cli") + 1:argv.index("jobs.cli") + 2]
+        return sub in (["train"], ["pipeline"])
+    return False
+
+
+def count_launches() -> None:
+    """Wrap Popen (subprocess.run goes through it) and mp.spawn to record every launch."""
+    original = subprocess.Popen.__init__
+    if getattr(original, "_counts_launches", False):
+        return
+
+    def init(self, args, *rest, **kwargs):
+        if is_launch(args):
+            argv = [str(a) for a in args]
+            gist = " ".join(a for a in argv[1:4])
+            LAUNCHES.append(f"{CURRENT_TEST[0]}: {gist}")
+        return original(self, args, *rest, **kwargs)
+
+    init._counts_launches = True
+    subprocess.Popen.__init__ = init
+
+    import torch.multiprocessing as mp
+
+    spawn = mp.spawn
+
+    def counted_spawn(fn, args=(), nprocs=1, *rest, **kwargs):
+        if nprocs > 1:
+            LAUNCHES.append(f"{CURRENT_TEST[0]}: mp.spawn {getattr(fn, '__name__', fn)} x{nprocs}")
+        return spawn(fn, args, nprocs, *rest, **kwargs)
+
+    mp.spawn = counted_spawn
+
+
+# ------------------------------------------------------------------ freescale train, launched
+
+# A small model, and the end-of-run evaluation on 64 samples per rank (all 943 users, test and
+# validation item, cost ~1 s per run): runs that measure evaluation pass --training.eval_max_samples 0.
+SMALL_RUN = ("--model.hstu.num_layers", "1", "--loss.num_negatives", "32", "--training.eval_max_samples", "64")
+
+
+def train_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def freescale_train(shards: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`freescale train` in a child process (one launch), run to its end."""
+    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", str(nproc),
+           *args]
+    return subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start_train(shards: Path, *args: str) -> subprocess.Popen:
+    """`freescale train` with 2 ranks in its own process group (a terminal's or a scheduler's job),
+    output merged on stdout."""
+    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "2", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def error_lines(run: subprocess.CompletedProcess) -> list[str]:
+    """The launch's error lines: one, gathering the failed ranks' reasons (theirs are in the log)."""
+    return [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("freescale train: error:")]
+
+
+def small_run_args(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return ["--tracking-uri", "none", "--summary-json", str(tmp_path / f"{name}.json"), *SMALL_RUN, *extra]
+
+
+def read_until_step(proc: subprocess.Popen, step: int) -> list[str]:
+    """The output up to the line of training step `step` (0-based; the lines say "step DONE/TOTAL")."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step ") and int(line.split()[1].split("/")[0]) > step:
+            return lines
+    raise AssertionError(f"training ended before step {step}:\n" + "".join(lines[-40:]))
+
+
+def rank_process(rank: int, marker: str, timeout: float = 120) -> int:
+    """PID of the training worker with RANK=`rank` whose command line holds `marker`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                environ = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if "jobs.train" in cmdline and marker in cmdline and f"RANK={rank}".encode() in environ:
+                return int(proc.name)
+        time.sleep(0.2)
+    raise AssertionError(f"no rank {rank} worker found")
+
+
+def kill_tree(root: int, signum: int = signal.SIGKILL) -> None:
+    """Signal a process and all its descendants (torchrun starts each rank in its own session,
+    so a process group does not reach them)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(proc.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def copy_shards(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def reseal(shards: Path, edit) -> None:
+    """A deliberate edit of a shard set's manifest (`edit(dict)`), resealed so only the edit is wrong."""
+    from shards.manifest import seal
+
+    manifest = json.loads((shards / "manifest.json").read_text())
+    edit(manifest)
+    (shards / "manifest.json").write_text(json.dumps(seal(manifest)))
+
+
+# ------------------------------------------------------------------ one rank, in this process
+
+
+def train_in_process(*argv: str) -> int:
+    """One training rank in this process (`jobs.train`'s job without torchrun): a FileStore
+    process group of one, its log in a temporary folder. The environment, signal handlers, thread
+    count, log and process group it sets are undone afterwards. Its stderr carries the rank's lines ("freescale train (rank 0): ...")."""
+    import torch
+    import torch.distributed as dist
+
+    import tempfile
+
+    from jobs import train
+    from jobs.job_errors import run_job
+    from pipeline import logs
+
+    handlers = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
+    threads = torch.get_num_threads()
+    environ, log_file, verbose = dict(os.environ), logs._log_file, logs._verbose
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 logs.LOG_FILE_ENV, logs.VERBOSE_ENV, logs.DEBUG_ENV):
+        os.environ.pop(name, None)
+    os.environ[logs.LOG_DIR_ENV] = tempfile.mkdtemp(prefix="freescale-test-logs-")  # not the repo's out/logs
+    logs._log_file, logs._verbose = None, False
+    try:
+        return run_job("train (rank 0)", lambda: train.train(list(argv)))
+    finally:
+        logs._log_file, logs._verbose = log_file, verbose
+        os.environ.clear()
+        os.environ.update(environ)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def without_details(line: str) -> str:
+    """An error line without its closing " (details: LOG)"."""
+    return line.split(" (details: ", 1)[0]
+
+
+def in_process_args(shards: Path, *extra: str) -> list[str]:
+    """A small 1-rank run's settings, as `freescale train` passes them to a rank."""
+    return ["--data.shards", str(shards), "--tracking.uri", "none", *SMALL_RUN, *extra]
+
+
+def without_torchrun(cmd):
+    """torchrun's command for one rank on this machine -> the rank's own command (a group of one)."""
+    argv = [str(a) for a in cmd] if isinstance(cmd, (list, tuple)) else cmd
+    if isinstance(argv, list) and "torch.distributed.run" in argv and "--nproc-per-node=1" in argv:
+        return [argv[0], *argv[argv.index("-m", argv.index("torch.distributed.run") + 1):]]
+    return cmd
+
+
+class _OneRankSubprocess:
+    """`subprocess` as jobs.launch sees it once ``one_rank_without_torchrun`` is on."""
+
+    def __getattr__(self, name: str):
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(cmd, *args, **kwargs):  # noqa: N802 - subprocess's name
+        return subprocess.Popen(without_torchrun(cmd), *args, **kwargs)
+
+
+def one_rank_without_torchrun(monkeypatch=None) -> None:
+    """`freescale train` of one rank starts that rank itself instead of torchrun (the pipeline tests'
+    trainings: what they check is the stage engine, and a 1-rank torchrun launch is two processes
+    and seconds more for nothing). With `monkeypatch`, undone after the test."""
+    from jobs import launch
+
+    if monkeypatch is None:
+        launch.subprocess = _OneRankSubprocess()
+    else:
+        monkeypatch.setattr(launch, "subprocess", _OneRankSubprocess())
+
+
+# ------------------------------------------------------------------ MLflow
+
+
+def runs_of(uri: str, experiment: str = "freescale") -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
+
+
+def logged_losses(uri: str, run_id: str) -> list[tuple[int, float]]:
+    """(step, loss) of a run's per-step record, in step order."""
+    from mlflow.tracking import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "step/loss"))
+
+
+def wait_for_logged_steps(uri: str, experiment: str, count: int, timeout: float = 60) -> None:
+    """Until the experiment's one run has `count` steps recorded (the sink sends in the background)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = runs_of(uri, experiment)
+        if runs and len(logged_losses(uri, runs[0].info.run_id)) >= count:
+            return
+        time.sleep(0.5)
