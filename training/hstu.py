@@ -41,6 +41,7 @@ from training.config import AttentionKernel, AttentionKernelName, HSTUConfig, ke
 from training.jagged import LengthGroup, group_by_length, lengths_from_offsets
 from training.ops.relative_buckets import log_bucket
 
+
 @dataclass(frozen=True)
 class AttentionBlock:
     """Query rows ``start:stop`` of a group against key rows ``0:stop``.
