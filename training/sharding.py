@@ -69,9 +69,9 @@ def apply_fused_sparse_optimizer(model: SequentialRecommender, config: Optimizer
 def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parallel: ParallelConfig,
                 env: DistEnv) -> DistributedModelParallel:
     """Plan and shard the item table (row- or table-wise) and user feature tables (table-wise);
-    leave data parallelism of the dense part to the trainer.
+    leave data parallelism of the dense part to the training step.
 
-    DDP is not used (init_data_parallel=False): the trainer all-reduces dense
+    DDP is not used (init_data_parallel=False): the training step all-reduces dense
     gradients itself after backward, so the time ranks spend waiting for each other
     is measured in one place rather than hidden inside DDP's backward hooks.
     """
@@ -85,7 +85,9 @@ def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parall
 
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters not updated by a fused in-backward optimizer: the replicated dense part."""
+    """Parameters not updated by a fused in-backward optimizer: the replicated dense part.
+
+    ``_in_backward_optimizers`` is TorchRec's private mark (tests/test_torchrec_private.py pins it)."""
     return [p for _, p in model.named_parameters()
             if p.requires_grad and getattr(p, "_in_backward_optimizers", None) is None]
 
