@@ -279,13 +279,14 @@ def killed_run(movielens_shards, e2e_dir):
 
 @pytest.fixture(scope="session")
 def hung_run(movielens_shards, e2e_dir):
-    """Row-wise, prioritized, recorded in a sqlite store, a 5 s collective timeout; rank 1 is
-    stopped (SIGSTOP: alive but silent) after step 2, so rank 0's next collective times out."""
+    """Row-wise, prioritized, recorded in a sqlite store, a 15 s collective timeout (5 s timed out
+    a loaded machine's first steps); rank 1 is stopped (SIGSTOP: alive but silent) after step 2,
+    so rank 0's next collective times out."""
     uri = f"sqlite:///{e2e_dir / 'hung.db'}"
     marker = str(e2e_dir / "hung.json")
     proc = helpers.start_train(movielens_shards, "--max-steps", "100000", "--comm-mode", "prioritized",
                                "--parallel.sharding", "row_wise", "--training.log_every", "1",
-                               "--parallel.collective_timeout_s", "5", "--tracking-uri", uri,
+                               "--parallel.collective_timeout_s", "15", "--tracking-uri", uri,
                                "--summary-json", marker, *helpers.SMALL_RUN)
     seen = SimpleNamespace(uri=uri)
     try:
