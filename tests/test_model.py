@@ -32,6 +32,7 @@ from training.model import (
     FEATURE_KEYS,
     ITEM_TABLE,
     SequenceBatch,
+    TableLookup,
     build_local_model,
     build_model,
 )
@@ -662,7 +663,7 @@ def test_dense_span_ends_before_any_table_backward() -> None:
             return super()._grad_arrived(grad)
 
     loss, _ = model(random_batch([6, 3, 5], seed=4, user_features=USER_FEATURES), num_negatives=8,
-                    probe=RecordingProbe())
+                    source=RecordingProbe().timed(TableLookup(model)))
     loss.backward()
     assert events.count("dense gradient") == 3
     last_dense = max(i for i, e in enumerate(events) if e == "dense gradient")

@@ -86,7 +86,7 @@ from pipeline.cost_model import KINDS, CostModel, default_cost_model
 from training.batch import SequenceBatch
 from training.bubbles import DenseSpanProbe
 from training.config import ModelConfig
-from training.model import SequentialRecommender, build_local_model
+from training.model import SequentialRecommender, TableLookup, build_local_model
 
 CLOCKS = ("cpu", "wall")
 FIT_CLOCK = "cpu"
@@ -174,7 +174,8 @@ def time_dense_step(model: SequentialRecommender, batch: SequenceBatch, num_nega
     if next(model.encoder.parameters()).device.type == "cuda":
         return _time_cuda_step(model, batch, num_negatives, full_softmax, generator)
     probe = DenseSpanProbe()
-    loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator, probe=probe)
+    loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator,
+                    source=probe.timed(TableLookup(model)))
     loss.backward()
     end_cpu, end_wall = probe.end_cpu, probe.end_wall
     if end_cpu is None or end_wall is None:  # no gradient reached the lookup (frozen table)

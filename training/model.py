@@ -46,7 +46,6 @@ from training.batch import (
     item_features,
     user_feature_kjt,
 )
-from training.bubbles import DenseSpanProbe
 from training.config import ModelConfig
 from training.hstu import HSTUEncoder
 from training.jagged import jagged_concat_last, last_positions, next_item_positions
@@ -315,7 +314,6 @@ class SequentialRecommender(nn.Module):
         generator: torch.Generator | None = None,
         negative_ids: torch.Tensor | None = None,
         source: EmbeddingSource | None = None,
-        probe: DenseSpanProbe | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Next-item sampled-softmax loss over every position of every history.
 
@@ -328,8 +326,8 @@ class SequentialRecommender(nn.Module):
 
         ``negative_ids`` (default: sampled here) are the uniform negatives. ``source``
         supplies the rows (default: ``TableLookup(self)``, the model's own tables); the
-        comm layer's exchange is the other source. ``probe`` times the dense span of a
-        forward through the model's own tables (``source=probe.timed(TableLookup(model))``).
+        comm layer's exchange is the other source; ``DenseSpanProbe.timed(source)`` times
+        the dense span of a forward through either.
 
         Returns ``(loss, stats)``; stats are detached scalar tensors (no host
         sync), so the trainer decides when to read or all-reduce them.
@@ -341,8 +339,6 @@ class SequentialRecommender(nn.Module):
             negative_ids = self.sample_negatives(num_negatives, device, generator)
         if source is None:
             source = TableLookup(self)
-        if probe is not None:
-            source = probe.timed(source)
         item_embeddings, user_embeddings = source.inputs(batch, negative_ids)
         user_vectors = self.user_vectors(user_embeddings)
 
