@@ -175,11 +175,13 @@ def reseal(shards: Path, edit) -> None:
 def train_in_process(*argv: str) -> int:
     """One training rank in this process (`jobs.train`'s job without torchrun): a FileStore
     process group of one, its log in a temporary folder. The environment, signal handlers, thread
-    count, log and process group it sets are undone afterwards. Its stderr carries the rank's lines ("freescale train (rank 0): ...")."""
+    count, log, logger levels, warning filters and process group it sets are undone afterwards. Its stderr carries the rank's lines ("freescale train (rank 0): ...")."""
     import torch
     import torch.distributed as dist
 
+    import logging
     import tempfile
+    import warnings
 
     from jobs import train
     from jobs.job_errors import run_job
@@ -193,9 +195,17 @@ def train_in_process(*argv: str) -> int:
         os.environ.pop(name, None)
     os.environ[logs.LOG_DIR_ENV] = tempfile.mkdtemp(prefix="freescale-test-logs-")  # not the repo's out/logs
     logs._log_file, logs._verbose = None, False
+    # A rank quiets third-party loggers and warnings for its process (training/sharding.py): in
+    # this one, that would hide them from later tests.
+    levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+              if isinstance(logger, logging.Logger)}
     try:
-        return run_job("train (rank 0)", lambda: train.train(list(argv)))
+        with warnings.catch_warnings():
+            return run_job("train (rank 0)", lambda: train.train(list(argv)))
     finally:
+        for name, logger in logging.root.manager.loggerDict.items():
+            if isinstance(logger, logging.Logger):
+                logger.setLevel(levels.get(name, logging.NOTSET))
         logs._log_file, logs._verbose = log_file, verbose
         os.environ.clear()
         os.environ.update(environ)
