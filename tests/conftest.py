@@ -291,7 +291,12 @@ def hung_run(movielens_shards, e2e_dir):
     seen = SimpleNamespace(uri=uri)
     try:
         helpers.read_until_step(proc, 2)
-        os.kill(helpers.rank_process(1, marker), signal.SIGSTOP)
+        rank0, rank1 = helpers.rank_process(0, marker), helpers.rank_process(1, marker)
+        os.kill(rank1, signal.SIGSTOP)
+        # Once rank 0 has given up, the stopped rank is let go: it takes the SIGTERM torchrun sent
+        # it at once, instead of torchrun waiting 30 s to kill it.
+        helpers.wait_until_gone(rank0, timeout=120)
+        os.kill(rank1, signal.SIGCONT)
         seen.output = proc.communicate(timeout=120)[0]
     finally:
         if proc.poll() is None:

@@ -131,6 +131,20 @@ def rank_process(rank: int, marker: str, timeout: float = 120) -> int:
     raise AssertionError(f"no rank {rank} worker found")
 
 
+def wait_until_gone(pid: int, timeout: float) -> None:
+    """Until process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} still running after {timeout} s")
+
+
 def kill_tree(root: int, signum: int = signal.SIGKILL) -> None:
     """Signal a process and all its descendants (torchrun starts each rank in its own session,
     so a process group does not reach them)."""
