@@ -138,7 +138,7 @@ def other_process():
 def mlflow_server(tmp_path_factory):
     """One real `mlflow server` on a fresh sqlite store for the session; its address. Each user
     records into an experiment of its own."""
-    from tests.mlflow_server import mlflow_server as serve
+    from tests.helpers import mlflow_server as serve
 
     root = tmp_path_factory.mktemp("mlflow-server")
     with serve(f"sqlite:///{root / 'server.db'}", root) as address:

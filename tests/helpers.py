@@ -1,5 +1,6 @@
 """Test helpers shared by the test modules (no test module imports another): starting trainings,
-reading their output and MLflow record, and counting the suite's multi-process launches.
+reading their output and MLflow record, a real mlflow server, reading a balance job's output
+back, and counting the suite's multi-process launches.
 
 Launch counting: ``count_launches()`` (installed by conftest.py) wraps ``subprocess.Popen`` and
 torch's ``mp.spawn`` in the test process. A launch is a process that starts several ranks: torch's
@@ -12,10 +13,15 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -297,3 +303,90 @@ def wait_for_logged_steps(uri: str, experiment: str, count: int, timeout: float 
         if runs and len(logged_losses(uri, runs[0].info.run_id)) >= count:
             return
         time.sleep(0.5)
+
+
+# ------------------------------------------------------------------ a real mlflow server
+# One worker on a free local port, in its own process group so that stopping it also stops
+# uvicorn's worker. conftest's session fixture `mlflow_server` serves a fresh store; the browser
+# test serves the comparison's when it is not on that server.
+
+SERVER_START_S = 120  # it imports all of MLflow twice (CLI, then uvicorn's worker): 56 s seen under load
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
+    """SIGTERM, then SIGKILL, to the process group the test started (the server's uvicorn child,
+    Chromium's renderer and GPU processes)."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def mlflow_server(store_uri: str, workdir: Path) -> Iterator[str]:
+    """`mlflow server` on `store_uri`, its artifacts and log under `workdir`; its address."""
+    port = free_port()
+    log = workdir / "mlflow-server.log"
+    # The job runner is a second process importing MLflow; no test needs it.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", store_uri,
+             "--artifacts-destination", str(workdir / "mlartifacts"), "--host", "127.0.0.1",
+             "--port", str(port), "--workers", "1"],
+            cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"mlflow server exited {server.returncode}: {log.read_text()[-2000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{address}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow server not healthy after {SERVER_START_S} s: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield address
+    finally:
+        stop_group(server)
+
+
+# ------------------------------------------------------------------ a balance job's output, read back
+# With pyarrow, independently of Spark.
+
+def load_manifest(shards: Path) -> dict:
+    return json.loads((shards / "manifest.json").read_text())
+
+
+def read_rank(shards: Path, rank: int):
+    """Rows of one rank in file order (the order the trainer will stream them), a DataFrame."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    manifest = load_manifest(shards)
+    files = manifest["ranks"][rank]["files"]
+    frames = [pq.read_table(shards / f["path"]).to_pandas() for f in files]
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    frame["rank"] = rank
+    return frame
+
+
+def read_all(shards: Path):
+    import pandas as pd
+
+    manifest = load_manifest(shards)
+    return pd.concat([read_rank(shards, r) for r in range(manifest["world_size"])], ignore_index=True)

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.mlflow_server import mlflow_server, stop_group
+from tests.helpers import mlflow_server, stop_group
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 BROWSER = next((found for name in BROWSERS if (found := shutil.which(name))), None)

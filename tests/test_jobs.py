@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs import balance, prepare
-from tests.shard_reading import load_manifest, read_all, read_rank
+from tests.helpers import load_manifest, read_all, read_rank
 
 NO_TRACKING = ["--tracking-uri", "none"]
 

@@ -128,7 +128,7 @@ def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_s
 
 
 def whole_rank(root: Path, rank: int, columns: tuple[str, ...] = READ_COLUMNS) -> pa.Table:
-    """The rank's rows read whole, the way tests/shard_reading.py does."""
+    """The rank's rows read whole, the way tests/helpers.py (read_rank) does."""
     manifest = json.loads((root / "manifest.json").read_text())
     tables = [pq.read_table(root / f["path"]) for f in manifest["ranks"][rank]["files"]]
     return pa.concat_tables(tables).select(list(columns))

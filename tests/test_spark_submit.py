@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shard_reading import load_manifest, read_all
+from tests.helpers import load_manifest, read_all
 
 REPO = Path(__file__).resolve().parents[1]
 
