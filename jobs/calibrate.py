@@ -252,14 +252,15 @@ def rank_speeds_worker(argv: list[str]) -> int:
     torch.manual_seed(args.seed)
     model = build_local_model(args.num_items, config.model)
     model.train()
-    max_length = config.model.hstu.max_seq_len
+    max_length = config.model.max_seq_len
     mixes = heavy_tailed_batches(RANK_SPEED_BATCHES, min(16, max_length), max_length, args.seed + 7)
     batches = [synthetic_batch(m, args.num_items, seed=args.seed + i) for i, m in enumerate(mixes)]
     gathered = []
     with caching_malloc():
         for repeat in range(args.warmup + args.repeats):
             dist.barrier()  # lock-step: every rank starts the repeat together, under the same machine load
-            times = [time_dense_step(model, b, config.loss.num_negatives, config.loss.full_softmax, seed=i)
+            times = [time_dense_step(model, b, config.loss.num_negatives, config.loss.full_softmax, seed=i,
+                                     loss_kind=config.loss.kind)
                      for i, b in enumerate(batches)]
             local = torch.tensor([sum(t.wall_s for t in times), sum(t.cpu_s for t in times)], dtype=torch.float64)
             everyone = [torch.empty_like(local) for _ in range(env.world_size)]
@@ -341,12 +342,12 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     with job_run("calibrate", tracking_uri=args.tracking_uri, experiment=args.experiment,
                  tags={"freescale.output": str(Path(args.output))},
                  run_name=args.run_name or f"calibrate-{socket.gethostname()}") as run:
-        lengths = parse_lengths(args.lengths) if args.lengths else default_lengths(config.model.hstu.max_seq_len)
+        lengths = parse_lengths(args.lengths) if args.lengths else default_lengths(config.model.max_seq_len)
         settings = CalibrationSettings(
             lengths=tuple(lengths), num_items=args.num_items, repeats=args.repeats, warmup=args.warmup,
             replicates=args.replicates, held_out_batches=args.held_out_batches,
-            num_negatives=config.loss.num_negatives, full_softmax=config.loss.full_softmax, seed=args.seed,
-            device=device)
+            num_negatives=config.loss.num_negatives, full_softmax=config.loss.full_softmax,
+            loss_kind=config.loss.kind, seed=args.seed, device=device)
         config_record = {"model": dataclasses.asdict(config.model), "loss": dataclasses.asdict(config.loss),
                          "config_file": args.config, "overrides": overrides}
         def log(message: str) -> None:

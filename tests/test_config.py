@@ -83,6 +83,7 @@ CHOICES = [
     ("model.hstu.attention_kernel", ("auto", "triton", "grouped"), "cuda"),
     ("comm.mode", ("plain", "overlap", "prioritized"), "async"),
     ("comm.backend", ("auto", "gloo", "nccl", "copy_engine"), "mpi"),
+    ("model.encoder", ("hstu", "sasrec"), "gru"), ("loss.kind", ("sampled_softmax", "bce"), "softmax"),
 ]
 
 

@@ -85,7 +85,7 @@ from pipeline.calibration import (
 from pipeline.cost_model import KINDS, CostModel, default_cost_model
 from training.batch import SequenceBatch
 from training.bubbles import DenseSpanProbe
-from training.config import ModelConfig
+from training.config import LossKind, ModelConfig
 from training.model import SequentialRecommender, TableLookup, build_local_model
 
 CLOCKS = ("cpu", "wall")
@@ -168,14 +168,15 @@ def synthetic_batch(lengths: Sequence[int], num_items: int, seed: int) -> Sequen
 
 
 def time_dense_step(model: SequentialRecommender, batch: SequenceBatch, num_negatives: int,
-                    full_softmax: bool = False, seed: int = 0) -> StepTime:
+                    full_softmax: bool = False, seed: int = 0,
+                    loss_kind: LossKind = "sampled_softmax") -> StepTime:
     """Time one training forward+backward's dense span; the same ``seed`` gives the same negatives."""
     generator = torch.Generator().manual_seed(seed)
     if next(model.encoder.parameters()).device.type == "cuda":
-        return _time_cuda_step(model, batch, num_negatives, full_softmax, generator)
+        return _time_cuda_step(model, batch, num_negatives, full_softmax, generator, loss_kind)
     probe = DenseSpanProbe()
     loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator,
-                    source=probe.timed(TableLookup(model)))
+                    source=probe.timed(TableLookup(model)), loss_kind=loss_kind)
     loss.backward()
     end_cpu, end_wall = probe.end_cpu, probe.end_wall
     if end_cpu is None or end_wall is None:  # no gradient reached the lookup (frozen table)
@@ -185,7 +186,7 @@ def time_dense_step(model: SequentialRecommender, batch: SequenceBatch, num_nega
 
 
 def _time_cuda_step(model: SequentialRecommender, batch: SequenceBatch, num_negatives: int,
-                    full_softmax: bool, generator: torch.Generator) -> StepTime:
+                    full_softmax: bool, generator: torch.Generator, loss_kind: LossKind) -> StepTime:
     """The whole forward+backward between two CUDA events: GPU time, both fields.
 
     Host clocks would time kernel launches, not kernels. The item lookup is a local
@@ -193,7 +194,7 @@ def _time_cuda_step(model: SequentialRecommender, batch: SequenceBatch, num_nega
     """
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator)
+    loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator, loss_kind=loss_kind)
     loss.backward()
     end.record()
     end.synchronize()
@@ -311,6 +312,8 @@ class CalibrationSettings:
     """Mixed heavy-tailed batches for the validation; 0 skips it."""
     num_negatives: int = 128
     full_softmax: bool = False
+    loss_kind: LossKind = "sampled_softmax"
+    """``loss.kind``: the loss the timed steps train with (bce draws one negative per position)."""
     seed: int = 0
     device: str = "cpu"
     """Where the model runs: ``cpu`` (thread CPU clock, one thread) or ``cuda`` (CUDA events)."""
@@ -382,7 +385,8 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
     def step(lengths: Sequence[int], index: int) -> Callable[[], StepTime]:
         batch = synthetic_batch(lengths, settings.num_items, seed=settings.seed * 100_003 + index)
         batch = batch.to(settings.device)
-        return lambda: time_dense_step(model, batch, settings.num_negatives, settings.full_softmax, seed=index)
+        return lambda: time_dense_step(model, batch, settings.num_negatives, settings.full_softmax, seed=index,
+                                       loss_kind=settings.loss_kind)
 
     all_batches = [b.lengths for b in batches] + list(mixes)
     log(f"timing {len(batches)} calibration batches ({len(grid)} grid + {len(held_out)} held-out lengths x "

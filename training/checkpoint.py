@@ -39,10 +39,13 @@ LOCK = "LOCK"
 
 # Config keys the saved tensors' shapes depend on: a checkpoint cannot be loaded into a
 # model or optimizer built with other values, so a resume with any of them changed is
-# refused. max_seq_len is not one (it changes the position bucketing, not a shape).
-SHAPE_KEYS = ("model.hstu.embedding_dim", "model.hstu.num_layers", "model.hstu.num_heads",
+# refused. HSTU's max_seq_len is not one (it changes the position bucketing, not a shape);
+# SASRec's is (it sizes the position table).
+SHAPE_KEYS = ("model.encoder",
+              "model.hstu.embedding_dim", "model.hstu.num_layers", "model.hstu.num_heads",
               "model.hstu.attention_dim", "model.hstu.linear_dim", "model.hstu.num_position_buckets",
               "model.hstu.num_time_buckets", "model.hstu.use_rating_feature",
+              "model.sasrec.num_layers", "model.sasrec.feed_forward_dim", "model.sasrec.max_seq_len",
               "optimizer.sparse_optimizer")  # adagrad, sgd and adam keep differently shaped state
 # Keys (prefixes) that change what the saved numbers mean without changing their shapes:
 # a resume with any of them changed continues, with a warning naming them. Everything

@@ -31,6 +31,8 @@ AttentionNormalization = Literal["sample_length", "max_seq_len"]
 CommMode = Literal["plain", "overlap", "prioritized"]
 AttentionKernelName = Literal["triton", "grouped"]
 AttentionKernel = Literal["auto", AttentionKernelName]  # flattens to "auto" | "triton" | "grouped"
+EncoderName = Literal["hstu", "sasrec"]
+LossKind = Literal["sampled_softmax", "bce"]
 
 
 @dataclass
@@ -91,13 +93,57 @@ class HSTUConfig:
 
 
 @dataclass
+class SASRecConfig:
+    """Shape and regularisation of the SASRec encoder (``training.sasrec``; Kang & McAuley,
+    "Self-Attentive Sequential Recommendation", ICDM 2018).
+
+    Its width is the model's one width, ``model.hstu.embedding_dim`` (the item table's, which
+    SASRec shares between its input and its output); the rating input
+    (``model.hstu.use_rating_feature``) is the model's too: set it false for the paper's
+    item-only inputs."""
+
+    num_layers: int = 2
+    """Self-attention blocks (attention + point-wise feed-forward); the paper uses 2."""
+    num_heads: int = 1
+    """Attention heads per block; must divide the width. The paper found one head enough."""
+    feed_forward_dim: int = 0
+    """Hidden width of the point-wise feed-forward network; 0 = the model width, as in the paper."""
+    dropout: float = 0.2
+    """Dropout on the input embeddings, the attention weights and each block's two outputs
+    (the paper: 0.2 on MovieLens-1M, 0.5 on sparser data)."""
+    max_seq_len: int = 200
+    """Learned absolute position embeddings ``0..max_seq_len-1``, counted from a history's
+    oldest item; positions past the last share its embedding (the paper's window: 200 on
+    MovieLens-1M, 50 on sparser data)."""
+
+    def __post_init__(self) -> None:
+        # Also run by load_config after a file or override changed the fields.
+        for name in ("num_layers", "num_heads", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.feed_forward_dim < 0:
+            raise ValueError(f"feed_forward_dim must be >= 0 (0 = the model width), got {self.feed_forward_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
 class ModelConfig:
     """Everything about the model that is not the encoder's shape (``training.model``)."""
 
+    encoder: EncoderName = "hstu"
+    """Sequence encoder: ``"hstu"`` (``training.hstu``, shaped by ``model.hstu``) or
+    ``"sasrec"`` (``training.sasrec``, the SASRec baseline, shaped by ``model.sasrec``).
+    Either way the item tables, user features, loss, comm modes, checkpoints and
+    evaluation are the same."""
     hstu: HSTUConfig = field(default_factory=HSTUConfig)
-    """Encoder configuration; ``hstu.embedding_dim`` is also the item table width."""
+    """HSTU encoder configuration; ``hstu.embedding_dim`` is the model's width (the item table's,
+    for either encoder) and ``hstu.use_rating_feature`` its rating input."""
+    sasrec: SASRecConfig = field(default_factory=SASRecConfig)
+    """SASRec encoder configuration (used when ``encoder = "sasrec"``)."""
     temperature: float = 0.05
-    """Softmax temperature over cosine similarities (both sides are L2-normalised)."""
+    """Logits are cosine similarities (both sides are L2-normalised) divided by this, for
+    either ``loss.kind`` and either encoder."""
     in_batch_negatives: bool = True
     """Also use the batch's (unique) target items as negatives for every query."""
     max_in_batch_negatives: int = 128
@@ -109,6 +155,17 @@ class ModelConfig:
     """Item table rows start uniform in ``[-scale, scale]``. Set explicitly because
     TorchRec's default, ``sqrt(1 / num_embeddings)``, shrinks with the catalog and
     would let the rating embedding swamp item identity in large catalogs."""
+
+    @property
+    def max_seq_len(self) -> int:
+        """The chosen encoder's ``max_seq_len``: the longest history it is shaped for."""
+        return getattr(self, self.encoder).max_seq_len
+
+    def __post_init__(self) -> None:
+        # Also run by load_config after a file or override changed the fields.
+        width, heads = self.hstu.embedding_dim, self.sasrec.num_heads
+        if self.encoder == "sasrec" and width % heads:
+            raise ValueError(f"sasrec.num_heads {heads} must divide the model width hstu.embedding_dim {width}")
 
 
 @dataclass
@@ -136,10 +193,23 @@ class OptimizerConfig:
 
 @dataclass
 class LossConfig:
+    kind: LossKind = "sampled_softmax"
+    """``"sampled_softmax"``: each position's target against shared negatives (``num_negatives``
+    uniform ids plus in-batch targets, or the catalog with ``full_softmax``). ``"bce"``: SASRec's
+    binary cross-entropy, each position's target against one negative of its own, uniform over
+    the catalog (a negative equal to the target is masked: that position keeps only its
+    positive term); ``num_negatives`` and ``model.in_batch_negatives`` do not apply. Both are
+    means over the step's targets."""
     num_negatives: int = 128
-    """Uniformly sampled negatives per step, shared by every position of the batch."""
+    """Uniformly sampled negatives per step, shared by every position of the batch (sampled softmax)."""
     full_softmax: bool = False
-    """Score every position against the whole catalog (small catalogs only)."""
+    """Score every position against the whole catalog (small catalogs only; sampled softmax)."""
+
+    def __post_init__(self) -> None:
+        # Also run by load_config after a file or override changed the fields.
+        if self.kind == "bce" and self.full_softmax:
+            raise ValueError("full_softmax applies to kind 'sampled_softmax' only; kind 'bce' draws "
+                             "one negative per position")
 
 
 @dataclass
@@ -239,9 +309,9 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """``[data]``: which shards to read and how."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """``[model]`` and ``[model.hstu]``: the recommender and its encoder."""
+    """``[model]``, ``[model.hstu]`` and ``[model.sasrec]``: the recommender and its encoder."""
     loss: LossConfig = field(default_factory=LossConfig)
-    """``[loss]``: negatives of the sampled softmax."""
+    """``[loss]``: the loss kind and its negatives."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """``[optimizer]``: dense and fused sparse optimizers."""
     training: TrainingConfig = field(default_factory=TrainingConfig)

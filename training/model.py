@@ -1,4 +1,4 @@
-"""Sequential recommender: TorchRec item table + jagged HSTU encoder + sampled softmax.
+"""Sequential recommender: TorchRec item table + jagged encoder (HSTU or SASRec) + loss.
 
 The item table is a TorchRec ``EmbeddingCollection`` so ``DistributedModelParallel``
 can shard it (table-wise / row-wise, optimizer fused into backward); every
@@ -7,14 +7,17 @@ catalog at evaluation -- goes through it, so all of them keep working once the
 table is sharded. When the data carries user-level features (one categorical id
 per feature per user), they are looked up in a TorchRec ``EmbeddingBagCollection``
 (one table per feature, sharded the same way), projected to the model width and
-added to every input position of that user's history. Everything else (HSTU
-layers, rating embedding, the user projection) is dense and replicated with data
-parallelism.
+added to every input position of that user's history. Everything else (the
+encoder, rating embedding, the user projection) is dense and replicated with data
+parallelism. The encoder is ``model.encoder``'s (``ENCODERS``: ``training.hstu`` or
+``training.sasrec``), the loss ``loss.kind``'s (``LOSSES``: sampled softmax or SASRec's
+binary cross-entropy); either encoder trains with either loss.
 
 Single-process use (tests, cost calibration)::
 
     model = build_local_model(num_items, ModelConfig())
-    loss, stats = model(batch, num_negatives=128)
+    loss, stats = model(batch, num_negatives=128)                  # sampled softmax
+    loss, stats = model(batch, loss_kind="bce")                     # one negative per position
 
 Distributed use: ``build_model(num_items, config, device)`` puts the table on the
 ``meta`` device for ``DistributedModelParallel`` to shard and materialise. Under
@@ -46,11 +49,12 @@ from training.batch import (
     item_features,
     user_feature_kjt,
 )
-from training.config import ModelConfig
+from training.config import EncoderName, LossKind, ModelConfig, keyed_by
 from training.hstu import HSTUEncoder
 from training.jagged import jagged_concat_last, last_positions, next_item_positions
-from training.losses import sampled_softmax_loss
+from training.losses import binary_cross_entropy_loss, sampled_softmax_loss
 from training.ranking_metrics import ExcludeIds, ProtocolMetrics, retrieval_metrics, sampled_retrieval_metrics
+from training.sasrec import SASRecEncoder
 
 # Not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow.
 ITEM_TABLE = "item_embedding"
@@ -59,6 +63,20 @@ ITEM_TABLE = "item_embedding"
 USER_TABLE = "user_feature_{index}"
 NUM_RATINGS = 6  # 0 = unknown, 1..5
 PADDING_ID = 0
+
+
+def _input_spread(config: ModelConfig) -> float:
+    """Per-coordinate std of a scaled item input row (uniform +-scale times sqrt(D))."""
+    return config.embedding_init_scale / math.sqrt(3.0) * math.sqrt(config.hstu.embedding_dim)
+
+
+# model.encoder -> the encoder it builds; each maps (values [T, D], offsets, timestamps) to
+# [T, D] L2-normalised outputs, and has kernel(device).
+ENCODERS = keyed_by(EncoderName, {
+    "hstu": lambda config: HSTUEncoder(config.hstu),
+    "sasrec": lambda config: SASRecEncoder(config.sasrec, config.hstu.embedding_dim,
+                                           position_init_std=_input_spread(config)),
+})
 
 
 class EmbeddingSource(Protocol):
@@ -122,7 +140,7 @@ class TableLookup:
 
 
 class SequentialRecommender(nn.Module):
-    """Next-item retrieval model: item table (TorchRec) -> HSTU -> sampled softmax.
+    """Next-item retrieval model: item table (TorchRec) -> encoder (HSTU or SASRec) -> loss.
 
     Args:
         num_items: catalog size; item ids are ``1..num_items`` and 0 is padding.
@@ -187,7 +205,7 @@ class SequentialRecommender(nn.Module):
             # features in as far as they help (measured: a random start lost HR@10).
             nn.init.zeros_(self.user_projection.weight)
             nn.init.zeros_(self.user_projection.bias)
-        self.encoder = HSTUEncoder(config.hstu).to(device)
+        self.encoder = ENCODERS[config.encoder](config).to(device)
         # A kernel that cannot run on this device stops the job here, not at the first step.
         self.attention_kernel = self.encoder.kernel(device)
 
@@ -314,15 +332,23 @@ class SequentialRecommender(nn.Module):
         generator: torch.Generator | None = None,
         negative_ids: torch.Tensor | None = None,
         source: EmbeddingSource | None = None,
+        loss_kind: LossKind = "sampled_softmax",
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Next-item sampled-softmax loss over every position of every history.
+        """Next-item loss over every position of every history, mean over the targets.
 
-        Positions ``0..L-2`` of a sample predict positions ``1..L-1``. Negatives
-        are ``num_negatives`` uniform ids plus (``config.in_batch_negatives``)
-        the batch's unique targets, shared by all queries; a negative equal to a
-        query's target is masked. With ``full_softmax=True`` the negatives are
-        instead the whole catalog (looked up through the table every step --
-        only for small catalogs), which makes the loss the exact full softmax.
+        Positions ``0..L-2`` of a sample predict positions ``1..L-1``. ``loss_kind``
+        (``loss.kind``) chooses the loss:
+
+        * ``"sampled_softmax"``: negatives are ``num_negatives`` uniform ids plus
+          (``config.in_batch_negatives``) the batch's unique targets, shared by all
+          queries; a negative equal to a query's target is masked. With
+          ``full_softmax=True`` the negatives are instead the whole catalog (looked up
+          through the table every step -- only for small catalogs), which makes the loss
+          the exact full softmax.
+        * ``"bce"``: one uniform negative per position (``negative_count``: ``T`` ids,
+          row ``r``'s negative is ``negative_ids[r]``; the last position of a sample has
+          no target and its negative goes unused), binary cross-entropy of the target
+          against it (``training.losses.binary_cross_entropy_loss``).
 
         ``negative_ids`` (default: sampled here) are the uniform negatives. ``source``
         supplies the rows (default: ``TableLookup(self)``, the model's own tables); the
@@ -334,9 +360,12 @@ class SequentialRecommender(nn.Module):
         """
         device = batch.item_ids.device
         if full_softmax:
+            if loss_kind != "sampled_softmax":
+                raise ValueError(f"full_softmax applies to the sampled softmax, not to loss kind {loss_kind!r}")
             negative_ids = torch.arange(1, self.num_items + 1, device=device)
         elif negative_ids is None:
-            negative_ids = self.sample_negatives(num_negatives, device, generator)
+            count = self.negative_count(loss_kind, num_negatives, batch.num_tokens)
+            negative_ids = self.sample_negatives(count, device, generator)
         if source is None:
             source = TableLookup(self)
         item_embeddings, user_embeddings = source.inputs(batch, negative_ids)
@@ -347,27 +376,55 @@ class SequentialRecommender(nn.Module):
         query_rows, target_rows = next_item_positions(offsets)
         target_ids = batch.item_ids[target_rows]
         positive = F.normalize(item_embeddings[target_rows], dim=-1)
+        loss, used_negatives, stats = LOSSES[loss_kind](self, hidden, query_rows, positive, target_ids, source,
+                                                        negative_ids, full_softmax, generator)
+        stats = {
+            "loss": loss.detach(),
+            "num_targets": torch.tensor(float(target_ids.numel()), device=device),
+            "num_negatives": torch.tensor(float(used_negatives), device=device),
+            **stats,
+        }
+        return loss, stats
+
+    @staticmethod
+    def negative_count(loss_kind: LossKind, num_negatives: int, num_tokens: int) -> int:
+        """Uniform negatives one forward draws: ``num_negatives`` shared ones for the sampled
+        softmax, one per position (``num_tokens``, a batch's ``T``) for bce. Per sample, so a
+        rank's work stays the sum of its samples' (the balancer's cost model)."""
+        return NEGATIVE_COUNTS[loss_kind](num_negatives, num_tokens)
+
+    def _sampled_softmax(self, hidden: torch.Tensor, query_rows: torch.Tensor, positive: torch.Tensor,
+                         target_ids: torch.Tensor, source: EmbeddingSource, negative_ids: torch.Tensor,
+                         full_softmax: bool, generator: torch.Generator | None
+                         ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        """``(loss, negatives per query, stats)`` of the sampled (or full) softmax."""
         negatives = F.normalize(source.negatives(), dim=-1)
         if self.config.in_batch_negatives and not full_softmax:
             # Unique, so a popular item is not counted several times in each partition function.
             unique_ids, first = _unique_with_first_index(target_ids)
             cap = self.config.max_in_batch_negatives
             if cap and unique_ids.numel() > cap:
-                keep = torch.randperm(unique_ids.numel(), generator=generator)[:cap].to(device)
+                keep = torch.randperm(unique_ids.numel(), generator=generator)[:cap].to(target_ids.device)
                 unique_ids, first = unique_ids[keep], first[keep]
             negatives = torch.cat([negatives, positive[first]])
             negative_ids = torch.cat([negative_ids, unique_ids])
-
         loss, stats = sampled_softmax_loss(
             hidden[query_rows], positive, negatives, target_ids, negative_ids, self.config.temperature
         )
-        stats = {
-            "loss": loss.detach(),
-            "num_targets": torch.tensor(float(target_ids.numel()), device=device),
-            "num_negatives": torch.tensor(float(negative_ids.numel()), device=device),
-            **stats,
-        }
-        return loss, stats
+        return loss, negative_ids.numel(), stats
+
+    def _binary_cross_entropy(self, hidden: torch.Tensor, query_rows: torch.Tensor, positive: torch.Tensor,
+                              target_ids: torch.Tensor, source: EmbeddingSource, negative_ids: torch.Tensor,
+                              full_softmax: bool, generator: torch.Generator | None
+                              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        """``(loss, negatives used, stats)`` of SASRec's binary cross-entropy, one negative per query."""
+        if negative_ids.numel() != hidden.shape[0]:
+            raise ValueError(f"loss kind 'bce' takes one negative per position: got {negative_ids.numel()} "
+                             f"negatives for {hidden.shape[0]} positions")
+        negatives = F.normalize(source.negatives()[query_rows], dim=-1)
+        loss, stats = binary_cross_entropy_loss(hidden[query_rows], positive, negatives, target_ids,
+                                                negative_ids[query_rows], self.config.temperature)
+        return loss, query_rows.numel(), stats
 
     # --------------------------------------------------------------- evaluation
 
@@ -439,6 +496,13 @@ class SequentialRecommender(nn.Module):
         if negative_ids is None:
             return ProtocolMetrics(full)
         return ProtocolMetrics(full, sampled_retrieval_metrics(query, all_item_embeddings, targets, negative_ids, k))
+
+
+# loss.kind -> the loss head forward() runs, and the uniform negatives a forward draws.
+LOSSES = keyed_by(LossKind, {"sampled_softmax": SequentialRecommender._sampled_softmax,
+                             "bce": SequentialRecommender._binary_cross_entropy})
+NEGATIVE_COUNTS = keyed_by(LossKind, {"sampled_softmax": lambda num_negatives, num_tokens: num_negatives,
+                                      "bce": lambda num_negatives, num_tokens: num_tokens})
 
 
 def build_model(num_items: int, config: ModelConfig, device: torch.device | str,

@@ -72,8 +72,8 @@ class StepParts:
     loss: LossConfig
     generator: torch.Generator
     """The in-batch negative cap's draws (per rank, checkpointed)."""
-    negatives: Callable[[int], torch.Tensor]
-    """Step -> this rank's uniform negatives (``training.seeding.StepNegatives``)."""
+    negatives: Callable[[int, SequenceBatch], torch.Tensor]
+    """(step, this rank's batch) -> its uniform negatives (``training.seeding.StepNegatives``)."""
     world_size: int
 
 
@@ -118,7 +118,8 @@ class TrainStep(ABC):
         mean whatever the plan: the sum of its target losses over the mean targets per rank."""
         parts = self.parts
         loss, stats = parts.model(batch, parts.loss.num_negatives, full_softmax=parts.loss.full_softmax,
-                                  generator=parts.generator, negative_ids=negatives, source=source)
+                                  generator=parts.generator, negative_ids=negatives, source=source,
+                                  loss_kind=parts.loss.kind)
         timer.loss(stats)
         if batch.step_targets > 0:
             return loss * (float(stats["num_targets"]) * parts.world_size / batch.step_targets)
@@ -149,7 +150,8 @@ class BlockingStep(TrainStep):
         timer = StepTimer()
         with timer.phase("data_wait_s"):
             current = next(batches)
-        batch, negatives = current.batch, self.parts.negatives(current.step)
+        batch = current.batch
+        negatives = self.parts.negatives(current.step, batch)
         timer.carried(batch)
         if batch.batch_size:
             timer.mark("forward")
@@ -220,7 +222,7 @@ class OverlappedStep(TrainStep):
     def _start(self, batches: Iterator[StepBatch], timer: StepTimer) -> InFlight:
         with timer.phase("data_wait_s"):
             item = next(batches)
-        negatives = self.parts.negatives(item.step)
+        negatives = self.parts.negatives(item.step, item.batch)
         return InFlight(item.step, item.batch, negatives, self.layer.start(item.batch, negatives))
 
     def _start_next(self, batches: Iterator[StepBatch], timer: StepTimer) -> InFlight | None:

@@ -1,0 +1,180 @@
+"""SASRec encoder (Kang & McAuley, "Self-Attentive Sequential Recommendation", ICDM 2018) over jagged batches.
+
+The baseline every sequential-recommendation paper reports, in the same trainer as HSTU:
+same item tables, user features, losses, comm modes, checkpoints and evaluation; only
+the encoder differs (``model.encoder = "sasrec"``). Same call as ``HSTUEncoder``:
+``encoder(values [T, D], offsets [B+1], timestamps [T]) -> [T, D]``, L2-normalised,
+position ``t`` of a sample seeing positions ``<= t`` of that sample only. Timestamps
+are accepted and unused: SASRec knows order, not time.
+
+From the paper (section III), for one sample of length ``n`` with inputs ``E``
+(the model's item rows, scaled by ``sqrt(D)``, plus ratings and user features when
+the model has them)::
+
+    X    = Dropout(E + P)                                    P: learned absolute positions
+    X    = X + Dropout(SA(LayerNorm(X)))                     causal softmax self-attention
+    X    = X + Dropout(FFN(LayerNorm(X)))                    FFN(x) = ReLU(x W1 + b1) W2 + b2
+    out  = L2normalize(LayerNorm(X))
+
+``SA`` is ``softmax(Q K^T / sqrt(d)) V`` over positions ``j <= i`` with ``Q, K, V``
+linear maps of its input, split into ``num_heads`` heads and projected back (the
+reference implementation's multi-head attention; with one head the output
+projection is one more linear map), with dropout on the attention weights. The
+final LayerNorm is the reference code's; the L2 normalisation is this model's: every
+score (training logits and evaluation ranking) is a cosine similarity against
+L2-normalised item rows, whichever the encoder.
+
+Never padded: the linear parts (projections, norms, the feed-forward network) run on
+the ``[T, D]`` rows, and attention per group of equal-length samples (as HSTU's
+``grouped`` kernel, ``training.jagged``), so a batch costs ``sum_i (a L_i^2 + b L_i + c)``,
+the balancer's cost model, and a sample's outputs never depend on its batch-mates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.config import AttentionKernelName, SASRecConfig
+from training.jagged import group_by_length, lengths_from_offsets
+
+
+def jagged_positions(offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """``[T]`` position of each row within its sample, counted from the sample's oldest item
+    (0), clamped to ``max_seq_len - 1``.
+
+    The paper pads each history on the left into a window of ``n`` and numbers window
+    slots, so its most recent item always has the last position and a training position's
+    embedding depends on how many items follow it. Here every position of a jagged
+    history is a next-item query, so positions count from the start instead: position
+    ``t``'s embedding depends on ``t`` alone, the output at ``t`` depends on items
+    ``0..t`` alone (a prefix encodes exactly as the whole history does at its positions,
+    tested), and the query scored at evaluation is encoded as a training query of the
+    same length was. Histories longer than ``max_seq_len`` share the last embedding past it.
+    """
+    lengths = lengths_from_offsets(offsets)
+    total = int(offsets[-1])
+    rows = torch.arange(total, dtype=torch.int64, device=offsets.device)
+    starts = torch.repeat_interleave(offsets[:-1], lengths, output_size=total)
+    return (rows - starts).clamp(max=max_seq_len - 1)
+
+
+@dataclass(frozen=True)
+class SASRecPlan:
+    """The batch in *group order*: samples of one length next to each other, each group a
+    contiguous ``[G * L]`` slice. The encoder permutes its rows into that order once, runs
+    every block there and restores jagged order once at the end (per-block gathers would
+    cost ``O(T)`` per group in backward; see ``training.hstu.GroupedPlan``)."""
+
+    order: torch.Tensor
+    """``[T]`` jagged row at each group-order position."""
+    inverse: torch.Tensor
+    """``[T]`` group-order position of each jagged row."""
+    shapes: list[tuple[int, int]]
+    """``(samples G, length L)`` of each group, in group order."""
+
+    @classmethod
+    def build(cls, offsets: torch.Tensor) -> "SASRecPlan":
+        groups = group_by_length(offsets)
+        if groups:
+            order = torch.cat([g.rows.reshape(-1) for g in groups])
+        else:
+            order = torch.zeros(0, dtype=torch.int64, device=offsets.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return cls(order=order, inverse=inverse, shapes=[tuple(g.rows.shape) for g in groups])
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.order]
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.inverse]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+               dropout: float) -> torch.Tensor:
+        """Causal softmax attention of every sample over its own positions; ``[T, D]`` in, ``[T, D]`` out."""
+        if not self.shapes:
+            return v.new_zeros(0, v.shape[1])
+        sizes = [g * length for g, length in self.shapes]
+        out = []
+        for (samples, length), qg, kg, vg in zip(self.shapes, torch.split(q, sizes), torch.split(k, sizes),
+                                                 torch.split(v, sizes)):
+            def per_head(t: torch.Tensor) -> torch.Tensor:
+                return t.view(samples, length, num_heads, -1).transpose(1, 2)  # [G, H, L, D / H]
+
+            # Scaled by 1/sqrt(D / H); the causal mask leaves every row at least its diagonal.
+            attended = F.scaled_dot_product_attention(per_head(qg), per_head(kg), per_head(vg),
+                                                      dropout_p=dropout, is_causal=True)
+            out.append(attended.transpose(1, 2).reshape(samples * length, -1))
+        return torch.cat(out)
+
+
+class SASRecBlock(nn.Module):
+    """One self-attention block: causal multi-head softmax attention, then the point-wise
+    feed-forward network, each as ``x + Dropout(g(LayerNorm(x)))``."""
+
+    def __init__(self, width: int, config: SASRecConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.attention_dropout = config.dropout
+        hidden = config.feed_forward_dim or width
+        self.attention_norm = nn.LayerNorm(width)
+        # Q, K and V in one GEMM over the [T, D] rows.
+        self.qkv = nn.Linear(width, 3 * width)
+        self.attention_output = nn.Linear(width, width)
+        self.feed_forward_norm = nn.LayerNorm(width)
+        self.feed_forward = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(config.dropout),
+                                          nn.Linear(hidden, width))
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, plan: SASRecPlan) -> torch.Tensor:
+        """``x`` ``[T, D]`` in group order -> ``[T, D]``, same order."""
+        q, k, v = self.qkv(self.attention_norm(x)).chunk(3, dim=-1)
+        dropout = self.attention_dropout if self.training else 0.0
+        attended = plan.attend(q, k, v, self.num_heads, dropout)
+        x = x + self.dropout(self.attention_output(attended))
+        return x + self.dropout(self.feed_forward(self.feed_forward_norm(x)))
+
+
+class SASRecEncoder(nn.Module):
+    """Stack of SASRec blocks over a jagged batch; outputs are L2-normalised per position.
+
+    Call as ``encoder(values, offsets, timestamps)`` with ``values`` ``[T, width]`` (the
+    input embeddings of all positions, samples concatenated), ``offsets`` ``[B+1]`` int64
+    and ``timestamps`` ``[T]`` (unused). Position ``t`` of a sample only sees positions
+    ``<= t`` of the same sample.
+    """
+
+    def __init__(self, config: SASRecConfig, width: int, position_init_std: float = 0.02) -> None:
+        super().__init__()
+        if width % config.num_heads:
+            raise ValueError(f"sasrec.num_heads {config.num_heads} must divide the model width {width}")
+        self.config = config
+        self.position_embedding = nn.Embedding(config.max_seq_len, width)
+        # The model passes its inputs' spread, so positions neither swamp item identity nor vanish.
+        nn.init.normal_(self.position_embedding.weight, std=position_init_std)
+        self.input_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(SASRecBlock(width, config) for _ in range(config.num_layers))
+        self.output_norm = nn.LayerNorm(width)
+
+    def kernel(self, device: torch.device | str) -> AttentionKernelName:
+        """The attention kernel on ``device``: always ``grouped`` (PyTorch's scaled-dot-product
+        attention per group of equal-length samples), on CPU and CUDA alike."""
+        return "grouped"
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
+        if values.shape[0] != int(offsets[-1]) or timestamps.shape[0] != values.shape[0]:
+            raise ValueError(
+                f"jagged shapes disagree: values {tuple(values.shape)}, timestamps "
+                f"{tuple(timestamps.shape)}, offsets end at {int(offsets[-1])}"
+            )
+        positions = jagged_positions(offsets, self.config.max_seq_len)
+        x = self.input_dropout(values + self.position_embedding(positions))
+        plan = SASRecPlan.build(offsets)
+        x = plan.enter(x)
+        for block in self.blocks:
+            x = block(x, plan)
+        # Retrieval scores are cosine similarities against L2-normalised items.
+        return F.normalize(self.output_norm(plan.leave(x)), dim=-1)
