@@ -101,12 +101,9 @@ class SASRecPlan:
         out = []
         for (samples, length), qg, kg, vg in zip(self.shapes, torch.split(q, sizes), torch.split(k, sizes),
                                                  torch.split(v, sizes)):
-            def per_head(t: torch.Tensor) -> torch.Tensor:
-                return t.view(samples, length, num_heads, -1).transpose(1, 2)  # [G, H, L, D / H]
-
+            heads = [t.view(samples, length, num_heads, -1).transpose(1, 2) for t in (qg, kg, vg)]  # [G, H, L, D/H]
             # Scaled by 1/sqrt(D / H); the causal mask leaves every row at least its diagonal.
-            attended = F.scaled_dot_product_attention(per_head(qg), per_head(kg), per_head(vg),
-                                                      dropout_p=dropout, is_causal=True)
+            attended = F.scaled_dot_product_attention(*heads, dropout_p=dropout, is_causal=True)
             out.append(attended.transpose(1, 2).reshape(samples * length, -1))
         return torch.cat(out)
 
