@@ -356,7 +356,8 @@ class CalibrationResult:
     model: CostModel | None = None
     """The chosen form on the CPU clock, refitted on all batches, with provenance."""
     attention_kernel: str = ""
-    """The encoder's attention kernel on the timed device (``HSTUEncoder.kernel``)."""
+    """The encoder's attention kernel on the timed device (``encoder.kernel``: HSTU's by its config,
+    SASRec's always grouped)."""
 
     @property
     def chosen(self) -> FittedForm:
