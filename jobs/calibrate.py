@@ -303,9 +303,10 @@ def measure_rank_speeds(args: argparse.Namespace, overrides: list[str]) -> dict:
 # ---------------------------------------------------------------------------- the job
 
 
-def calibration_device(choice: str, attention_kernel: str) -> str:
-    """The device ``--device`` means here, checked with the model's attention kernel before any
-    run or output exists: a missing GPU or a kernel that cannot run is one ``InputError`` line."""
+def calibration_device(choice: str, model: Any) -> str:
+    """The device ``--device`` means here, checked with the HSTU attention kernel (when the model's
+    encoder is HSTU) before any run or output exists: a missing GPU or a kernel that cannot run
+    is one ``InputError`` line."""
     import torch
 
     from training.hstu import resolve_attention_kernel
@@ -313,7 +314,8 @@ def calibration_device(choice: str, attention_kernel: str) -> str:
     if choice == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available to this process")
     device = choice if choice != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    resolve_attention_kernel(attention_kernel, device)
+    if model.encoder == "hstu":
+        resolve_attention_kernel(model.hstu.attention_kernel, device)
     return device
 
 
@@ -324,7 +326,7 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
     from training.config import load_config, to_flat_dict
 
     config = load_config(args.config, overrides)
-    device = calibration_device(args.device, config.model.hstu.attention_kernel)
+    device = calibration_device(args.device, config.model)
 
     import dataclasses
     import socket
