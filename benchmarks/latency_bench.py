@@ -27,12 +27,14 @@ FREESCALE = str(Path(sys.executable).parent / "freescale")
 DEAD_URI = "http://127.0.0.1:9/"  # the discard port: nothing listens, the connection is refused
 
 
-def command_seconds(argv: list[str], expect_code: int) -> float:
+def command_seconds(argv: list[str], expect_code: int, expect_text: str) -> float:
+    """Seconds a command took to give its expected answer (exit status and stderr text)."""
     start = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     seconds = time.perf_counter() - start
-    if done.returncode != expect_code:
-        raise RuntimeError(f"{' '.join(argv)}: exit {done.returncode}, expected {expect_code}: {done.stderr[-500:]}")
+    if done.returncode != expect_code or expect_text not in done.stderr:
+        raise RuntimeError(f"{' '.join(argv)}: exit {done.returncode}, expected {expect_code} and "
+                           f"{expect_text!r}: {done.stderr[-500:]}")
     return seconds
 
 
@@ -64,13 +66,13 @@ def main() -> int:
         rows = [
             ("balance argument error", 1.0, lambda: command_seconds(
                 [FREESCALE, "balance", "--input", "x", "--output", "y", "--world-size", "0",
-                 "--local-batch-size", "4"], 2)),
+                 "--local-batch-size", "4"], 2, "--world-size must be a positive integer")),
             ("prepare, missing input", 10.0, lambda: command_seconds(
                 [FREESCALE, "prepare", "--input", missing, "--output", str(Path(tmp) / "p"),
-                 "--tracking-uri", "none"], 2)),
+                 "--tracking-uri", "none"], 2, "does not exist")),
             ("balance, missing input", 10.0, lambda: command_seconds(
                 [FREESCALE, "balance", "--input", missing, "--output", str(Path(tmp) / "b"), "--world-size", "2",
-                 "--local-batch-size", "4", "--tracking-uri", "none"], 2)),
+                 "--local-batch-size", "4", "--tracking-uri", "none"], 2, "does not exist")),
             ("unreachable MLflow check", 6.0, reachability_seconds),
             ("kk solve, 64 x 64 heavy-tailed", 2.0, kk_solve_seconds),
         ]
