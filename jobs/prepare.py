@@ -101,12 +101,13 @@ def prepare(args: argparse.Namespace) -> int:
     validate_args(args)
     check_inputs(args)
 
+    from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from jobs.hadoop_fs import HadoopFS
     from jobs.tracking import job_run, reachable_tracking_uri
-    from pipeline.ingest import distinct_interactions, drop_duplicate_interactions, read_interactions
+    from pipeline.ingest import drop_duplicate_interactions, read_interactions
     from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences, sequence_stats
     from pipeline.session import build_spark_session
     from pipeline.synthetic import synthetic_interactions
@@ -148,24 +149,33 @@ def prepare(args: argparse.Namespace) -> int:
             users = users.localCheckpoint(eager=True)
             source["user_features"] = fs.qualify(args.user_features)
         counts = interactions.agg(F.count(F.lit(1)).alias("interactions"),
-                                  F.countDistinct("user_id").alias("users"),
-                                  distinct_interactions().alias("distinct")).first()
-        repeated = counts["interactions"] - counts["distinct"]
-        duplicates = 0 if args.keep_duplicates else repeated
-        if duplicates:
-            interactions = drop_duplicate_interactions(interactions).localCheckpoint(eager=True)
+                                  F.countDistinct("user_id").alias("users")).first()
 
         with atomic_output(fs, output_uri, args.overwrite) as staging:
-            vocab = build_item_vocab(interactions)
-            vocab.write.parquet(f"{staging}/item_vocab")
-            vocab = spark.read.parquet(f"{staging}/item_vocab")
-            sequences = build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len)
             if users is not None:
                 build_user_feature_vocab(users, feature_names).write.parquet(f"{staging}/user_feature_vocab")
                 feature_vocab = spark.read.parquet(f"{staging}/user_feature_vocab")
-                sequences = encode_user_features(sequences, users, feature_vocab, feature_names)
-            sequences.write.parquet(f"{staging}/sequences")
-            sequences = spark.read.parquet(f"{staging}/sequences")
+
+            def write_sequences(interactions, repeated=None, mode="errorifexists"):
+                vocab = build_item_vocab(interactions)
+                vocab.write.mode(mode).parquet(f"{staging}/item_vocab")
+                vocab = spark.read.parquet(f"{staging}/item_vocab")
+                sequences = build_sequences(apply_item_vocab(interactions, vocab), args.max_seq_len, repeated)
+                if users is not None:
+                    sequences = encode_user_features(sequences, users, feature_vocab, feature_names)
+                sequences.write.mode(mode).parquet(f"{staging}/sequences")
+                return vocab, spark.read.parquet(f"{staging}/sequences")
+
+            # Duplicates are counted inside the per-user aggregation of the sequences' write
+            # (no pass of their own). A clean input (the usual case) is done; otherwise the
+            # vocabulary counts and the sequences are rebuilt from the deduplicated rows.
+            observed = Observation("repeated interactions")
+            vocab, sequences = write_sequences(interactions, observed)
+            repeated = observed.get["repeated"]
+            duplicates = 0 if args.keep_duplicates else repeated
+            if duplicates:
+                interactions = drop_duplicate_interactions(interactions).localCheckpoint(eager=True)
+                vocab, sequences = write_sequences(interactions, mode="overwrite")
             feature_stats, feature_meta = {}, {}
             if users is not None:
                 feature_stats = {"users_without_features": count_users_without_features(sequences, users)}

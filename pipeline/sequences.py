@@ -21,7 +21,7 @@ no rating the element is null, so a dataset without ratings gives arrays of null
 """
 from __future__ import annotations
 
-from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import Column, DataFrame, Observation, Window
 from pyspark.sql import functions as F
 
 from pipeline.errors import InputError
@@ -72,8 +72,16 @@ def apply_item_vocab(interactions: DataFrame, vocab: DataFrame) -> DataFrame:
     return interactions.join(ids, "item").select(*interactions.columns, "item_id")
 
 
-def build_sequences(interactions: DataFrame, max_seq_len: int) -> DataFrame:
+def build_sequences(interactions: DataFrame, max_seq_len: int, repeated: Observation | None = None) -> DataFrame:
     """Per-user leave-one-out sequences (module docstring has the schema).
+
+    With ``repeated``, the action that computes the sequences (their write) also fills
+    ``repeated.get["repeated"]``: the rows whose (user_id, item_id, timestamp) an earlier
+    row already has, over every user including the short ones dropped here, counted in
+    the per-user aggregation that runs anyway (sorted events, so repeats are neighbours;
+    ``array_distinct`` on (timestamp, item_id) per user). It equals the rows
+    ``pipeline.ingest.drop_duplicate_interactions`` would drop, since item_id is one-to-one
+    with the raw item.
 
     ``interactions`` is the canonical schema, with an ``item_id`` column from
     ``apply_item_vocab``; without one, a vocabulary is built here (callers
@@ -94,8 +102,12 @@ def build_sequences(interactions: DataFrame, max_seq_len: int) -> DataFrame:
     )
     per_user = (interactions.groupBy("user_id")
                 .agg(F.sort_array(F.collect_list(event)).alias("_events"))
-                .withColumn("_n", F.size("_events"))
-                .where(F.col("_n") >= MIN_INTERACTIONS))
+                .withColumn("_n", F.size("_events")))
+    if repeated is not None:
+        keys = F.transform("_events", lambda e: F.struct(e["timestamp"], e["item_id"]))
+        per_user = per_user.observe(
+            repeated, F.coalesce(F.sum(F.col("_n") - F.size(F.array_distinct(keys))), F.lit(0)).alias("repeated"))
+    per_user = per_user.where(F.col("_n") >= MIN_INTERACTIONS)
 
     n = F.col("_n")
     keep = F.least(n - 2, F.lit(max_seq_len))
