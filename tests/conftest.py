@@ -16,7 +16,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests import helpers
+# The Triton kernel's CPU tests (tests/test_hstu_kernel.py) run in Triton's interpreter, which
+# triton fixes when it is first imported in a process -- and torchrec imports it, so any test
+# module could be first. Chosen here, before every import; a machine with a GPU runs the
+# compiled kernel instead (tests/test_hstu_kernel_cuda.py). Jobs the tests launch inherit it:
+# they run the grouped kernel on CPU, which it does not touch.
+if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+from tests import helpers  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MOVIELENS_DIR = (REPO_ROOT / ".." / "shared" / "data" / "movielens-100k").resolve()
