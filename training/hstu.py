@@ -13,7 +13,8 @@ positions only, by one of two kernels (``HSTUConfig.attention_kernel``):
   the grouped ops' launches would cost milliseconds per distinct length in a batch.
 
 Either way step time is ``sum_i (a*L_i^2 + b*L_i + c)`` -- the cost model the
-offline balancer uses -- and ``tests/test_jagged_cost.py`` measures that it is.
+offline balancer uses -- and ``benchmarks/jagged_cost_bench.py`` measures that it is on CPU
+(``benchmarks/hstu_gpu_bench.py`` on a GPU).
 
 One HSTU layer, for one sample of length ``n``::
 
