@@ -226,7 +226,8 @@ def test_a_killed_run_resumes_training_from_its_checkpoint(copy, capsys):
     try:
         while not list((work / "checkpoints").glob("step_*/COMPLETE")):
             assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            if time.monotonic() > deadline:  # a hang guard, not a speed check
+                pytest.fail("the pipeline wrote no checkpoint within 240 s")
             time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
