@@ -98,12 +98,7 @@ def movielens_prepared(spark, movielens_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
     """2-rank balanced shards of MovieLens-100K (kk, 16 samples per rank per step)."""
-    from jobs import balance
-
-    out = tmp_path_factory.mktemp("ml-shards") / "kk"
-    assert balance.main(["--input", str(movielens_prepared), "--output", str(out), "--world-size", "2",
-                         "--local-batch-size", "16", "--tracking-uri", "none"]) == 0
-    return out
+    return _balanced_shards(movielens_prepared, tmp_path_factory.mktemp("ml-shards") / "kk", world_size=2)
 
 
 @pytest.fixture(scope="session")
@@ -159,10 +154,13 @@ def mlflow_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def movielens_shards_1(spark, movielens_prepared, tmp_path_factory) -> Path:
     """1-rank balanced shards of MovieLens-100K (16 samples per step): the in-process trainer's."""
+    return _balanced_shards(movielens_prepared, tmp_path_factory.mktemp("ml-shards-1") / "kk", world_size=1)
+
+
+def _balanced_shards(prepared: Path, out: Path, world_size: int) -> Path:
     from jobs import balance
 
-    out = tmp_path_factory.mktemp("ml-shards-1") / "kk"
-    assert balance.main(["--input", str(movielens_prepared), "--output", str(out), "--world-size", "1",
+    assert balance.main(["--input", str(prepared), "--output", str(out), "--world-size", str(world_size),
                          "--local-batch-size", "16", "--tracking-uri", "none"]) == 0
     return out
 

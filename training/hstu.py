@@ -39,7 +39,7 @@ from torch import nn
 
 from pipeline.errors import InputError
 from training.config import AttentionKernel, AttentionKernelName, HSTUConfig, keyed_by
-from training.jagged import LengthGroup, group_by_length, lengths_from_offsets
+from training.jagged import LengthGroup, group_by_length, group_order, lengths_from_offsets
 from training.ops.relative_buckets import log_bucket
 
 
@@ -113,13 +113,9 @@ class GroupedPlan:
 
     @classmethod
     def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "GroupedPlan":
-        groups = [_attention_group(g, timestamps, config) for g in group_by_length(offsets)]
-        if groups:
-            order = torch.cat([g.rows.reshape(-1) for g in groups])
-        else:
-            order = torch.zeros(0, dtype=torch.int64, device=offsets.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        length_groups = group_by_length(offsets)
+        groups = [_attention_group(g, timestamps, config) for g in length_groups]
+        order, inverse = group_order(length_groups, offsets.device)
         return cls(config=config, groups=groups, order=order, inverse=inverse,
                    group_rows=[g.rows.numel() for g in groups])
 

@@ -85,6 +85,18 @@ def group_by_length(offsets: torch.Tensor) -> list[LengthGroup]:
     return groups
 
 
+def group_order(groups: list[LengthGroup], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)``: the jagged row at each group-order position (groups back to back),
+    and the group-order position of each jagged row."""
+    if groups:
+        order = torch.cat([g.rows.reshape(-1) for g in groups])
+    else:
+        order = torch.zeros(0, dtype=torch.int64, device=device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, inverse
+
+
 def jagged_concat_last(
     values: torch.Tensor,
     offsets: torch.Tensor,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import AttentionKernelName, SASRecConfig
-from training.jagged import group_by_length, lengths_from_offsets
+from training.jagged import group_by_length, group_order, lengths_from_offsets
 
 
 def jagged_positions(offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
@@ -78,12 +78,7 @@ class SASRecPlan:
     @classmethod
     def build(cls, offsets: torch.Tensor) -> "SASRecPlan":
         groups = group_by_length(offsets)
-        if groups:
-            order = torch.cat([g.rows.reshape(-1) for g in groups])
-        else:
-            order = torch.zeros(0, dtype=torch.int64, device=offsets.device)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        order, inverse = group_order(groups, offsets.device)
         return cls(order=order, inverse=inverse, shapes=[tuple(g.rows.shape) for g in groups])
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:

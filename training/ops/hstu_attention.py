@@ -125,6 +125,19 @@ def _tile_buckets(offs_m, offs_n, t_m, t_n, valid, pos_thr, time_thr, pos_scale,
 
 
 @triton.jit
+def _rows(ptr, start, offs, mask, stride_t, head_offset, cols, col_mask):
+    """``[BLOCK, BLOCK_D]`` tile of one head: rows ``start + offs``, zero where masked."""
+    return tl.load(ptr + (start + offs)[:, None] * stride_t + head_offset + cols[None, :],
+                   mask=mask[:, None] & col_mask, other=0.0)
+
+
+@triton.jit
+def _score_grad(dw, s, sig, valid, inv_n):
+    """``dS`` from ``dW`` through ``W = SiLU(S) / n``: SiLU'(s) = sig(s) (1 + s (1 - sig(s)))."""
+    return tl.where(valid, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
+
+
+@triton.jit
 def _add_per_bucket(hist, ds, buckets, valid, NUM_BUCKETS: tl.constexpr, PAD: tl.constexpr):
     """``hist[b] += sum of ds where buckets == b``, looping only over the buckets this tile touches."""
     first = tl.min(tl.min(tl.where(valid, buckets, NUM_BUCKETS), axis=1), axis=0)
@@ -154,17 +167,14 @@ def _forward_kernel(
     offs_m = m0 + tl.arange(0, BLOCK)
     mask_m = offs_m < n
     dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + dq_range[None, :],
-                mask=mask_m[:, None] & (dq_range < DQ)[None, :], other=0.0)
+    q = _rows(Q, start, offs_m, mask_m, stride_qt, h * stride_qh, dq_range, (dq_range < DQ)[None, :])
     t_m = tl.load(times + start + offs_m, mask=mask_m, other=0)
     acc = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
     for n0 in range(0, m0 + BLOCK, BLOCK):
         offs_n = n0 + tl.arange(0, BLOCK)
         mask_n = offs_n < n
-        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + dq_range[None, :],
-                    mask=mask_n[:, None] & (dq_range < DQ)[None, :], other=0.0)
-        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + dv_range[None, :],
-                    mask=mask_n[:, None] & (dv_range < DV)[None, :], other=0.0)
+        k = _rows(K, start, offs_n, mask_n, stride_kt, h * stride_kh, dq_range, (dq_range < DQ)[None, :])
+        v = _rows(V, start, offs_n, mask_n, stride_vt, h * stride_vh, dv_range, (dv_range < DV)[None, :])
         t_n = tl.load(times + start + offs_n, mask=mask_n, other=0)
         valid = mask_m[:, None] & mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
         pos_b, time_b = _tile_buckets(offs_m, offs_n, t_m, t_n, valid, pos_thr, time_thr,
@@ -202,10 +212,8 @@ def _backward_kernel(
     t_own = tl.load(times + start + own, mask=mask_own, other=0)
 
     # Phase 1: this program's tile as keys -> dK, dV, bias-table gradients.
-    k = tl.load(K + (start + own)[:, None] * stride_kt + h * stride_kh + dq_range[None, :],
-                mask=mask_own[:, None] & q_cols, other=0.0)
-    v = tl.load(V + (start + own)[:, None] * stride_vt + h * stride_vh + dv_range[None, :],
-                mask=mask_own[:, None] & v_cols, other=0.0)
+    k = _rows(K, start, own, mask_own, stride_kt, h * stride_kh, dq_range, q_cols)
+    v = _rows(V, start, own, mask_own, stride_vt, h * stride_vh, dv_range, v_cols)
     dk = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
     pos_hist = tl.zeros([POS_PAD], dtype=tl.float32)
@@ -213,10 +221,8 @@ def _backward_kernel(
     for i0 in range(m0, n, BLOCK):
         offs_m = i0 + tl.arange(0, BLOCK)
         mask_m = offs_m < n
-        q = tl.load(Q + (start + offs_m)[:, None] * stride_qt + h * stride_qh + dq_range[None, :],
-                    mask=mask_m[:, None] & q_cols, other=0.0)
-        g = tl.load(DOUT + (start + offs_m)[:, None] * stride_dot + h * stride_doh + dv_range[None, :],
-                    mask=mask_m[:, None] & v_cols, other=0.0)
+        q = _rows(Q, start, offs_m, mask_m, stride_qt, h * stride_qh, dq_range, q_cols)
+        g = _rows(DOUT, start, offs_m, mask_m, stride_dot, h * stride_doh, dv_range, v_cols)
         t_m = tl.load(times + start + offs_m, mask=mask_m, other=0)
         valid = mask_m[:, None] & mask_own[None, :] & (offs_m[:, None] >= own[None, :])
         pos_b, time_b = _tile_buckets(offs_m, own, t_m, t_own, valid, pos_thr, time_thr,
@@ -226,7 +232,7 @@ def _backward_kernel(
         w = tl.where(valid, s * sig * inv_n, 0.0)
         dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
         dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION)
-        ds = tl.where(valid, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
+        ds = _score_grad(dw, s, sig, valid, inv_n)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
         pos_hist = _add_per_bucket(pos_hist, ds, pos_b, valid, NUM_POS, POS_PAD)
         time_hist = _add_per_bucket(time_hist, ds, time_b, valid, NUM_TIME, TIME_PAD)
@@ -239,18 +245,14 @@ def _backward_kernel(
     tl.atomic_add(DTIME + time_index * H + h, time_hist, mask=time_index < NUM_TIME)
 
     # Phase 2: this program's tile as queries -> dQ.
-    q = tl.load(Q + (start + own)[:, None] * stride_qt + h * stride_qh + dq_range[None, :],
-                mask=mask_own[:, None] & q_cols, other=0.0)
-    g = tl.load(DOUT + (start + own)[:, None] * stride_dot + h * stride_doh + dv_range[None, :],
-                mask=mask_own[:, None] & v_cols, other=0.0)
+    q = _rows(Q, start, own, mask_own, stride_qt, h * stride_qh, dq_range, q_cols)
+    g = _rows(DOUT, start, own, mask_own, stride_dot, h * stride_doh, dv_range, v_cols)
     dq = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     for j0 in range(0, m0 + BLOCK, BLOCK):
         offs_n = j0 + tl.arange(0, BLOCK)
         mask_n = offs_n < n
-        k = tl.load(K + (start + offs_n)[:, None] * stride_kt + h * stride_kh + dq_range[None, :],
-                    mask=mask_n[:, None] & q_cols, other=0.0)
-        v = tl.load(V + (start + offs_n)[:, None] * stride_vt + h * stride_vh + dv_range[None, :],
-                    mask=mask_n[:, None] & v_cols, other=0.0)
+        k = _rows(K, start, offs_n, mask_n, stride_kt, h * stride_kh, dq_range, q_cols)
+        v = _rows(V, start, offs_n, mask_n, stride_vt, h * stride_vh, dv_range, v_cols)
         t_n = tl.load(times + start + offs_n, mask=mask_n, other=0)
         valid = mask_own[:, None] & mask_n[None, :] & (own[:, None] >= offs_n[None, :])
         pos_b, time_b = _tile_buckets(own, offs_n, t_own, t_n, valid, pos_thr, time_thr,
@@ -258,7 +260,7 @@ def _backward_kernel(
         s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION)
         sig = tl.sigmoid(s)
         dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION)
-        ds = tl.where(valid, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
+        ds = _score_grad(dw, s, sig, valid, inv_n)
         dq += tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
     tl.store(DQ_OUT + (start + own)[:, None] * g_q_row + h * DQ + dq_range[None, :],
              dq.to(DQ_OUT.dtype.element_ty), mask=mask_own[:, None] & q_cols)
