@@ -125,14 +125,12 @@ class Bench:
         torch.backends.cuda.matmul.allow_tf32 = True  # the trainer's fp32 setting on GPUs
         torch.backends.cudnn.allow_tf32 = True
         self.rng = np.random.default_rng(args.seed)
-        self.out: list[str] = []
         self.started = time.perf_counter()
 
     # ------------------------------------------------------------------ plumbing
 
     def emit(self, line: str = "") -> None:
         print(line, flush=True)
-        self.out.append(line)
         if self.args.output:
             with open(self.args.output, "a") as handle:
                 handle.write(line + "\n")
@@ -219,14 +217,13 @@ class Bench:
 
     # ------------------------------------------------------------------ sections
 
-    def run(self) -> list[str]:
+    def run(self) -> None:
         self.header()
         self.numerics()
         curve = self.cost_curve()
         fitted = self.fit()
         ranks = self.virtual_ranks(fitted.form)
         self.targets(curve, fitted, ranks)
-        return self.out
 
     def header(self) -> None:
         torch = self.torch
