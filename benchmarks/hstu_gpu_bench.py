@@ -491,11 +491,14 @@ def verdict(ok: bool) -> str:
 
 
 def commit() -> str:
+    # A copied working tree may carry stale git metadata: the caller's word comes first.
+    if os.environ.get("FREESCALE_COMMIT"):
+        return os.environ["FREESCALE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FREESCALE_COMMIT", "unknown (no git here; set FREESCALE_COMMIT)")
+        return "unknown (no git here; set FREESCALE_COMMIT)"
 
 
 if __name__ == "__main__":
