@@ -2,8 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
+DIST ?= dist
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench dist clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,5 +30,16 @@ test-fast: install
 bench: install
 	$(PY) benchmarks/balance_bench.py
 
+# The wheel and sdist (`freescale` for a machine's venv), and the executors' zip for
+# spark-submit --py-files: the wheel's packages without its metadata (a pure wheel is a zip
+# of them). No build isolation: the venv's setuptools builds it, offline.
+dist: install
+	rm -rf $(DIST)
+	$(PY) -m build --no-isolation --outdir $(DIST) .
+	$(PY) -c 'import sys, zipfile; wheel = zipfile.ZipFile(sys.argv[1]); \
+	  out = zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED); \
+	  [out.writestr(i, wheel.read(i)) for i in wheel.infolist() if ".dist-info/" not in i.filename]' \
+	  $(DIST)/freescale-*.whl $(DIST)/freescale.zip
+
 clean:
-	rm -rf out spark-warehouse mlflow.db mlruns
+	rm -rf out spark-warehouse mlflow.db mlruns $(DIST) build

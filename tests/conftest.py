@@ -340,3 +340,18 @@ def failed_launches(tmp_path_factory, movielens_shards):
     return SimpleNamespace(
         empty=empty, no_manifest=freescale_train(empty, "no-manifest", "--verbose"), no_manifest_logs=root / "no-manifest" / "logs",
         victim=victim, corrupt=freescale_train(corrupt, "corrupt"), corrupt_logs=root / "corrupt" / "logs")
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory):
+    """`make dist` into a temporary folder, with this venv as it is (its install step not rerun):
+    the wheel and sdist `python -m build` made, and the executors' zip. Attributes: wheel, sdist,
+    zip (paths)."""
+    out = tmp_path_factory.mktemp("dist") / "dist"
+    venv = Path(sys.prefix)
+    run = subprocess.run(["make", "--no-print-directory", "-o", str(venv / ".installed-cpu"), "dist",
+                          f"VENV={venv}", f"DIST={out}"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    [wheel], [sdist] = out.glob("freescale-*.whl"), out.glob("freescale-*.tar.gz")
+    return SimpleNamespace(wheel=wheel, sdist=sdist, zip=out / "freescale.zip")
