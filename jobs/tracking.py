@@ -213,11 +213,12 @@ SHORT_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQ
 
 
 def reachable_tracking_uri(job: str, cli_value: str | None) -> str:
-    """The job's tracking URI (see resolve_tracking_uri), or DISABLED when its server does not answer.
+    """The job's tracking URI (see resolve_tracking_uri), or DISABLED when its server does not
+    answer or its local store cannot be written.
 
     Called once before the job's work starts, so tracking never stops or stalls a job:
-    an unreachable server costs at most CHECK_TIMEOUT_S and one warning line, and the
-    job runs untracked.
+    an unreachable server or an unwritable store costs at most CHECK_TIMEOUT_S and one
+    warning line, and the job runs untracked.
     """
     uri = resolve_tracking_uri(cli_value)
     if uri == DISABLED:
@@ -226,8 +227,13 @@ def reachable_tracking_uri(job: str, cli_value: str | None) -> str:
         os.environ.setdefault(name, value)
     reason = unreachable_reason(uri)
     if reason is None:
-        return uri
-    sys.stderr.write(f"freescale {job}: warning: MLflow at {uri} is unreachable ({reason}); running untracked\n")
+        reason = unwritable_store_reason(uri)
+        if reason is None:
+            return uri
+        problem = f"cannot be written ({reason})"
+    else:
+        problem = f"is unreachable ({reason})"
+    sys.stderr.write(f"freescale {job}: warning: MLflow at {uri} {problem}; running untracked\n")
     sys.stderr.flush()
     return DISABLED
 
@@ -258,3 +264,55 @@ def unreachable_reason(uri: str, timeout_s: float = CHECK_TIMEOUT_S) -> str | No
         if isinstance(reason, TimeoutError):
             return f"no answer in {timeout_s:g} s"
         return getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
+
+
+def unwritable_store_reason(uri: str, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
+    """Why a local store (``sqlite:///FILE``, ``file:DIR`` or a plain folder) cannot be written,
+    or None when it can (and for every other kind of store, which is not checked).
+
+    mlflow retries opening an unusable sqlite file for about 100 s, logging each attempt, and
+    creates missing parent folders: so the file must be a readable sqlite database in a folder
+    this process can create files in (sqlite's journal goes beside it), or, when missing, its
+    nearest existing parent folder must take a new file. The probe is a nameless temporary
+    file: nothing is left behind.
+    """
+    import sqlite3
+    import tempfile
+    from urllib.parse import quote, urlsplit
+
+    from pipeline.paths import local_path
+
+    scheme = urlsplit(uri).scheme
+    if scheme == "sqlite":
+        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        if path in ("", ":memory:"):
+            return None
+    elif scheme in ("", "file") and local_path(uri) is not None:
+        path = local_path(uri)
+    else:
+        return None
+    target = Path(path).absolute()
+    if target.exists():
+        if scheme == "sqlite":
+            if target.is_dir():
+                return f"{target} is a folder, not a sqlite file"
+            try:
+                with contextlib.closing(sqlite3.connect(f"file:{quote(str(target))}?mode=rw", uri=True,
+                                                        timeout=timeout_s)) as db:
+                    db.execute("select count(*) from sqlite_master").fetchone()
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc):  # busy with another job's write: usable
+                    return f"{target}: {exc}"
+            except sqlite3.DatabaseError as exc:
+                return f"{target}: {exc}"
+            if not os.access(target, os.R_OK | os.W_OK):
+                return f"{target} is read-only"
+        folder = target.parent if scheme == "sqlite" else target
+    else:
+        folder = next(p for p in target.parents if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return f"cannot create files in {folder}: {exc.strerror or one_line(exc)}"
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,57 @@ def test_local_stores_and_disabled_tracking_are_not_checked(capsys, tmp_path):
     assert reachable_tracking_uri("train", f"sqlite:///{tmp_path}/x.db") == f"sqlite:///{tmp_path}/x.db"
     assert reachable_tracking_uri("train", "none") == DISABLED
     assert capsys.readouterr().err == ""
+
+
+def test_an_unwritable_local_store_is_one_warning_line_within_seconds(capsys, tmp_path):
+    """mlflow would retry opening such a sqlite file for ~100 s, logging each attempt: the check
+    finds it first. A file where a folder should be, a file that is not sqlite, a file store
+    under a file: each is one line naming the problem, and the probe leaves nothing behind."""
+    import time
+
+    (tmp_path / "plain").write_text("not a folder\n")
+    (tmp_path / "garbage.db").write_text("not a database\n" * 100)
+    cases = {f"sqlite:///{tmp_path}/plain/mlflow.db": f"cannot create files in {tmp_path}/plain",
+             f"sqlite:///{tmp_path}/garbage.db": f"{tmp_path}/garbage.db: file is not a database",
+             f"sqlite:///{tmp_path}": f"{tmp_path} is a folder, not a sqlite file",
+             f"file://{tmp_path}/plain/mlruns": f"cannot create files in {tmp_path}/plain"}
+    for uri, reason in cases.items():
+        before = sorted(tmp_path.rglob("*"))
+        started = time.perf_counter()
+        assert reachable_tracking_uri("simulate", uri) == DISABLED
+        assert time.perf_counter() - started < 5
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"freescale simulate: warning: MLflow at {uri} cannot be written ({reason}")
+        assert line.endswith("); running untracked")
+        assert sorted(tmp_path.rglob("*")) == before
+    # A store in a missing folder is fine: mlflow creates the folders (the check creates nothing).
+    assert reachable_tracking_uri("simulate", f"sqlite:///{tmp_path}/new/sub/x.db") != DISABLED
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_job_on_a_read_only_store_runs_untracked_with_one_line(tmp_path):
+    """The issue's command: `freescale simulate` on sqlite:////sys/mlflow.db (a system folder no
+    process can create files in) gives up on tracking at once, with one line."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    try:
+        with tempfile.TemporaryFile(dir="/sys"):
+            pytest.skip("this machine lets the tests create files in /sys")
+    except OSError:
+        pass
+    uri = "sqlite:////sys/mlflow.db"
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "jobs.cli", "simulate", "--lengths", "lognormal:4.2,0.9",
+                          "--world-sizes", "4", "--steps", "2", "--tracking-uri", uri], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert time.perf_counter() - started < 10
+    assert run.stderr.splitlines() == [f"freescale simulate: warning: MLflow at {uri} cannot be written "
+                                       "(cannot create files in /sys: Permission denied); running untracked"]
 
 
 def test_train_with_an_unreachable_server_trains_untracked(movielens_shards_1, tmp_path, capfd):
