@@ -31,7 +31,8 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from balancing.simulate import NOISE_DISTS, Noise, TimeModel  # noqa: E402  (numpy only)
+from balancing.simulate import (  # noqa: E402  (numpy only)
+    NOISE_DISTS, PLAN_BYTES_PER_SAMPLE, Noise, TimeModel, plan_memory_bytes)
 from balancing.strategies import STRATEGIES  # noqa: E402
 from balancing.time_model import (  # noqa: E402  (numpy only)
     check_same_cost_model, describe_cost_model, fit_time_model, mirror_noise, predict, read_run, reductions,
@@ -45,6 +46,7 @@ PLOT_NAME = "bubble_vs_k.png"
 # `--lengths lognormal:` clips as pipeline/synthetic.py's generator does by default (its module
 # imports Spark, so its defaults are not imported here).
 MIN_LEN, MAX_LEN = 20, 1024
+DEFAULT_WORLD_SIZES, DEFAULT_LOCAL_BATCH_SIZE = "8,64,256,1024", 16
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--input", help="a prepared dataset (`freescale prepare`'s output): its sample lengths")
     source.add_argument("--lengths", help="synthetic sample lengths, lognormal:MU,SIGMA (L = round(exp(MU + SIGMA z)))")
     source.add_argument("--shards", help="a shard directory (`freescale balance`'s output): its own plan")
-    p.add_argument("--world-sizes", help="ranks K to simulate, comma separated (default 8,64,256,1024; "
+    p.add_argument("--world-sizes", help=f"ranks K to simulate, comma separated (default {DEFAULT_WORLD_SIZES}; "
                                          "with --shards: the manifest's)")
-    p.add_argument("--local-batch-size", type=int, help="samples per rank per step B (default 16; "
-                                                        "with --shards: the manifest's)")
+    p.add_argument("--local-batch-size", type=int,
+                   help=f"samples per rank per step B (default {DEFAULT_LOCAL_BATCH_SIZE}; "
+                        "with --shards: the manifest's)")
     p.add_argument("--steps", type=int, default=16, help="steps planned per K (default 16)")
     p.add_argument("--window-steps", type=int, help="the balanced plan's window (default: --steps)")
     p.add_argument("--strategy", choices=[s for s in STRATEGIES if s != "contiguous"], default="kk",
@@ -143,6 +146,43 @@ def check_args(args: argparse.Namespace) -> None:
         parse_lengths(args.lengths)
     if args.world_sizes:
         parse_world_sizes(args.world_sizes)
+    if not args.shards:  # a shard set's plan exists already; built plans are sized by K first
+        check_plan_memory(parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES),
+                          args.local_batch_size or DEFAULT_LOCAL_BATCH_SIZE, args.steps)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process may still take: the kernel's MemAvailable, capped by the cgroup's
+    limit when one is set; None where neither can be read (no bound is applied)."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M).group(1)) * 1024
+    except (OSError, AttributeError, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_plan_memory(world_sizes: list[int], local_batch_size: int, steps: int) -> None:
+    """Refuse up front a K whose plans would not fit in this machine's memory: planning starts
+    by drawing K x B x steps sample lengths, and a MemoryError after minutes of allocating
+    names nothing."""
+    available = available_memory_bytes()
+    if available is None:
+        return
+    k = max(world_sizes)
+    needed = plan_memory_bytes(k, local_batch_size, steps)
+    if needed > available:
+        raise InputError(f"--world-sizes: K={k} needs about {needed / 2**30:.3g} GiB to plan ({k} ranks x "
+                         f"{local_batch_size} samples x {steps} steps x {PLAN_BYTES_PER_SAMPLE} bytes), more than "
+                         f"the {available / 2**30:.3g} GiB of memory available here; simulate fewer ranks, "
+                         "--steps or --local-batch-size")
 
 
 # ----------------------------------------------------------------------- measured runs
@@ -249,8 +289,8 @@ def built_plans(args: argparse.Namespace, runs_model) -> tuple[dict, dict]:
     """{K: {"contiguous": loads, "balanced": loads}} from the real planner, and what they are."""
     from balancing.simulate import lognormal_lengths, plan_loads, sample_lengths
 
-    sizes = parse_world_sizes(args.world_sizes or "8,64,256,1024")
-    b = args.local_batch_size or 16
+    sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES)
+    b = args.local_batch_size or DEFAULT_LOCAL_BATCH_SIZE
     window = args.window_steps or args.steps
     # Without --cost-model, the runs' own: the one their seconds per cost unit is for.
     model = load_cost_model(args.cost_model) if args.cost_model or runs_model is None else runs_model

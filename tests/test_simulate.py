@@ -271,3 +271,56 @@ def test_the_runs_cost_model_costs_the_plans_and_another_is_refused(fresh_log, t
     old = mirror_summary(tmp_path / "old.json", cost_model=None)
     assert cli.main([*common, "--calibrate-from", str(old)]) == 0
     assert f"warning: {old} does not name its shards' cost model" in capsys.readouterr().err
+
+
+def test_a_k_too_large_for_memory_is_refused_up_front_in_one_line(tmp_path):
+    """The issue's command: 10 million ranks died with MemoryError (exit 1) after allocating. The
+    memory the plans need is known from K x B x steps before any is taken: exit 2, one line
+    naming K and the memory, at once."""
+    import time
+
+    started = time.perf_counter()
+    run = freescale("--lengths", "lognormal:4.2,0.9", "--world-sizes", "8,10000000", "--tracking-uri", "none",
+                    "--json", str(tmp_path / "sim.json"), tmp_path=tmp_path)
+    assert time.perf_counter() - started < 10
+    assert run.returncode == 2, run.stderr
+    from balancing.simulate import PLAN_BYTES_PER_SAMPLE, plan_memory_bytes
+
+    [line] = run.stderr.splitlines()
+    gib = plan_memory_bytes(10_000_000, 16, 16) / 2**30
+    assert line.startswith(f"freescale simulate: error: --world-sizes: K=10000000 needs about {gib:.3g} GiB to plan "
+                           f"(10000000 ranks x 16 samples x 16 steps x {PLAN_BYTES_PER_SAMPLE} bytes), more than the ")
+    assert " GiB of memory available here" in line
+    assert run.stdout == "" and not (tmp_path / "sim.json").exists()
+
+
+def test_the_memory_bound_is_the_largest_k_against_what_is_available(monkeypatch):
+    from jobs import simulate as job
+    from balancing.simulate import plan_memory_bytes
+
+    monkeypatch.setattr(job, "available_memory_bytes", lambda: plan_memory_bytes(1000, 16, 16))
+    job.check_plan_memory([8, 1000], 16, 16)  # exactly fits
+    with pytest.raises(job.InputError, match=r"K=1001 needs about"):
+        job.check_plan_memory([1001, 8], 16, 16)
+    with pytest.raises(job.InputError, match=r"K=1000 needs about .* x 32 samples x 16 steps"):
+        job.check_plan_memory([1000], 32, 16)
+    monkeypatch.setattr(job, "available_memory_bytes", lambda: None)  # unknown (no /proc): no bound
+    job.check_plan_memory([10**9], 16, 16)
+
+
+def test_plan_memory_bytes_covers_what_planning_and_simulating_take():
+    """The bound is honest: the traced peak of drawing, costing, planning (kk over the whole window,
+    the larger of a K's two plans) and simulating K x B x steps samples stays under it."""
+    import tracemalloc
+
+    from balancing.simulate import plan_memory_bytes
+
+    k, b, steps = 256, 16, 16
+    tracemalloc.start()
+    try:
+        costs = heavy_costs(k * b * steps)
+        simulate(plan_loads(costs, k, b, "kk", steps, 0), TimeModel(noise=Noise("normal", 0.1)), b)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert 0.5 * plan_memory_bytes(k, b, steps) < peak <= plan_memory_bytes(k, b, steps)
