@@ -1,4 +1,6 @@
-"""`freescale train`: start the ranks on this machine with torch's elastic launcher (torchrun).
+"""`freescale train`: start this node's ranks with torch's elastic launcher (torchrun). One node
+stands alone; a job of several nodes runs it on each with --nnodes, --node-rank and node 0's
+--rdzv-endpoint.
 
 The ranks' progress lines reach the terminal as they come; tracebacks, torchrun's own
 logging and its failure report go to the job's log only (--verbose shows everything). A
@@ -27,7 +29,7 @@ from training.config import CommMode
 
 
 def launch(argv: list[str] | None = None) -> int:
-    """`freescale train`: start the ranks with torch's elastic launcher on this machine.
+    """`freescale train`: start this node's ranks with torch's elastic launcher.
 
     The ranks' progress lines reach the terminal as they come; tracebacks and torchrun's
     failure report go to the job's log only. A failed run ends with one line per failing
@@ -46,7 +48,16 @@ def _launch(argv: list[str] | None) -> int:
 
     parser = argparse.ArgumentParser(prog="freescale train", description="train on balanced shards")
     parser.add_argument("--shards", required=True, help="shard directory written by `freescale balance`")
-    parser.add_argument("--nproc-per-node", type=int, help="ranks to start (default: the manifest's world size)")
+    parser.add_argument("--nproc-per-node", type=int,
+                        help="ranks to start on this node (default: the manifest's world size over --nnodes)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes of the job, each running `freescale train` with the same arguments but "
+                             "--node-rank (default 1: this machine only)")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="this node's rank, 0 .. nnodes-1; node R runs global ranks R*nproc .. (R+1)*nproc-1")
+    parser.add_argument("--rdzv-endpoint",
+                        help="HOST:PORT of node 0, where the nodes meet (torchrun's static rendezvous); "
+                             "needed with --nnodes > 1")
     parser.add_argument("--config", help="TOML config (configs/*.toml)")
     parser.add_argument("--max-steps", type=int,
                         help="stop after N >= 1 steps (default: the config's training.max_steps; 0 there = one pass "
@@ -60,13 +71,22 @@ def _launch(argv: list[str] | None) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         raise InputError(f"--max-steps must be a positive integer (omit it for one pass over the shards), "
                          f"got {args.max_steps}")
+    # Checked here, not by the ranks: starting torchrun and its ranks takes seconds. What is in
+    # the folder is the ranks' check (each reads its own files).
+    if not Path(args.shards).is_dir():
+        raise InputError(f"--shards {args.shards}: no such directory")
+    rendezvous = _rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint)
     nproc = args.nproc_per_node
     if nproc is None:
         manifest = Path(args.shards) / MANIFEST_NAME
         try:
-            nproc = int(json.loads(manifest.read_text())["world_size"])
+            world_size = int(json.loads(manifest.read_text())["world_size"])
         except (OSError, ValueError, KeyError, TypeError):
-            nproc = 1  # no readable manifest: one rank starts and names the problem
+            world_size = args.nnodes  # no readable manifest: one rank per node starts and names the problem
+        if world_size % args.nnodes:
+            raise InputError(f"{manifest} is for {world_size} ranks, which --nnodes {args.nnodes} does not "
+                             f"divide: pass --nproc-per-node")
+        nproc = world_size // args.nnodes
     if nproc < 1:
         raise InputError(f"--nproc-per-node must be a positive integer, got {nproc}")
     settings = ["--data.shards", args.shards]
@@ -83,7 +103,7 @@ def _launch(argv: list[str] | None) -> int:
     from training.config import load_config
 
     load_config(args.config, settings)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
            "-m", "jobs.train"]
     if args.config:
         cmd += ["--config", args.config]
@@ -107,7 +127,28 @@ def _launch(argv: list[str] | None) -> int:
                 statuses[int(path.name.split("-", 1)[1])] = int(path.read_text())
             except ValueError:
                 continue
-    return conclude_ranks(rc, statuses, output, nproc)
+    return conclude_ranks(rc, statuses, output, nproc * args.nnodes)
+
+
+def _rendezvous(nnodes: int, node_rank: int, endpoint: str | None) -> list[str]:
+    """torchrun's options for how the nodes meet: one node stands alone; several meet at node 0's
+    HOST:PORT in a static rendezvous, where node R's ranks are R*nproc .. (R+1)*nproc-1 (the ranks,
+    and so the shards each node reads, do not depend on which node starts first)."""
+    from pipeline.errors import InputError
+
+    if nnodes < 1:
+        raise InputError(f"--nnodes must be a positive integer, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise InputError(f"--node-rank must be in 0..{nnodes - 1} for --nnodes {nnodes}, got {node_rank}")
+    if nnodes == 1:
+        if endpoint:
+            raise InputError("--rdzv-endpoint is for --nnodes > 1 (one node meets itself)")
+        return ["--standalone"]
+    host, _, port = (endpoint or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise InputError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address), "
+                         f"got {endpoint or 'none'}")
+    return [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}"]
 
 
 def _wait(proc: subprocess.Popen) -> int:

@@ -137,6 +137,12 @@ def rank_process(rank: int, marker: str, timeout: float = 120) -> int:
     raise AssertionError(f"no rank {rank} worker found")
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    """Process `pid`'s environment, as it was started."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode(errors="replace").split("=", 1) for entry in entries if b"=" in entry)
+
+
 def wait_until_gone(pid: int, timeout: float) -> None:
     """Until process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
     deadline = time.monotonic() + timeout

@@ -1,0 +1,121 @@
+"""`freescale train` on several nodes: each node runs it with --nnodes, --node-rank and node 0's
+--rdzv-endpoint; here two nodes on this machine, one rank each, against one node of two ranks. And
+the launcher's own checks, which answer before torchrun starts."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import helpers
+
+STEPS = 20
+
+
+class NoProcesses:
+    """jobs.launch's `subprocess` for launches that must stop before starting torchrun."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the launcher used subprocess.{name}")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shards", "/nonexistent/dir"], "--shards /nonexistent/dir: no such directory"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT (node 0's address), got none"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1"],
+     "--nnodes 2 needs --rdzv-endpoint HOST:PORT (node 0's address), got 127.0.0.1"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+     "--node-rank must be in 0..1 for --nnodes 2, got 2"),
+    (["--nnodes", "0"], "--nnodes must be a positive integer, got 0"),
+    (["--rdzv-endpoint", "127.0.0.1:29400"], "--rdzv-endpoint is for --nnodes > 1 (one node meets itself)"),
+])
+def test_a_bad_launch_is_one_line_before_torchrun(movielens_shards, monkeypatch, capsys, args, message):
+    from jobs import cli, launch
+
+    monkeypatch.setattr(launch, "subprocess", NoProcesses())
+    if "--shards" not in args:
+        args = ["--shards", str(movielens_shards), *args]
+    assert cli.main(["train", *args, "--tracking-uri", "none"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [helpers.without_details(line) for line in lines] == [f"freescale train: error: {message}"]
+
+
+def test_nodes_must_divide_the_manifests_ranks(movielens_shards_1, monkeypatch, capsys):
+    from jobs import cli, launch
+
+    monkeypatch.setattr(launch, "subprocess", NoProcesses())
+    assert cli.main(["train", "--shards", str(movielens_shards_1), "--nnodes", "2",
+                     "--rdzv-endpoint", "127.0.0.1:29400", "--tracking-uri", "none"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [helpers.without_details(line) for line in lines] == [
+        f"freescale train: error: {movielens_shards_1 / 'manifest.json'} is for 1 ranks, which --nnodes 2 "
+        f"does not divide: pass --nproc-per-node"]
+
+
+def train_nodes(shards, tmp_path, name: str, nodes: list[list[str]]) -> tuple[list[subprocess.CompletedProcess],
+                                                                               dict[int, dict[str, str]]]:
+    """`freescale train` once per entry of `nodes` (that node's own options), all at once, 20 steps of
+    a small model on one thread per rank; the finished launches, and each rank's environment as
+    torchrun started it (read while it ran)."""
+    marker = str(tmp_path / name)
+    procs = []
+    for own in nodes:
+        cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--max-steps", str(STEPS),
+               # One thread per rank in both layouts: a node that believes it has the machine to itself
+               # would give its one rank every core, and the comparison is of the launch, not of threads.
+               "--training.threads", "1", *own, *helpers.small_run_args(tmp_path, name)]
+        procs.append(subprocess.Popen(cmd, cwd=helpers.REPO, env=helpers.train_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    try:
+        environs = {rank: helpers.environ_of(helpers.rank_process(rank, marker)) for rank in (0, 1)}
+        outputs = [proc.communicate(timeout=helpers.TIMEOUT_S) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                helpers.kill_tree(proc.pid)
+                proc.wait()
+    runs = [subprocess.CompletedProcess(proc.args, proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]
+    return runs, environs
+
+
+@pytest.mark.slow
+def test_two_nodes_train_the_losses_of_one_node_of_two_ranks(movielens_shards, tmp_path):
+    [one], one_env = train_nodes(movielens_shards, tmp_path, "one-node", [["--nproc-per-node", "2"]])
+    assert one.returncode == 0, one.stderr[-3000:]
+    endpoint = f"127.0.0.1:{helpers.free_port()}"
+    # Without --nproc-per-node: the manifest's 2 ranks over 2 nodes.
+    runs, two_env = train_nodes(movielens_shards, tmp_path, "two-nodes",
+                                [["--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint]
+                                 for node in (1, 0)])  # node 1 first: it waits for node 0
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+
+    def layout(environs):
+        keys = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
+        return {rank: tuple(int(env[key]) for key in keys) for rank, env in environs.items()}
+
+    assert layout(one_env) == {0: (0, 0, 0, 2, 2), 1: (1, 0, 1, 2, 2)}
+    assert layout(two_env) == {0: (0, 0, 0, 1, 2), 1: (1, 1, 0, 1, 2)}
+    one_losses = json.loads((tmp_path / "one-node.json").read_text())["losses"]
+    two_losses = json.loads((tmp_path / "two-nodes.json").read_text())["losses"]
+    assert len(one_losses) == STEPS
+    assert two_losses == one_losses  # to the last bit
+    # Node 0 holds rank 0: the progress lines and the summary are its.
+    assert f"step {STEPS}/{STEPS}" in runs[1].stdout and "step " not in runs[0].stdout
+
+    # comm.backend copy_engine's one-node rule, on what each launch gave its ranks.
+    from comm import cuda
+    from comm.errors import BackendUnavailable
+
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in one_env[1].items():
+            if name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                env.setenv(name, value)
+        cuda._require_one_node()
+        for name, value in two_env[1].items():
+            if name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                env.setenv(name, value)
+        with pytest.raises(BackendUnavailable, match="world size 2, 1 ranks on this node"):
+            cuda._require_one_node()
