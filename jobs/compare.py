@@ -91,6 +91,43 @@ def parse_shard_sets(text: str, control: bool) -> dict[str, Path]:
     return sets  # their manifests are loaded (and checked) once the arguments are known to be sane
 
 
+def planned_as(variant: str, manifest) -> bool:
+    """Whether a shard set was planned as ``variant``: the contiguous baseline, a balanced plan
+    (any other strategy) or the mirror control, as its manifest says."""
+    if variant == "control":
+        return manifest.control == "mirror"
+    return manifest.control is None and (manifest.strategy == "contiguous") == (variant == "contiguous")
+
+
+def check_shard_sets(sets: dict[str, Path], world_size: int | None, local_batch_size: int | None) -> dict:
+    """The manifests of ``--shards``' sets ({variant: Manifest}), refused unless they can be
+    compared: one shape (world size, local batch size), no set given twice (the same folder, or a
+    copy: the same manifest bytes), and each set planned as its label says."""
+    from shards.manifest import load_manifest
+
+    manifests = {v: load_manifest(d) for v, d in sets.items()}
+    shapes = {(m.world_size, m.local_batch_size) for m in manifests.values()}
+    if len(shapes) != 1:
+        raise InputError(f"--shards: the shard sets differ in (world size, local batch size): {sorted(shapes)}")
+    k, b = next(iter(shapes))
+    if world_size not in (None, k) or local_batch_size not in (None, b):
+        raise InputError(f"--shards were balanced for --world-size {k} --local-batch-size {b}")
+    seen: dict[tuple[str, str], str] = {}
+    for variant, manifest in manifests.items():
+        for key in (("folder", str(sets[variant].resolve())), ("content", manifest.sha256)):
+            if key in seen:
+                how = "the same folder" if key[0] == "folder" else "copies of one shard set (the same manifest.json)"
+                raise InputError(f"--shards: {seen[key]}={sets[seen[key]]} and {variant}={sets[variant]} are {how}: "
+                                 "a comparison needs different shard sets")
+            seen[key] = variant
+    for variant, manifest in manifests.items():
+        if not planned_as(variant, manifest):
+            planned = f"the {manifest.control} control" if manifest.control else f"strategy {manifest.strategy}"
+            raise InputError(f"--shards: {variant}={sets[variant]} was planned with {planned} (its manifest.json), "
+                             f"not as the {variant} set")
+    return manifests
+
+
 def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
     """Everything that needs no Spark, torch or MLflow: a bad argument is one line within a second."""
     from training.config import load_config
@@ -115,6 +152,7 @@ def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
                              f"{', '.join(s for s in STRATEGIES if s != 'contiguous')}")
     else:
         args.shard_sets = parse_shard_sets(args.shards, args.control)
+        args.manifests = check_shard_sets(args.shard_sets, args.world_size, args.local_batch_size)
     for flag, path in (("--cost-model", args.cost_model), ("--config", args.config)):
         if path is not None and not Path(path).is_file():
             raise InputError(f"{flag} {path}: no such file")
@@ -299,17 +337,10 @@ def compare(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.input is not None:
         prepared, world_size, batch = Path(args.input), args.world_size, args.local_batch_size
     else:
-        from shards.manifest import load_manifest
-
-        manifests = {v: load_manifest(d) for v, d in args.shard_sets.items()}
-        shapes = {(m.world_size, m.local_batch_size) for m in manifests.values()}
-        if len(shapes) != 1:
-            raise InputError(f"--shards: the shard sets differ in (world size, local batch size): {sorted(shapes)}")
-        world_size, batch = shapes.pop()
-        if args.world_size not in (None, world_size) or args.local_batch_size not in (None, batch):
-            raise InputError(f"--shards were balanced for --world-size {world_size} --local-batch-size {batch}")
-        prepared = prepared_of(manifests["balanced"])
-        args.strategy = manifests["balanced"].strategy
+        balanced = args.manifests["balanced"]
+        world_size, batch = balanced.world_size, balanced.local_batch_size
+        prepared = prepared_of(balanced)
+        args.strategy = balanced.strategy
     name = f"compare-k{world_size}-b{batch}"
     comparison = f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     experiment = args.experiment or f"freescale-{dataset_name(prepared)}"

@@ -217,3 +217,66 @@ def test_shard_sets_of_another_shape_are_refused(movielens_shards, tmp_path, cap
     assert err[0].startswith("freescale compare: error: --shards were balanced for --world-size 2 "
                              "--local-batch-size 16")
     assert not (tmp_path / "work").exists()  # refused before anything was written
+
+
+def fake_shard_set(folder: Path, strategy: str, control: str | None = None, seed: int = 0) -> Path:
+    """A sealed manifest for 2 ranks x 1 step x 1 sample over files of the bytes it names: enough
+    for the checks of `--shards`, which read manifests only."""
+    from shards.manifest import MANIFEST_FORMAT, seal
+
+    ranks = []
+    for rank in range(2):
+        data = folder / f"rank={rank}" / "part-0.parquet"
+        data.parent.mkdir(parents=True)
+        data.write_bytes(b"x" * (10 + seed))
+        ranks.append({"rank": rank, "rows": 1, "files": [{"path": f"rank={rank}/part-0.parquet", "rows": 1,
+                                                         "bytes": 10 + seed, "sha256": None}]})
+    manifest = {"format": MANIFEST_FORMAT, "world_size": 2, "local_batch_size": 1, "num_steps": 1, "num_items": 5,
+                "strategy": strategy, "control": control, "seed": seed, "ranks": ranks}
+    (folder / "manifest.json").write_text(json.dumps(seal(manifest)))
+    return folder
+
+
+def compare_refusal(*argv: str) -> list[str]:
+    """`freescale compare ARGV` in a fresh interpreter: its stderr lines after exit status 2."""
+    run = subprocess.run([sys.executable, "-m", "jobs.cli", "compare", *argv, "--tracking-uri", "none"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    return run.stderr.splitlines()
+
+
+def test_shard_sets_are_checked_against_their_labels_and_each_other(tmp_path):
+    """The issue's command (the same folder twice) printed a -326% bubble reduction. Each set must
+    be planned as its label says (its manifest's strategy and control) and no set may be given
+    twice, as the same folder or a copy: one line naming the sets, before any training."""
+    import shutil
+
+    contiguous = fake_shard_set(tmp_path / "contiguous", "contiguous")
+    kk = fake_shard_set(tmp_path / "kk", "kk", seed=1)
+    mirror = fake_shard_set(tmp_path / "mirror", "contiguous", "mirror", seed=2)
+    copy = shutil.copytree(contiguous, tmp_path / "copy")
+    other = fake_shard_set(tmp_path / "other", "contiguous", seed=3)
+    work = tmp_path / "work"
+    cases = {
+        f"contiguous={kk},balanced={kk}": f"--shards: contiguous={kk} and balanced={kk} are the same folder",
+        f"contiguous={contiguous},balanced={copy}":
+            f"--shards: contiguous={contiguous} and balanced={copy} are copies of one shard set",
+        f"contiguous={kk},balanced={contiguous}":
+            f"--shards: contiguous={kk} was planned with strategy kk (its manifest.json), not as the contiguous set",
+        f"contiguous={contiguous},balanced={mirror}":
+            f"--shards: balanced={mirror} was planned with the mirror control",
+        f"contiguous={contiguous},balanced={kk},control={kk}":
+            f"--shards: balanced={kk} and control={kk} are the same folder",
+        f"contiguous={contiguous},balanced={kk},control={other}":
+            f"--shards: control={other} was planned with strategy contiguous (its manifest.json), not as the control",
+    }
+    for shards, message in cases.items():
+        [line] = compare_refusal("--shards", shards, "--workdir", str(work))
+        assert line.startswith(f"freescale compare: error: {message}"), (shards, line)
+    assert not work.exists()
+    # Sets planned as labelled pass these checks (the run then fails later, on the fake files).
+    from jobs.compare import check_shard_sets
+
+    sets = {"contiguous": contiguous, "balanced": kk, "control": mirror}
+    assert {v: m.strategy for v, m in check_shard_sets(sets, 2, None).items()} == {
+        "contiguous": "contiguous", "balanced": "kk", "control": "contiguous"}
