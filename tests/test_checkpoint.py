@@ -103,6 +103,19 @@ def test_changed_hyperparameters_are_named_and_other_keys_ignored(tmp_path):
                                                              "optimizer.dense_lr 0.001 -> 0.002"]
 
 
+def test_a_resume_that_would_add_or_drop_the_best_weights_is_refused(tmp_path):
+    """Validation during training checkpoints the best weights beside the model: a checkpoint
+    without them cannot feed a run that keeps them, nor the reverse; the period may change."""
+    checkpointer, config = saved_config(tmp_path, **{"evaluation.every_epochs": 1})
+    with pytest.raises(ConfigError, match=r"saved without the best weights .*every_epochs 0 -> 1"):
+        checkpointer.check_config(1, config)
+    assert checkpointer.check_config(1, {**config, "evaluation.restore_best": False}) == []
+    (checkpointer.step_dir(1) / CONFIG).write_text(json.dumps(config))
+    assert checkpointer.check_config(1, {**config, "evaluation.every_epochs": 3}) == []
+    with pytest.raises(ConfigError, match="saved with the best weights"):
+        checkpointer.check_config(1, {**config, "evaluation.every_epochs": 0})
+
+
 @pytest.mark.slow
 def test_a_second_training_on_the_same_folder_is_refused(stopped_run):
     """While the session's Ctrl-C run trained, a second training on its folder (one rank, in this

@@ -84,6 +84,9 @@ CHOICES = [
     ("comm.mode", ("plain", "overlap", "prioritized"), "async"),
     ("comm.backend", ("auto", "gloo", "nccl", "copy_engine"), "mpi"),
     ("model.encoder", ("hstu", "sasrec"), "gru"), ("loss.kind", ("sampled_softmax", "bce"), "softmax"),
+    ("optimizer.decay", ("constant", "linear", "cosine"), "step"),
+    ("evaluation.metric", ("valid_ndcg_at_10", "valid_hr_at_10", "valid_mrr", "valid_sampled_ndcg_at_10",
+                           "valid_sampled_hr_at_10", "valid_sampled_mrr"), "ndcg"),
 ]
 
 

@@ -114,6 +114,13 @@ class Checkpointer:
         if shapes:
             raise ConfigError(f"checkpoint {self.step_dir(step)} holds another model shape ({', '.join(shapes)}): "
                               "use another checkpoint.folder, or the checkpoint's values")
+        if _holds_best_weights(saved) != _holds_best_weights(config):
+            raise ConfigError(f"checkpoint {self.step_dir(step)} was saved {'with' if _holds_best_weights(saved) else 'without'} "
+                              "the best weights of validation during training (evaluation.every_epochs "
+                              f"{saved.get('evaluation.every_epochs', 0)} -> {config.get('evaluation.every_epochs')}, "
+                              f"evaluation.restore_best {saved.get('evaluation.restore_best', True)} -> "
+                              f"{config.get('evaluation.restore_best')}): use another checkpoint.folder, or the "
+                              "checkpoint's values")
         moved = [f"{key} {saved[key]} -> {config.get(key)}" for key in PLACEMENT_KEYS
                  if key in saved and saved[key] != config.get(key)]
         if moved:
@@ -175,6 +182,11 @@ class Checkpointer:
         saved = torch.load(own_path, weights_only=False)
         for name, state in own.items():
             state.load_state_dict(saved[name])
+
+
+def _holds_best_weights(config: dict[str, Any]) -> bool:
+    """Whether a run with this flat config checkpoints best weights (``training.validation``)."""
+    return bool(config.get("evaluation.every_epochs", 0)) and bool(config.get("evaluation.restore_best", True))
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -33,6 +33,11 @@ AttentionKernelName = Literal["triton", "grouped"]
 AttentionKernel = Literal["auto", AttentionKernelName]  # flattens to "auto" | "triton" | "grouped"
 EncoderName = Literal["hstu", "sasrec"]
 LossKind = Literal["sampled_softmax", "bce"]
+LearningRateDecay = Literal["constant", "linear", "cosine"]
+# The validation metrics early stopping can follow: the summary's names of the validation item's
+# scores (``training.evaluator``); the sampled ones need ``evaluation.sampled_negatives > 0``.
+ValidationMetric = Literal["valid_ndcg_at_10", "valid_hr_at_10", "valid_mrr",
+                           "valid_sampled_ndcg_at_10", "valid_sampled_hr_at_10", "valid_sampled_mrr"]
 
 
 @dataclass
@@ -188,7 +193,31 @@ class OptimizerConfig:
     sparse_optimizer: SparseOptimizerName = "adagrad"
     """Fused sparse optimizer: adagrad (row-wise), sgd or adam."""
     weight_decay: float = 0.0
-    """Dense weight decay."""
+    """Dense weight decay (Adam's L2 term)."""
+    warmup_steps: int = 0
+    """Both learning rates rise linearly from ``lr / warmup_steps`` to ``lr`` over this many steps."""
+    decay: LearningRateDecay = "constant"
+    """After the warm-up, both learning rates stay (``"constant"``) or fall, linearly or along
+    a half cosine, to ``min_lr_ratio x lr`` at the run's planned end: ``training.max_epochs``
+    passes (``training.max_steps`` when that is 0). A run stopped before its planned end,
+    early or by ``max_steps``, has followed the same schedule as far as it went."""
+    min_lr_ratio: float = 0.0
+    """Where ``"linear"`` and ``"cosine"`` decay end, as a fraction of each learning rate."""
+    max_grad_norm: float = 0.0
+    """Clip the dense gradients (after the ranks' average) to this global L2 norm; 0 = no
+    clipping. The embedding tables' gradients are applied inside their backward (fused) and
+    are not clipped."""
+
+    def __post_init__(self) -> None:
+        # Also run by load_config after a file or override changed the fields.
+        if self.decay not in typing.get_args(LearningRateDecay):
+            raise ValueError(f"decay must be one of {typing.get_args(LearningRateDecay)}, got {self.decay!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
 
 
 @dataclass
@@ -215,7 +244,11 @@ class LossConfig:
 @dataclass
 class TrainingConfig:
     max_steps: int = 0
-    """Stop after this many steps; 0 = one pass over the shards (the manifest's num_steps)."""
+    """Stop after this many steps (at most ``max_epochs`` passes when that is set); 0 = one
+    pass over the shards (the manifest's num_steps), or ``max_epochs`` passes."""
+    max_epochs: int = 0
+    """Passes over the shards the run plans (0: see ``max_steps``): the learning-rate decay's
+    horizon, and where the run ends unless ``max_steps`` or early stopping ends it first."""
     seed: int = 0
     """Seeds parameters, negative sampling and dropout; ranks derive their own streams from it."""
     log_every: int = 10
@@ -231,6 +264,8 @@ class TrainingConfig:
         # Also run by load_config after a file or override changed the fields.
         if self.max_steps < 0:
             raise ValueError(f"max_steps must be >= 0 (0 = one pass over the shards), got {self.max_steps}")
+        if self.max_epochs < 0:
+            raise ValueError(f"max_epochs must be >= 0 (0 = as max_steps says), got {self.max_epochs}")
 
 
 @dataclass
@@ -298,10 +333,29 @@ class EvaluationConfig:
     """0: rank the held-out item against the whole catalog. N > 0: also rank it against N items
     drawn uniformly from those the user never interacted with in training (the protocol of
     SASRec and its successors, N = 100); validation and test use the same protocol."""
+    every_epochs: int = 0
+    """Score the validation item every N passes over the shards (both protocols), recorded as
+    the series ``epoch/valid_*``, and keep the best weights by ``metric``; 0 = only at the end."""
+    metric: ValidationMetric = "valid_ndcg_at_10"
+    """The validation score that decides the best epoch (higher is better)."""
+    patience: int = 0
+    """Stop after this many validations in a row without a better ``metric``; 0 = never stop early."""
+    restore_best: bool = True
+    """With validation during training: score the test item with the best epoch's weights
+    (the summary's ``best_epoch``), not the last step's."""
 
     def __post_init__(self) -> None:
         if self.sampled_negatives < 0:
             raise ValueError(f"sampled_negatives must be >= 0 (0 = full-catalog ranking), got {self.sampled_negatives}")
+        if self.metric not in typing.get_args(ValidationMetric):
+            raise ValueError(f"metric must be one of {typing.get_args(ValidationMetric)}, got {self.metric!r}")
+        if self.every_epochs and self.metric.startswith("valid_sampled_") and not self.sampled_negatives:
+            raise ValueError(f"metric {self.metric!r} needs sampled_negatives > 0")
+        for name in ("every_epochs", "patience"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.patience and not self.every_epochs:
+            raise ValueError("patience needs every_epochs > 0 (early stopping follows the validations)")
 
 
 @dataclass

@@ -56,9 +56,10 @@ def batch_negatives(batch: SequenceBatch, num_items: int, count: int, seed: int)
 @torch.no_grad()
 def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_size: int,
              device: torch.device, max_samples: int | None = None,
-             evaluation: EvaluationConfig | None = None, seed: int = 0) -> dict[str, float]:
-    """Score this rank's shard's test and validation targets, then sum over ranks (a collective:
-    all ranks call it).
+             evaluation: EvaluationConfig | None = None, seed: int = 0,
+             uses: tuple[str, ...] = tuple(SPLIT_PREFIX)) -> dict[str, float]:
+    """Score this rank's shard's ``uses`` targets (test and validation), then sum over ranks (a
+    collective: all ranks call it). The most-popular baseline comes with the test item.
 
     The whole item table is gathered once (a collective lookup); scoring then reads it
     locally, so ranks may hold different numbers of samples. Under the mirror control
@@ -73,7 +74,7 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     table = F.normalize(raw, dim=-1)
     mirror = manifest.control == "mirror"
     sums = {use: ProtocolMetrics(RetrievalMetrics(k=K), RetrievalMetrics(k=K) if sampled else None)
-            for use in SPLIT_PREFIX}
+            for use in uses}
     counts = torch.zeros(manifest.num_items + 1, dtype=torch.float64)
     targets: list[torch.Tensor] = []
     negatives: list[torch.Tensor] = []
@@ -86,7 +87,7 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
             continue
         drawn = batch_negatives(batch, manifest.num_items, sampled, seed) if sampled else None
         batch = batch.to(device)
-        for use in SPLIT_PREFIX:  # one draw of negatives for both: none is either target
+        for use in uses:  # one draw of negatives for both: none is either target
             sums[use] = sums[use] + model.evaluate(batch, table, use=use, item_table=raw, user_tables=user_tables,
                                                    negative_ids=None if drawn is None else drawn.to(device))
         targets.append(batch.test_item.cpu())
@@ -95,10 +96,13 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
         seen += batch.batch_size
     model.train()
     result: dict[str, float] = {}
-    for use, prefix in SPLIT_PREFIX.items():
+    for use in uses:
+        prefix = SPLIT_PREFIX[use]
         result.update(_named(sums[use].full, world_size, prefix))
         if sums[use].sampled is not None:
             result.update(_named(sums[use].sampled, world_size, f"{prefix}sampled_"))
+    if "test" not in uses:
+        return result
     if world_size > 1:  # the baseline ranks items by their count over every rank's histories
         dist.all_reduce(counts)
     popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))

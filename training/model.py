@@ -27,7 +27,7 @@ rank must call them, the same number of times.
 from __future__ import annotations
 
 import math
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +210,12 @@ class SequentialRecommender(nn.Module):
         self.attention_kernel = self.encoder.kernel(device)
 
     # ------------------------------------------------------------------ lookups
+
+    def fused_optimizers(self) -> list[Any]:
+        """The tables' optimizers, fused into their backward (TorchRec's, once the model is
+        sharded): the item table's, then the user feature tables' if any."""
+        collections = (self.embedding_collection, self.user_embedding_collection)
+        return [collection.fused_optimizer for collection in collections if collection is not None]
 
     def lookup(
         self, lengths: torch.Tensor, item_ids: torch.Tensor, negatives: torch.Tensor

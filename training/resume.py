@@ -13,7 +13,7 @@ from training.model import SequentialRecommender
 
 
 def checkpoint_states(sharded_model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: Any,
-                      loader: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+                      loader: Any, best_weights: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(shared, own)`` ``Stateful`` objects for the checkpointer.
 
     Shared (through DCP): the model, the item table's fused optimizer and the dense
@@ -23,14 +23,17 @@ def checkpoint_states(sharded_model: nn.Module, dense_optimizer: torch.optim.Opt
     tables a rank holds (unlike the item table's, whose state is a ShardedTensor on every
     rank), so DCP would find keys only some ranks have; the same world size and plan put
     the same tables on the same rank on resume. Each sharded collection owns its fused
-    optimizer, so no key needs parsing.
+    optimizer, so no key needs parsing. ``best_weights`` (``training.validation.BestWeights``,
+    kept while validation runs during training) is shared too, laid out like the model.
     """
     model: SequentialRecommender = sharded_model.module
-    shared = {"model": sharded_model, "sparse_optimizer": model.embedding_collection.fused_optimizer,
-              "dense_optimizer": dense_optimizer}
+    item_optimizer, *user_optimizer = model.fused_optimizers()
+    shared = {"model": sharded_model, "sparse_optimizer": item_optimizer, "dense_optimizer": dense_optimizer}
+    if best_weights is not None:
+        shared["best_weights"] = best_weights
     own: dict[str, Any] = {"trainer": progress, "loader": loader}
-    if model.user_embedding_collection is not None:
-        own["user_table_optimizer"] = model.user_embedding_collection.fused_optimizer
+    if user_optimizer:
+        own["user_table_optimizer"] = user_optimizer[0]
     return shared, own
 
 

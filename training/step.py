@@ -75,6 +75,8 @@ class StepParts:
     negatives: Callable[[int, SequenceBatch], torch.Tensor]
     """(step, this rank's batch) -> its uniform negatives (``training.seeding.StepNegatives``)."""
     world_size: int
+    max_grad_norm: float = 0.0
+    """Clip the averaged dense gradients to this global L2 norm (0: no clipping)."""
 
 
 @dataclass
@@ -130,6 +132,10 @@ class TrainStep(ABC):
         with timer.phase("allreduce_s"):
             self.sync_dense_grads()
         with timer.phase("optimizer_s"):
+            if self.parts.max_grad_norm:
+                # After the average, so every rank clips the same gradients by the same factor.
+                torch.nn.utils.clip_grad_norm_([p for group in self.parts.dense_optimizer.param_groups
+                                                for p in group["params"]], self.parts.max_grad_norm)
             self.parts.dense_optimizer.step()
             self.parts.dense_optimizer.zero_grad(set_to_none=True)
 

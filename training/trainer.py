@@ -30,7 +30,9 @@ from training.seeding import StepNegatives, rank_generator, seed_initial_weights
 from training.shard_reader import build_loader, stop_prefetch
 from training.sharding import broadcast_dense, dense_parameters, shard_model
 from training.step import BatchStream, StepParts, build_step
+from training.schedule import LearningRateSchedule
 from training.step_report import MetricsSink, StepReporter, run_summary, step_losses
+from training.validation import Validation
 
 
 class NullSink:
@@ -90,11 +92,15 @@ class Trainer:
             self.generator = rank_generator(config.training.seed, self.env.rank)
             negatives = StepNegatives(self.model, config.loss, config.training.seed, self.env.rank, self.env.device)
             self.training_step = build_step(config, StepParts(self.model, self.dense_optimizer, config.loss,
-                                                              self.generator, negatives, self.env.world_size),
+                                                              self.generator, negatives, self.env.world_size,
+                                                              config.optimizer.max_grad_norm),
                                             self.sharded_model, self.env, dense)
             self.log = StepTimeLog(self.env.world_size, config.training.timing_sync_every)
             self.step = 0
-            self.max_steps = config.training.max_steps or self.manifest.num_steps
+            planned, self.max_steps = planned_steps(config, self.manifest.num_steps)
+            self.schedule = LearningRateSchedule(config.optimizer, planned, self.dense_optimizer,
+                                                 self.model.fused_optimizers())
+            self.validation = Validation(config.evaluation, self.manifest.num_steps, self.sharded_model)
             self.resumed_sink_state: dict[str, Any] = {}
             if config.checkpoint.resume:
                 resume_latest(self.checkpointer, config, self.manifest.sha256, self.env.rank, self.dense_optimizer,
@@ -135,17 +141,18 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's progress (the trainer is one of its checkpoint's ``Stateful`` objects)."""
         return {"step": self.step, "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
-                "sink": self.sink.state_dict()}
+                "sink": self.sink.state_dict(), "validation": self.validation.record.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
+        self.validation.record.load_state_dict(state.get("validation", {}))
         # The sink is built after the resume (it continues the record named here).
         self.resumed_sink_state = state.get("sink") or {}
 
     def _checkpoint_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return checkpoint_states(self.sharded_model, self.dense_optimizer, self, self.loader)
+        return checkpoint_states(self.sharded_model, self.dense_optimizer, self, self.loader, self.validation.best)
 
     def save(self) -> None:
         self.checkpointer.save(self.step, *self._checkpoint_states(), self.manifest.sha256,
@@ -157,45 +164,81 @@ class Trainer:
 
     # ------------------------------------------------------------- the loop
 
-    def _checkpoint_at(self) -> int:
-        """The step count at which the next checkpoint is saved (the run's end without one)."""
+    def _next_stop(self) -> int:
+        """The step count at which the loop next stops: a checkpoint, a validation, or the run's end."""
+        stops = [self.max_steps]
         every = self.config.checkpoint.every_steps
-        if not (self.checkpointer.enabled and every):
-            return self.max_steps
-        return min(self.max_steps, (self.step // every + 1) * every)
+        if self.checkpointer.enabled and every:
+            stops.append((self.step // every + 1) * every)
+        if (validation_at := self.validation.next_at(self.step)) is not None:
+            stops.append(validation_at)
+        return min(stops)
 
     def train(self) -> TrainResult:
         self.model.train()
         reporter = StepReporter(self.env.world_size, self.max_steps, self.config.training.log_every)
         stream = BatchStream(self.loader, self.env.device, self.step)
-        while self.step < self.max_steps:
-            # A step prefetches only within `batches`: at a checkpoint nothing is in flight.
-            until = self._checkpoint_at()
+        while self.step < self.max_steps and not self.validation.record.stopped:
+            # A step prefetches only within `batches`: at a stop nothing is in flight.
+            until = self._next_stop()
             batches = stream.take(until - self.step)
             while self.step < until:
+                self.schedule.apply(self.step)
                 self._report(reporter, self.log.record(self.step, self.training_step.progress(batches)))
                 self.step += 1
             assert not self.training_step.in_flight(), "an exchange was left in flight past its batches"
-            if self.step < self.max_steps:
-                # Every trained step reaches the sink before the checkpoint holds the sink's state.
-                self._report(reporter, self.log.flush())
+            # Every trained step reaches the sink before a checkpoint holds the sink's state.
+            self._report(reporter, self.log.flush())
+            if self.validation.due(self.step):
+                self._validate()
+            every = self.config.checkpoint.every_steps
+            if (self.checkpointer.enabled and every and self.step % every == 0 and self.step < self.max_steps
+                    and not self.validation.record.stopped):
                 self.save()
         stop_prefetch(self.loader)
         self._report(reporter, self.log.flush())
         if self.checkpointer.enabled:
             self.save()
+        if self.validation.best is not None and self.validation.record.best_epoch:
+            self.validation.best.restore()  # after the last checkpoint: it holds the last step's weights
         table = self.log.table()
         summary = run_summary(table)
+        summary.update(self.validation.summary())
         summary.update(evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
                                 self.config.training.eval_max_samples or None, self.config.evaluation,
                                 self.config.training.seed))
         return TrainResult(summary, table, list(self.log.steps), list(step_losses(table)), self.manifest,
                            self.training_step.comm_issue_order)
 
+    def _validate(self) -> None:
+        """Score the validation item (a collective), record it, and keep the weights if best."""
+        scores = evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
+                          self.config.training.eval_max_samples or None, self.config.evaluation,
+                          self.config.training.seed, uses=("valid",))
+        improved = self.validation.take(scores, self.step)
+        if self.env.rank != 0:
+            return
+        epoch, record = self.step // self.manifest.num_steps, self.validation.record
+        self.sink.log_step(epoch, {f"epoch/{name}": value for name, value in scores.items()})
+        metric = self.config.evaluation.metric
+        note = "best so far" if improved else f"best {record.best_value:.4f} at epoch {record.best_epoch}"
+        if record.stopped:
+            note += f"; no better for {record.since_best} validations: stopping early"
+        print(f"freescale train: epoch {epoch} {metric} {scores[metric]:.4f} ({note})", file=sys.stderr, flush=True)
+
     def _report(self, reporter: StepReporter, gathered: np.ndarray | None) -> None:
         """Rank 0 prints and records the steps just gathered (None: none were)."""
         if gathered is not None and self.env.rank == 0:
             reporter.report(self.sink, gathered, self.log.steps[-len(gathered):])
+
+
+def planned_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
+    """``(planned, max_steps)``: the steps the run plans (the learning-rate schedule's horizon:
+    ``max_epochs`` passes, else ``max_steps``, else one pass) and where it stops (``max_steps``
+    caps the plan)."""
+    training = config.training
+    planned = training.max_epochs * steps_per_epoch or training.max_steps or steps_per_epoch
+    return planned, min(planned, training.max_steps or planned)
 
 
 def run(config: TrainConfig, sink: MetricsSink | None = None) -> TrainResult:
