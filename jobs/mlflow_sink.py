@@ -42,7 +42,7 @@ class MLflowSink:
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
         self._log_new_params(params)
-        self.sent_through = self._last_logged_step()
+        self.resumed_through = self._last_logged_step()
         self.failed = False
         self._unsent: collections.deque[tuple[int, int, dict[str, float]]] = collections.deque()
         self._stopping = False
@@ -95,12 +95,14 @@ class MLflowSink:
         return max((m.step for m in history), default=-1)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.failed and step > self.sent_through:
+        # A step may be logged more than once (a validation after its step's metrics); the steps a
+        # resumed run's record already has are not logged again.
+        if not self.failed and step > self.resumed_through:
             self._queue(step, int(time.time() * 1000), {k: float(v) for k, v in metrics.items()})
 
     def _queue(self, step: int, timestamp: int, metrics: dict[str, float]) -> None:
         with self._changed:
-            if not self._unsent or step > self._unsent[-1][0]:
+            if not self._unsent or step >= self._unsent[-1][0]:
                 self._unsent.append((step, timestamp, metrics))
                 self._changed.notify_all()
 
@@ -136,7 +138,6 @@ class MLflowSink:
             with self._changed:  # sent: off the queue (kept until now, so a checkpoint has them)
                 for _ in batch:
                     self._unsent.popleft()
-                self.sent_through = batch[-1][0]
                 self._changed.notify_all()
 
     def _fail(self, exc: Exception) -> None:

@@ -106,11 +106,12 @@ def run_in_process(shards: Path, out: Path, *extra: str) -> dict:
 def early_stopped(movielens_shards_1, tmp_path_factory):
     """The recipe's run, uninterrupted; and a run without validation stopped at its best step."""
     out = tmp_path_factory.mktemp("recipe")
-    stopped = run_in_process(movielens_shards_1, out / "stopped.json")
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    stopped = run_in_process(movielens_shards_1, out / "stopped.json", "--tracking.uri", uri)
     best_step = int(stopped["summary"]["best_step"])
     cut = run_in_process(movielens_shards_1, out / "cut.json", "--training.max_steps", str(best_step),
                          "--evaluation.patience", "0", "--evaluation.every_epochs", "0")
-    return SimpleNamespace(stopped=stopped, cut=cut, best_step=best_step, out=out)
+    return SimpleNamespace(stopped=stopped, cut=cut, best_step=best_step, out=out, uri=uri)
 
 
 def test_early_stopping_restores_the_best_step_to_the_last_bit(early_stopped, movielens_shards_1) -> None:
@@ -124,6 +125,22 @@ def test_early_stopping_restores_the_best_step_to_the_last_bit(early_stopped, mo
     assert {m: stopped[m] for m in TEST_METRICS} == {m: cut[m] for m in TEST_METRICS}
     assert stopped["valid_hr_at_10"] == stopped["best_valid_hr_at_10"]
     assert "best_epoch" not in cut  # no validation during training, no best epoch
+
+
+def test_validations_are_mlflow_series_at_their_steps(early_stopped, movielens_shards_1) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client, summary = MlflowClient(early_stopped.uri), early_stopped.stopped["summary"]
+    run_id = early_stopped.stopped["mlflow_run_id"]
+    series = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "epoch/valid_hr_at_10"))
+    epochs = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "epoch/epoch"))
+    steps_per_epoch = helpers.load_manifest(movielens_shards_1)["num_steps"]
+    trained = len(early_stopped.stopped["losses"])
+    assert [step for step, _ in series] == list(range(steps_per_epoch - 1, trained, steps_per_epoch))
+    assert [value for _, value in epochs] == list(range(1, len(series) + 1))
+    assert max(value for _, value in series) == summary["best_valid_hr_at_10"]
+    # the same steps' losses are there too: a step takes its validation beside its metrics
+    assert len(client.get_metric_history(run_id, "step/loss")) == trained
 
 
 @pytest.mark.slow

@@ -219,11 +219,14 @@ class Trainer:
         if self.env.rank != 0:
             return
         epoch, record = self.step // self.manifest.num_steps, self.validation.record
-        self.sink.log_step(epoch, {f"epoch/{name}": value for name, value in scores.items()})
+        # At the last step trained (the sink takes more metrics of a step it has): the series'
+        # x-axis is the loss's.
+        self.sink.log_step(self.step - 1, {"epoch/epoch": float(epoch),
+                                           **{f"epoch/{name}": value for name, value in scores.items()}})
         metric = self.config.evaluation.metric
         note = "best so far" if improved else f"best {record.best_value:.4f} at epoch {record.best_epoch}"
         if record.stopped:
-            note += f"; no better for {record.since_best} validations: stopping early"
+            note += f"; no better for {record.since_best} validation(s): stopping early"
         print(f"freescale train: epoch {epoch} {metric} {scores[metric]:.4f} ({note})", file=sys.stderr, flush=True)
 
     def _report(self, reporter: StepReporter, gathered: np.ndarray | None) -> None:
