@@ -355,3 +355,12 @@ def dist(tmp_path_factory):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     [wheel], [sdist] = out.glob("freescale-*.whl"), out.glob("freescale-*.tar.gz")
     return SimpleNamespace(wheel=wheel, sdist=sdist, zip=out / "freescale.zip")
+
+
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory):
+    """A Spark standalone cluster, a master and two workers of 1 core each (tests/helpers.py's
+    SparkCluster), stopped with nothing of it left running. A worker a test kills is not replaced."""
+    cluster = helpers.SparkCluster(tmp_path_factory.mktemp("spark-cluster"))
+    yield cluster
+    cluster.stop()

@@ -396,3 +396,102 @@ def read_all(shards: Path):
 
     manifest = load_manifest(shards)
     return pd.concat([read_rank(shards, r) for r in range(manifest["world_size"])], ignore_index=True)
+
+
+# ------------------------------------------------------------------ a Spark standalone cluster
+# A master and workers as separate JVMs, started from the `spark-class` that pyspark ships, on
+# loopback only. Each daemon leads a process group of its own (a worker's executors join it);
+# every process they start carries CLUSTER_ENV in its environment, so stopping the cluster can
+# find and end whatever outlived its group (pyspark's daemon makes a group of its own).
+
+CLUSTER_ENV = "FREESCALE_TEST_CLUSTER"
+CLUSTER_START_S = 120  # a JVM's start on a loaded 2-core machine
+
+
+def processes_with(name: str, value: str) -> list[int]:
+    """PIDs of the live processes whose environment has `name`=`value`."""
+    wanted = f"{name}={value}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if wanted in (proc / "environ").read_bytes().split(b"\0"):
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state not in ("Z", "X"):
+                    found.append(int(proc.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+class SparkCluster:
+    """`spark://127.0.0.1:PORT`: a master and `workers` workers of 1 core and 1 GiB each, logs and
+    work folders under `root`."""
+
+    def __init__(self, root: Path, workers: int = 2):
+        import pyspark
+
+        self.root = root
+        self.spark_home = Path(pyspark.__file__).parent
+        self.env = {**os.environ, "SPARK_HOME": str(self.spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
+                    "SPARK_DAEMON_MEMORY": "256m", CLUSTER_ENV: str(root),
+                    # No REST submission server: it would listen on a fixed port (6066).
+                    "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false"}
+        self.daemons: list[subprocess.Popen] = []
+        self.workers: list[subprocess.Popen] = []
+        self.worker_dirs: list[Path] = []
+        port = free_port()
+        self.url = f"spark://127.0.0.1:{port}"
+        try:
+            self._start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                                   "--port", str(port), "--webui-port", "0"], "I have been elected leader")
+            for _ in range(workers):
+                self.start_worker()
+        except BaseException:
+            self.stop()
+            raise
+
+    def start_worker(self) -> subprocess.Popen:
+        index = len(self.workers)
+        work = self.root / f"worker-{index}"
+        work.mkdir()
+        worker = self._start(f"worker-{index}", [
+            "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1", "--memory", "1g",
+            "--webui-port", "0", "--work-dir", str(work), self.url], "Successfully registered with master")
+        self.workers.append(worker)
+        self.worker_dirs.append(work)
+        return worker
+
+    def _start(self, name: str, args: list[str], ready: str) -> subprocess.Popen:
+        log = self.root / f"{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([str(self.spark_home / "bin" / "spark-class"), *args], env=self.env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.daemons.append(proc)
+        deadline = time.monotonic() + CLUSTER_START_S
+        while ready not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"spark {name} did not start: {log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.2)
+        return proc
+
+    def kill_worker(self, index: int) -> None:
+        """A worker's machine dies: SIGKILL to the worker and its executors, at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.workers[index].pid, signal.SIGKILL)
+        self.workers[index].wait()
+
+    def stop(self) -> None:
+        """Workers, then the master; then anything still carrying the cluster's mark (pyspark
+        daemons in groups of their own) is killed. Fails if something is left even so."""
+        for proc in reversed(self.daemons):
+            stop_group(proc, grace_s=30)
+        deadline = time.monotonic() + 30
+        while (left := processes_with(CLUSTER_ENV, str(self.root))) and time.monotonic() < deadline:
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+        if left:
+            pytest.fail(f"processes of the Spark cluster still running: {left}")

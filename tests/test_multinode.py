@@ -76,7 +76,8 @@ def train_nodes(shards, tmp_path, name: str, nodes: list[list[str]]) -> tuple[li
             if proc.poll() is None:
                 helpers.kill_tree(proc.pid)
                 proc.wait()
-    runs = [subprocess.CompletedProcess(proc.args, proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]
+    runs = [subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            for proc, (out, err) in zip(procs, outputs)]
     return runs, environs
 
 
