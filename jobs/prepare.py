@@ -194,7 +194,9 @@ def prepare(args: argparse.Namespace) -> int:
         run.log_metrics({**{k: v for k, v in stats.items() if isinstance(v, (int, float))},
                          "job_seconds": time.perf_counter() - started})
         run.log_text(json.dumps(meta, indent=2), "prepare.json")
-    print(f"freescale prepare: {stats['users']} sequences over {stats['num_items']} items to {output_uri}; "
+    synthetic = (f" from synthetic data ({args.synthetic_users} users, {args.synthetic_items} items, seed {args.seed}; "
+                 "no --input)" if args.input is None else "")
+    print(f"freescale prepare: {stats['users']} sequences over {stats['num_items']} items{synthetic} to {output_uri}; "
           f"{stats['users_dropped_short']} users dropped (fewer than 3 interactions), "
           f"{stats['users_truncated']} truncated to {args.max_seq_len} items"
           + (f"; user features {', '.join(feature_names)} ({stats['users_without_features']} users "

@@ -40,6 +40,7 @@ from pipeline.layouts import (
     TIME_COLUMNS,
     USER_COLUMNS,
 )
+from pipeline.paths import to_uri
 from pipeline.preflight import bad_line_message, check_line_layout_columns, pick_column, resolve_input
 
 # Spark reports every column as nullable; validation guarantees user_id, item
@@ -130,9 +131,10 @@ def read_interactions(
         item_expr.alias("item"),
         time_expr.alias("timestamp"),
         rating_expr.alias("rating"),
-        # Raw values ride along for validation only, dropped below.
+        # Raw values and the file of each row ride along for validation only, dropped below.
         _col(time).alias("_raw_time"),
         (_col(rating) if rating else F.lit(None).cast("string")).alias("_raw_rating"),
+        F.input_file_name().alias("_file"),
     )
     _validate(out, source, user, item, time, rating)
     return out.select(*CANONICAL_SCHEMA.fieldNames())
@@ -276,6 +278,9 @@ def _validate(df: DataFrame, source: str, user: str, item: str, time: str, ratin
     def count_if(cond: Column) -> Column:
         return F.sum(F.when(cond, 1).otherwise(0))
 
+    def first_file(cond: Column) -> Column:
+        return F.first(F.when(cond, F.col("_file")), ignorenulls=True)
+
     bad_time = F.col("_raw_time").isNotNull() & F.col("timestamp").isNull()
     bad_rating = F.col("_raw_rating").isNotNull() & F.col("rating").isNull()
     aggregate = df.agg(
@@ -283,6 +288,9 @@ def _validate(df: DataFrame, source: str, user: str, item: str, time: str, ratin
         count_if(F.col("user_id").isNull()).alias("null_users"),
         count_if(F.col("item").isNull()).alias("null_items"),
         count_if(F.col("_raw_time").isNull()).alias("null_times"),
+        first_file(F.col("user_id").isNull()).alias("null_user_file"),
+        first_file(F.col("item").isNull()).alias("null_item_file"),
+        first_file(F.col("_raw_time").isNull()).alias("null_time_file"),
         count_if(bad_time).alias("bad_times"),
         F.first(F.when(bad_time, F.col("_raw_time").cast("string")), ignorenulls=True).alias("bad_time_example"),
         count_if(bad_rating).alias("bad_ratings"),
@@ -293,14 +301,23 @@ def _validate(df: DataFrame, source: str, user: str, item: str, time: str, ratin
     except _READ_ERRORS as err:  # corrupt data pages surface only when rows are read
         raise InputError(f"{source}: cannot read: {_spark_reason(err)}") from None
 
+    def in_file(key: str) -> str:
+        """Which file of a folder holds the first such row (a folder's files may name a column
+        differently: Spark reads one file's schema, and the others' rows have nulls in it)."""
+        file = row[key]
+        return f" (the first in {file})" if file and file != to_uri(source) else ""
+
     if row["rows"] == 0:
         raise InputError(f"{source}: empty input (zero rows)")
     if row["null_users"]:
-        raise InputError(f"{source}: {row['null_users']} of {row['rows']} rows have a null user id in column {user!r}")
+        raise InputError(f"{source}: {row['null_users']} of {row['rows']} rows have a null user id in column {user!r}"
+                         + in_file("null_user_file"))
     if row["null_items"]:
-        raise InputError(f"{source}: {row['null_items']} of {row['rows']} rows have a null item in column {item!r}")
+        raise InputError(f"{source}: {row['null_items']} of {row['rows']} rows have a null item in column {item!r}"
+                         + in_file("null_item_file"))
     if row["null_times"]:
-        raise InputError(f"{source}: {row['null_times']} of {row['rows']} rows have a null timestamp in column {time!r}")
+        raise InputError(f"{source}: {row['null_times']} of {row['rows']} rows have a null timestamp in column "
+                         f"{time!r}" + in_file("null_time_file"))
     if row["bad_times"]:
         raise InputError(
             f"{source}: column {time!r} has {row['bad_times']} values that are not unix seconds or a timestamp, "

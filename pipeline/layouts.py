@@ -31,6 +31,18 @@ LINE_ORDER_FORMATS: dict[str, tuple[str, str]] = {
 
 FORMATS: tuple[str, ...] = ("parquet", "csv", *LAYOUT_BY_FORMAT, *LINE_ORDER_FORMATS)
 
+# Compressions Spark's text and CSV readers undo by the file name's suffix (Hadoop's codecs):
+# ``ratings.csv.gz`` is a CSV file.
+COMPRESSION_SUFFIXES = (".gz", ".bz2", ".zst", ".lz4", ".snappy", ".deflate")
+
+
+def uncompressed_name(name: str) -> str:
+    """``name`` without a compression suffix: the name the file's format is told by."""
+    for suffix in COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
 # Recognised column names, matched case-insensitively, first match wins.
 USER_COLUMNS = ("user_id", "userId", "user", "uid")
 ITEM_COLUMNS = ("item_id", "movie_id", "movieId", "item", "iid")

@@ -3,23 +3,27 @@ a second instead of after Spark's ~10-30 s start.
 
 Local paths only (plain or ``file:``); a remote path is left to the Spark-side checks,
 which stay in place for every path. What is checked: the path exists, the input
-format can be told, for Parquet every data file has a readable footer (pyarrow)
-and the columns the job needs, and for a line-order file (``user item`` per line) its
-first lines. Errors are one-line :class:`InputError` naming the file
-and the column.
+format can be told, for Parquet every data file has a readable footer (pyarrow),
+for CSV every data file's header (and a gzip file to its end when it is small), and
+in both the columns the job needs, spelt alike in every file, and at least one row; for
+a line-order file (``user item`` per line) its first lines. Errors are one-line
+:class:`InputError` naming the file and the column.
 
 No pyspark here; pyarrow is imported when a Parquet file is actually checked.
 """
 from __future__ import annotations
 
+import csv
 import gzip
 import itertools
 import os
 import re
+import zlib
 from pathlib import Path
 
 from pipeline.errors import InputError, one_line
 from pipeline.layouts import (
+    COMPRESSION_SUFFIXES,
     FORMATS,
     ITEM_COLUMNS,
     LAYOUT_BY_FORMAT,
@@ -28,6 +32,7 @@ from pipeline.layouts import (
     RATING_COLUMNS,
     TIME_COLUMNS,
     USER_COLUMNS,
+    uncompressed_name,
 )
 from pipeline.paths import local_path
 
@@ -39,12 +44,14 @@ def format_from_name(path: str) -> str:
         return MOVIELENS_LAYOUTS[name][0]
     if name.endswith(".parquet"):
         return "parquet"
-    if name.endswith(".csv"):
+    plain = uncompressed_name(name)  # Spark reads ratings.csv.gz as CSV
+    if plain.endswith(".csv"):
         return "csv"
-    if name.endswith((".txt", ".txt.gz")):  # told, not guessed: a .txt can be anything
+    if plain.endswith(".txt"):  # told, not guessed: a .txt can be anything
         raise InputError(f"{path}: unknown format (a plain `user item` per-line file needs "
                          f"--format {next(iter(LINE_ORDER_FORMATS))})")
-    raise InputError(f"{path}: unknown format (expected .parquet, .csv, u.data, ratings.dat or ratings.csv; pass fmt)")
+    raise InputError(f"{path}: unknown format (expected .parquet, .csv (or compressed: .csv.gz, ...), u.data, "
+                     "ratings.dat or ratings.csv; pass --format)")
 
 
 def resolve_input(path: str, fmt: str | None) -> tuple[str, str]:
@@ -80,9 +87,10 @@ def resolve_input(path: str, fmt: str | None) -> tuple[str, str]:
     names = [q.name for q in p.iterdir() if not q.name.startswith((".", "_"))]
     if any(n.endswith(".parquet") for n in names):
         return "parquet", path
-    if any(n.endswith(".csv") for n in names):
+    if any(uncompressed_name(n).endswith(".csv") for n in names):
         return "csv", path
-    raise InputError(f"{path}: unknown format (no u.data, ratings.dat, ratings.csv, *.parquet or *.csv inside; pass fmt)")
+    raise InputError(f"{path}: unknown format (no u.data, ratings.dat, ratings.csv, *.parquet or *.csv inside; "
+                     "pass --format)")
 
 
 def pick_column(columns: list[str], source: str, role: str, explicit: str | None,
@@ -154,7 +162,53 @@ def parquet_footers(path: str, what: str = "", hint: str = "") -> tuple[list[tup
 # well under a second; Spark checks every line.
 PREFLIGHT_LINES = 1000
 # Compressions Hadoop reads but preflight does not open (gzip it does).
-_UNOPENED_SUFFIXES = (".bz2", ".zst", ".lz4", ".snappy", ".deflate")
+_UNOPENED_SUFFIXES = tuple(s for s in COMPRESSION_SUFFIXES if s != ".gz")
+# A gzip file up to this size is read to its end before Spark starts (about a second), so a
+# truncated one fails at once; a larger one is left to Spark's read, which names it too.
+GZIP_CHECK_BYTES = 64 << 20
+
+
+def _csv_head(file: Path, sep: str, header: bool, names: tuple[str, ...] | None) -> tuple[list[str] | None, bool]:
+    """A CSV data file's columns (its header's, or the layout's ``names`` when headerless; None for
+    a file with no line) and whether it holds a data line, as Spark's reader sees them (blank lines
+    skipped)."""
+    opener = gzip.open if file.name.endswith(".gz") else open
+    try:
+        # utf-8-sig: a byte-order mark is not part of the first column's name.
+        with opener(file, "rt", encoding="utf-8-sig", errors="replace") as text:
+            lines = (line for line in itertools.islice(text, PREFLIGHT_LINES) if line.strip())
+            first = next(lines, None)
+            if not header:
+                columns, rows = list(names or ()), first is not None
+            elif first is None:
+                columns, rows = None, False
+            else:
+                columns, rows = next(csv.reader([first.rstrip("\r\n")], delimiter=sep)), next(lines, None) is not None
+            if opener is gzip.open and file.stat().st_size <= GZIP_CHECK_BYTES:
+                while text.buffer.read(1 << 20):
+                    pass
+    except (OSError, EOFError, zlib.error) as exc:  # unreadable, not gzip after all, or cut short
+        raise InputError(f"{file}: cannot read: {one_line(exc)}") from None
+    return columns, rows
+
+
+def csv_files(path: str, fmt: str) -> list[tuple[str, list[str] | None, bool | None]] | None:
+    """Per data file of a local CSV file or folder, as Spark's reader lists them: ``(file, columns,
+    has_rows)`` (see ``_csv_head``; both None for a compression preflight does not open); None for a
+    remote path. ``fmt`` is ``csv`` or a MovieLens text layout."""
+    local = local_path(path)
+    if local is None:
+        return None
+    sep, header, names = (",", True, None) if fmt == "csv" else LAYOUT_BY_FORMAT[fmt][1:]
+    root = Path(local)
+    found: list[tuple[str, list[str] | None, bool | None]] = []
+    for file, partition_keys in [(root, [])] if root.is_file() else _data_files(root):
+        if file.name.endswith(_UNOPENED_SUFFIXES):
+            found.append((str(file), None, None))
+            continue
+        columns, rows = _csv_head(file, sep, header, names)
+        found.append((str(file), None if columns is None else [*columns, *partition_keys], rows))
+    return found
 
 
 def bad_line_message(source: str, fmt: str, line: int, text: str, bad: int | None = None,
@@ -210,21 +264,46 @@ def check_interactions(path: str, fmt: str | None, *, user_col: str | None = Non
                                   rating_col=rating_col)
         check_lines(source, fmt)
         return
-    if fmt != "parquet":
-        return
-    scanned = parquet_footers(source)
-    if scanned is None:
-        return
-    footers, rows = scanned
-    for file, columns in footers:
+    if fmt == "parquet":
+        scanned = parquet_footers(source)
+        if scanned is None:
+            return
+        files, empty = [(file, columns) for file, columns in scanned[0]], scanned[1] == 0
+    else:
+        found = csv_files(source, fmt)
+        if found is None:
+            return
+        files = [(file, columns) for file, columns, _ in found if columns is not None]
+        empty = all(rows is False for _, _, rows in found)
+        if empty and not files:  # what Spark's CSV reader makes of files without a line
+            raise InputError(f"{source}: empty input (no columns and no rows)")
+    roles = (("user", user_col, USER_COLUMNS, True), ("item", item_col, ITEM_COLUMNS, True),
+             ("timestamp", time_col, TIME_COLUMNS, True), ("rating", rating_col, RATING_COLUMNS, False))
+    chosen: dict[str, tuple[str | None, str]] = {}
+    for file, columns in files:
         where = source if file == local_path(source) else file
-        for role, explicit, candidates, required in (("user", user_col, USER_COLUMNS, True),
-                                                     ("item", item_col, ITEM_COLUMNS, True),
-                                                     ("timestamp", time_col, TIME_COLUMNS, True),
-                                                     ("rating", rating_col, RATING_COLUMNS, False)):
-            pick_column(columns, where, role, explicit, candidates, required=required)
-    if rows == 0:
+        for role, explicit, candidates, required in roles:
+            name = pick_column(columns, where, role, explicit, candidates, required=required)
+            first_name, first_file = chosen.setdefault(role, (name, file))
+            if name != first_name:
+                # Spark reads one file's schema and gives the others' differently named column as
+                # null: thousands of "null item" rows that name neither file nor spelling.
+                raise InputError(f"{source}: its files name the {role} column differently: {first_file} has "
+                                 f"{_spelt(first_name)}, {file} has {_spelt(name)}; every file needs the same "
+                                 "column names")
+    if fmt != "parquet":
+        first_file, first_columns = files[0] if files else ("", [])
+        for file, columns in files:
+            if columns != first_columns:
+                raise InputError(f"{source}: {file} has columns {', '.join(columns)} where {first_file} has "
+                                 f"{', '.join(first_columns)}: Spark reads every CSV file of a folder by the first "
+                                 "one's header, column by column")
+    if empty:
         raise InputError(f"{source}: empty input (zero rows)")
+
+
+def _spelt(column: str | None) -> str:
+    return repr(column) if column is not None else "none"
 
 
 def check_user_table(path: str, feature_cols: list[str] | None = None) -> None:

@@ -241,11 +241,42 @@ def _bad_prepare_input(tmp_path: Path, case: str) -> tuple[list[str], tuple[str,
         pq.write_table(pa.table({"user_id": ["u0"], "age": [3]}), users)
         return (["--input", str(src), "--user-features", str(users), "--user-feature-cols", "age,gender"],
                 ("users.parquet", "'gender'"))
+    if case == "item_spelt_two_ways":  # Spark gave 'movie_id' nulls for b.parquet's rows, naming neither
+        folder = tmp_path / "ratings"
+        folder.mkdir()
+        pq.write_table(pa.table({"user_id": ["u"], "movie_id": ["i"], "timestamp": [1]}), folder / "a.parquet")
+        pq.write_table(pa.table({"user_id": ["u"], "item": ["i"], "timestamp": [2]}), folder / "b.parquet")
+        return ["--input", str(folder)], (f"its files name the item column differently: {folder}/a.parquet has "
+                                          f"'movie_id', {folder}/b.parquet has 'item'",)
+    if case == "csv_headers_differ":  # Spark reads a folder's CSV files by the first header's positions
+        folder = tmp_path / "logs"
+        folder.mkdir()
+        (folder / "a.csv").write_text("user_id,item_id,timestamp\nu,i,1\n")
+        (folder / "b.csv").write_text("item_id,user_id,timestamp\ni,u,2\n")
+        return ["--input", str(folder)], (f"{folder}/b.csv has columns item_id, user_id, timestamp where "
+                                          f"{folder}/a.csv has user_id, item_id, timestamp",)
+    if case == "csv_empty":
+        (tmp_path / "in.csv").write_text("")
+        return ["--input", str(tmp_path / "in.csv")], ("in.csv: empty input (no columns and no rows)",)
+    if case == "csv_header_only":
+        (tmp_path / "in.csv").write_text("user_id,item_id,timestamp\n\n")
+        return ["--input", str(tmp_path / "in.csv")], ("in.csv: empty input (zero rows)",)
+    if case == "csv_wrong_columns":
+        (tmp_path / "in.csv").write_text("who,what,when\nu,i,1\n")
+        return ["--input", str(tmp_path / "in.csv")], ("in.csv: missing user column", "available columns: who")
+    if case == "csv_gz_truncated":  # was refused as an unknown format ("pass fmt", an option nobody has)
+        import gzip
+
+        data = gzip.compress("".join(f"u{i},i{i},{i}\n" for i in range(5000)).encode())
+        (tmp_path / "trunc.csv.gz").write_bytes(data[:len(data) // 2])
+        return ["--input", str(tmp_path / "trunc.csv.gz")], (
+            "trunc.csv.gz: cannot read: Compressed file ended before the end-of-stream marker was reached",)
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", ["missing", "not_parquet", "missing_column", "named_column", "empty",
-                                  "user_features"])
+                                  "user_features", "item_spelt_two_ways", "csv_headers_differ", "csv_empty",
+                                  "csv_header_only", "csv_wrong_columns", "csv_gz_truncated"])
 def test_prepare_bad_input_fails_before_spark(tmp_path, case):
     """A bad local input took 16-30 s to report, because Spark started first."""
     args, fragments = _bad_prepare_input(tmp_path, case)
