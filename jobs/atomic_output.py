@@ -98,8 +98,10 @@ def atomic_output(fs: HadoopFS, output: str, overwrite: bool) -> Iterator[str]:
     staging = f"{output}.tmp-{tag}"
     try:
         yield staging
-    except BaseException:
-        fs.delete(staging)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # a stop signal (Stopped, Ctrl-C) interrupted the driver only
+            _cancel_spark_jobs()
+        _remove_staging(fs, staging)
         raise
     # Swap: the old output is moved aside first so a crash between the two renames
     # leaves either the old or the new output findable, never a mix.
@@ -108,3 +110,40 @@ def atomic_output(fs: HadoopFS, output: str, overwrite: bool) -> Iterator[str]:
         fs.rename(output, retired)
     fs.rename(staging, output)
     fs.delete(retired)
+
+
+# How long a stopped job waits for its cancelled Spark tasks to end before removing their staging
+# folder (a task still running would write into it again).
+CANCEL_WAIT_S = 20.0
+
+
+def _cancel_spark_jobs() -> None:
+    """Cancel the session's running Spark jobs and wait (CANCEL_WAIT_S at most) until none runs."""
+    import time
+
+    from pyspark import SparkContext
+
+    context = SparkContext._active_spark_context
+    if context is None:
+        return
+    try:
+        context.cancelAllJobs()
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while context.statusTracker().getActiveJobsIds() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the JVM may be gone too (a signal to the process group)
+        pass
+
+
+def _remove_staging(fs: HadoopFS, staging: str) -> None:
+    """Remove the staging folder through Hadoop, or, when the JVM is gone (stopped with its
+    process group), from the local file system when it is local."""
+    import shutil
+
+    try:
+        fs.delete(staging)
+    except Exception:  # noqa: BLE001 - py4j's errors when the JVM died
+        local = local_path(staging)
+        if local is None:
+            raise
+        shutil.rmtree(local, ignore_errors=True)

@@ -47,13 +47,18 @@ def code_version() -> str:
 # Tags every run of a comparison carries, so runs line up in MLflow whichever job made them.
 STRATEGY_TAG, CONTROL_TAG, COMPARISON_TAG = "freescale.strategy", "freescale.control", "freescale.comparison"
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under that run
+# The working directory of the `freescale pipeline` whose stage made a run: the pipeline sets
+# PIPELINE_ENV for its stages (in-process jobs, and the ranks and trainings they start), and a
+# later run of that pipeline finds the runs a killed one left RUNNING by it.
+PIPELINE_TAG, PIPELINE_ENV = "freescale.pipeline", "FREESCALE_PIPELINE_WORKDIR"
 PARAMS_PER_REQUEST = 90  # under MLflow's cap of params per log_batch
 
 
 def run_tags(strategy: str | None = None, control: str | None = None, comparison: str | None = None) -> dict[str, str]:
     """The comparison tags of a run: its strategy, its control (``none`` when it has a strategy
-    but no control) and the comparison it belongs to; absent values are left out."""
-    tags = {}
+    but no control) and the comparison it belongs to; absent values are left out. Under
+    `freescale pipeline`, also the pipeline's working directory."""
+    tags = {PIPELINE_TAG: os.environ[PIPELINE_ENV]} if os.environ.get(PIPELINE_ENV) else {}
     if strategy:
         tags[STRATEGY_TAG] = strategy
         tags[CONTROL_TAG] = control or "none"
@@ -99,7 +104,7 @@ class JobRun:
             # The client API, not mlflow's fluent one: no process-wide active run, no stdout.
             client = MlflowClient(self.uri)
             experiment_id = find_or_create_experiment(client, experiment)
-            all_tags = {"freescale.job": self.job, "freescale.code_version": code_version(), **tags}
+            all_tags = {"freescale.job": self.job, "freescale.code_version": code_version(), **run_tags(), **tags}
             if parent_run_id:
                 all_tags[PARENT_TAG] = parent_run_id
             run = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags))
@@ -316,3 +321,33 @@ def unwritable_store_reason(uri: str, timeout_s: float = CHECK_TIMEOUT_S) -> str
     except OSError as exc:
         return f"cannot create files in {folder}: {exc.strerror or one_line(exc)}"
     return None
+
+
+def fail_orphaned_runs(uri: str, workdir: str) -> list[str]:
+    """End FAILED the runs of `freescale pipeline` stages in ``workdir`` (PIPELINE_TAG) that are
+    still RUNNING: what a pipeline killed without a chance to end them (kill -9) left. Only for
+    the holder of the workdir's lock, whose stages are the only ones that could run there. Returns
+    ``job run_id`` of each. A store that cannot be used, or one that does not exist yet, is left
+    alone (nothing to end; nothing created)."""
+    from urllib.parse import urlsplit
+
+    if uri == DISABLED or unreachable_reason(uri) is not None or unwritable_store_reason(uri) is not None:
+        return []
+    if urlsplit(uri).scheme == "sqlite" and not Path(uri[len("sqlite:///"):]).is_file():
+        return []
+    from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    client = MlflowClient(uri)
+    experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    ended = []
+    for first in range(0, len(experiments), 100):  # MLflow's cap of experiments per search
+        for run in client.search_runs(experiments[first:first + 100], "attributes.status = 'RUNNING'",
+                                      run_view_type=ViewType.ALL, max_results=10_000):
+            if run.data.tags.get(PIPELINE_TAG) == workdir:
+                client.set_tag(run.info.run_id, "freescale.ended_by", "a later run of its pipeline: the run that "
+                                                                      "made it was killed before it could end it")
+                client.set_terminated(run.info.run_id, "FAILED")
+                ended.append(f"{run.data.tags.get('freescale.job', 'run')} {run.info.run_id}")
+    return ended

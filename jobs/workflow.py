@@ -20,15 +20,24 @@ this module says which stages there are and how each calls its job. The config's
 keys are the dataclasses in jobs/workflow_config.py.
 `<workdir>/LOCK` (host, PID) keeps a second run off the working directory. Exit status: 0
 done (or nothing to do); 2 bad config (one line naming the key); 3 the working directory is
-in use by another run (retry later: nothing is wrong with the config); otherwise the failed
-stage's own status.
+in use by another run (retry later: nothing is wrong with the config); 128 + N stopped by
+signal N; otherwise the failed stage's own status.
+
+A stop signal (SIGTERM from a scheduler, Ctrl-C) ends the running stage as its job ends on one:
+its MLflow run KILLED, its staging folder removed; the stage's record says ``killed`` and the
+lock is released. A run killed with no chance to clean up (kill -9) leaves its stage's MLflow
+run RUNNING: every stage's run carries the working directory (``freescale.pipeline``), and the
+next run of the pipeline, holding the lock, ends such runs FAILED before its stages start.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -40,7 +49,8 @@ if __package__ in (None, ""):  # run as a file (python jobs/workflow.py): make t
 from jobs.workflow_config import WorkflowConfig, load_workflow_config, override_argv, toml_text  # noqa: E402
 from pipeline import locks  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
-from pipeline.stages import LOCK, Stage, file_identity, json_damage, run_stages  # noqa: E402
+from pipeline.json_files import write_json  # noqa: E402
+from pipeline.stages import LOCK, Stage, file_identity, json_damage, read_record, record_path, run_stages  # noqa: E402
 
 STAGES = ("prepare", "calibrate", "balance", "train", "compare")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
@@ -214,10 +224,11 @@ class _ErrorLineTap:
         return getattr(self.stream, name)
 
 
-def run_stage(stage: Stage) -> tuple[int, str, bool]:
+def run_stage(stage: Stage, work: Path) -> tuple[int, str, bool]:
     """The stage job's exit status, its error message (empty when it succeeded) and whether the log
-    holds details."""
-    from jobs.job_errors import report
+    holds details. A stop signal ends the job as it would end it alone (its run KILLED, its staging
+    removed), then the stage's record says so and the stop goes on to end the pipeline."""
+    from jobs.job_errors import Stopped, report
 
     tap, saved = _ErrorLineTap(sys.stderr), sys.stderr
     sys.stderr = tap
@@ -225,11 +236,21 @@ def run_stage(stage: Stage) -> tuple[int, str, bool]:
         rc = stage.run(stage.argv)
     except SystemExit as exc:  # argparse inside the job
         rc = exc.code if isinstance(exc.code, int) else 2
+    except (Stopped, KeyboardInterrupt) as stopped:
+        record = read_record(work, stage.name) or {}
+        write_json(record_path(work, stage.name), {**record, "status": "killed",
+                                                   "why": f"stopped by signal {_signum(stopped)}"})
+        stopped.stage = stage.name  # for the pipeline's last line
+        raise
     except Exception as exc:  # noqa: BLE001 - a job that does not end in run_job: one line, its status
         rc = report(stage.name, exc)
     finally:
         sys.stderr = saved
     return rc, (tap.last if rc else ""), bool(rc) and tap.details
+
+
+def _signum(stopped: BaseException) -> int:
+    return getattr(stopped, "signum", signal.SIGINT)  # KeyboardInterrupt: Ctrl-C
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from jobs.job_errors import EXIT_ENVIRONMENT, error_line
+    from jobs.job_errors import EXIT_ENVIRONMENT, Stopped, error_line
+    from jobs.tracking import PIPELINE_ENV, fail_orphaned_runs, resolve_tracking_uri
 
     args, overrides = build_parser().parse_known_args(argv)
     config = load_workflow_config(args.config, overrides)  # a bad key or value: one line, exit 2
@@ -260,10 +282,47 @@ def main(argv: list[str]) -> int:
                                                               if refused.reason == "other_host" else ""),
                    details=False)
         return EXIT_ENVIRONMENT
+    # SIGTERM (a scheduler's stop) raises in the main thread, as Ctrl-C does, so the running stage,
+    # the records and the lock are ended on the way out; once: a second signal must not cut that short.
+    stopping: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not stopping:
+            stopping.append(signum)
+            raise Stopped(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    saved_env = os.environ.get(PIPELINE_ENV)
+    os.environ[PIPELINE_ENV] = str(work.resolve())  # every stage's run names this workdir
     try:
+        try:
+            orphans = fail_orphaned_runs(resolve_tracking_uri(config.pipeline.tracking_uri or None),
+                                         os.environ[PIPELINE_ENV])
+        except Exception as exc:  # noqa: BLE001 - tracking never stops the pipeline
+            from jobs.tracking import failure
+
+            print(f"freescale pipeline: warning: could not end the MLflow runs a killed run left RUNNING "
+                  f"({failure(exc)})", file=sys.stderr, flush=True)
+        else:
+            if orphans:
+                print(f"freescale pipeline: note: {len(orphans)} MLflow run(s) of a killed run of this workdir "
+                      f"were still RUNNING: ended FAILED ({', '.join(orphans)})", file=sys.stderr, flush=True)
         return run_pipeline(config, work, fresh=args.fresh)
+    except (Stopped, KeyboardInterrupt) as stopped:
+        stage = getattr(stopped, "stage", None)
+        error_line("pipeline", f"stopped by signal {_signum(stopped)}" + (
+            f" in stage {stage}: its MLflow run ended KILLED, its output left as it was, its record says killed"
+            if stage else ""), details=False)
+        return 128 + _signum(stopped)
     finally:
         locks.release(lock)
+        if saved_env is None:
+            os.environ.pop(PIPELINE_ENV, None)
+        else:
+            os.environ[PIPELINE_ENV] = saved_env
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
@@ -276,7 +335,11 @@ def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
         lines.append(text)
         print(text, flush=True)
 
-    ran, failed = run_stages(build_stages(config), work, fresh, run_stage, say)
+    if not config.prepare.input:  # the default: say it, so nobody takes the results for their data's
+        p = config.prepare
+        say(f"freescale pipeline: prepare   uses synthetic data ([prepare] has no input: {p.synthetic_users} "
+            f"users, {p.synthetic_items} items, seed {p.seed})")
+    ran, failed = run_stages(build_stages(config), work, fresh, lambda stage: run_stage(stage, work), say)
     print(f"freescale pipeline: summary of {config.pipeline.workdir}:", flush=True)
     for text in lines:
         print(text, flush=True)

@@ -387,3 +387,23 @@ def test_balance_killed_then_rerun_cleans_up(odd_prepared, tmp_path, capsys):
     assert line.endswith("; removed 1 stale temporary folder of an interrupted run"), line
     assert not list(tmp_path.glob("shards.tmp-*")) and not list(tmp_path.glob("shards.old-*"))
     assert (out / "manifest.json").exists()
+
+
+def test_a_stopped_job_removes_its_staging_even_when_the_jvm_is_gone(tmp_path):
+    """A stop signal sent to the job's process group takes Spark's JVM with it, and Hadoop's
+    delete then fails: the local staging folder is removed all the same, and the stop goes on."""
+    from jobs.atomic_output import atomic_output
+
+    class DeadJvm:
+        def exists(self, path: str) -> bool:
+            return False
+
+        def delete(self, path: str) -> None:
+            raise ConnectionRefusedError("the JVM is gone")
+
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output(DeadJvm(), f"file:{tmp_path}/out", overwrite=False) as staging:
+            Path(staging.removeprefix("file:"), "part-0").parent.mkdir(parents=True)
+            Path(staging.removeprefix("file:"), "part-0").write_text("half\n")
+            raise KeyboardInterrupt
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -294,3 +294,84 @@ def test_every_stage_argv_parses_with_its_job_parser(tmp_path):
     cmp_args, cmp_rest = parsers["compare"].parse_known_args(stages["compare"].argv)
     assert cmp_args.control and cmp_args.input == str(tmp_path / "work" / "prepared") and cmp_args.repeats == 1
     assert cmp_args.cost_model == cal[0].output and cmp_rest == ["--model.hstu.num_layers", "1"]
+
+
+# ------------------------------------------------------------------ stopped and killed runs
+
+
+def _fake_prepare(uri: str, then) -> object:
+    """A prepare stage that opens its MLflow run, as the job does, then calls ``then()`` (no Spark)."""
+    def main(argv: list[str]) -> int:
+        from jobs.tracking import job_run
+
+        with job_run("prepare", tracking_uri=uri, experiment="pipeline-test"):
+            then()
+        return 0
+    return main
+
+
+def _runs(uri: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return client.search_runs([client.get_experiment_by_name("pipeline-test").experiment_id])
+
+
+def test_a_stop_signal_ends_the_stage_killed_and_releases_the_lock(tmp_path, monkeypatch, capsys):
+    """SIGTERM to `freescale pipeline` left its lock, a record saying running and a RUNNING run
+    (and staging, which the jobs' own handling removes once the stop is an exception: see
+    test_job_io). Now the stage's run ends KILLED, tagged with the workdir, the record says
+    killed, the lock is gone, and the pipeline ends with one line and 128 + 15."""
+    from jobs import prepare
+
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    work = tmp_path / "work"
+    config = write_config(tmp_path, work)
+    monkeypatch.setattr(prepare, "main", _fake_prepare(uri, lambda: (os.kill(os.getpid(), signal.SIGTERM),
+                                                                     time.sleep(30))))
+    before = signal.getsignal(signal.SIGTERM)
+    assert run(config) == 128 + signal.SIGTERM
+    captured = capsys.readouterr()
+    assert "prepare   uses synthetic data ([prepare] has no input: 300 users, 200 items, seed 0)" in captured.out
+    assert captured.err.strip().splitlines()[-1] == (
+        "freescale pipeline: error: stopped by signal 15 in stage prepare: its MLflow run ended KILLED, its output "
+        "left as it was, its record says killed")
+    assert not (work / workflow.LOCK).exists()
+    record = json.loads((work / "prepare.fingerprint.json").read_text())
+    assert (record["status"], record["why"]) == ("killed", "stopped by signal 15")
+    [stopped] = _runs(uri)
+    assert stopped.info.status == "KILLED" and stopped.data.tags["freescale.pipeline"] == str(work.resolve())
+    assert signal.getsignal(signal.SIGTERM) is before  # the pipeline's handler is its own business
+    assert "FREESCALE_PIPELINE_WORKDIR" not in os.environ
+
+
+def test_a_rerun_ends_the_runs_a_killed_run_left_running_failed(tmp_path, monkeypatch, capsys):
+    """kill -9 leaves a stage's run RUNNING forever; the next run of the same workdir (which holds
+    the lock, so none of its stages runs) ends it FAILED. Runs of other workdirs, and ended runs,
+    are left alone."""
+    from mlflow.tracking import MlflowClient
+
+    from jobs import prepare
+
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    work = tmp_path / "work"
+    config = write_config(tmp_path, work)
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("pipeline-test")
+    tags = {"freescale.job": "balance"}
+    orphan = client.create_run(experiment, tags={**tags, "freescale.pipeline": str(work.resolve())})
+    elsewhere = client.create_run(experiment, tags={**tags, "freescale.pipeline": str(tmp_path / "other")})
+    finished = client.create_run(experiment, tags={**tags, "freescale.pipeline": str(work.resolve())})
+    client.set_terminated(finished.info.run_id, "FINISHED")
+    monkeypatch.setattr(prepare, "main", _fake_prepare(uri, lambda: None))
+    assert run(config, "--pipeline.tracking_uri", uri) == 2  # then balance fails: the fake wrote no output
+    err = capsys.readouterr().err
+    assert (f"freescale pipeline: note: 1 MLflow run(s) of a killed run of this workdir were still RUNNING: "
+            f"ended FAILED (balance {orphan.info.run_id})") in err
+    status = {r.info.run_id: r.info.status for r in _runs(uri)}
+    assert status[orphan.info.run_id] == "FAILED"
+    assert status[elsewhere.info.run_id] == "RUNNING" and status[finished.info.run_id] == "FINISHED"
+    assert [r.data.tags["freescale.job"] for r in _runs(uri) if r.info.status == "FINISHED"
+            and r.info.run_id != finished.info.run_id] == ["prepare"]  # this run's own stage ran
