@@ -434,7 +434,9 @@ class SparkCluster:
 
         self.root = root
         self.spark_home = Path(pyspark.__file__).parent
-        self.env = {**os.environ, "SPARK_HOME": str(self.spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
+        # Without PYTHONPATH: the executors' Python gets Spark's paths and the submitted --py-files only.
+        inherited = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.env = {**inherited, "SPARK_HOME": str(self.spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
                     "SPARK_DAEMON_MEMORY": "256m", CLUSTER_ENV: str(root),
                     # No REST submission server: it would listen on a fixed port (6066).
                     "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false"}

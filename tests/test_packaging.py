@@ -2,6 +2,7 @@
 spark-submit --py-files), and the wheel installed into a fresh venv running `freescale`."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -37,6 +38,7 @@ def test_dist_holds_every_module_once(dist):
 
 
 def test_the_wheel_installs_into_a_fresh_venv_and_runs(dist, tmp_path):
+    fresh = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the shell of a machine without the repo
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
     python = venv / "bin" / "python"
@@ -47,11 +49,12 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(dist, tmp_path):
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                              "--no-index", str(dist.wheel)], capture_output=True, text=True, timeout=120)
+                              "--no-index", str(dist.wheel)], cwd=tmp_path, env=fresh, capture_output=True, text=True,
+                             timeout=120)
     assert install.returncode == 0, install.stderr[-2000:]
 
     def run(*argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        return subprocess.run(argv, cwd=tmp_path, env=fresh, capture_output=True, text=True, timeout=120)
 
     where = run(str(python), "-c", "import jobs.cli, pipeline, training.ops; print(jobs.cli.__file__)")
     assert where.returncode == 0, where.stderr[-2000:]
