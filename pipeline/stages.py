@@ -27,6 +27,10 @@ RECORD = "{stage}.fingerprint.json"
 """A finished (or started) stage's record, in the working directory next to its output."""
 LOCK = "LOCK"
 """The working directory's lock: one run at a time."""
+CONTINUABLE = ("running", "killed", "done")
+"""The record statuses a stage may continue from (``Stage.before_run``): started and not finished
+(``running``: the process died with it, kill -9; ``killed``: a stop signal ended it, jobs/workflow.py)
+or finished."""
 
 
 @dataclass
@@ -180,7 +184,7 @@ def run_stages(stages: list[Stage], work: Path, fresh: bool,
             # Continue only the same work: same fingerprint, no upstream rerun since (the record
             # would be stale), not --fresh.
             continuable = (not fresh and not any(name in ran for name in all_upstream(stage.name, graph))
-                           and record is not None and record.get("status") in ("running", "done")
+                           and record is not None and record.get("status") in CONTINUABLE
                            and record.get("fingerprint") == fp)
             why += stage.before_run(continuable)
         # Downstream records go stale before this stage changes their input: a run killed in between

@@ -375,3 +375,32 @@ def test_a_rerun_ends_the_runs_a_killed_run_left_running_failed(tmp_path, monkey
     assert status[elsewhere.info.run_id] == "RUNNING" and status[finished.info.run_id] == "FINISHED"
     assert [r.data.tags["freescale.job"] for r in _runs(uri) if r.info.status == "FINISHED"
             and r.info.run_id != finished.info.run_id] == ["prepare"]  # this run's own stage ran
+
+
+@pytest.mark.parametrize("status, continues", [("running", True), ("killed", True), ("done", True),
+                                               ("stale", False)])
+def test_a_stage_continues_its_last_run_when_its_record_says_it_started(tmp_path, status, continues):
+    """A stage whose run a stop signal ended (record ``killed``, as run_stage writes it) continues from
+    its checkpoints like one a kill -9 left ``running``; a stale record (an upstream stage reran)
+    and a changed fingerprint start over."""
+    from pipeline import stages
+
+    summary = tmp_path / "summary.json"
+    seen: list[bool] = []
+
+    def stage(params: dict) -> stages.Stage:
+        return stages.Stage("train", lambda argv: 0, [], params, summary, stages.json_damage(summary, "summary"),
+                            before_run=lambda continuable: seen.append(continuable) or "")
+
+    fp = stages.fingerprint({"steps": 40}, {})
+    stages.write_record(tmp_path, stage({"steps": 40}), status, fp, {}, "why")
+    lines: list[str] = []
+    for params in ({"steps": 40}, {"steps": 50}):
+        ran, failed = stages.run_stages([stage(params)], tmp_path, fresh=False, run_stage=lambda s: (0, "", False),
+                                        say=lines.append)
+        assert (ran, failed) == (["train"], None)
+        stages.write_record(tmp_path, stage({"steps": 40}), status, fp, {}, "why")  # as before the next run
+    assert seen == [continues, False]  # the same work continues, other work does not
+    stages.run_stages([stage({"steps": 40})], tmp_path, fresh=True, run_stage=lambda s: (0, "", False),
+                      say=lines.append)
+    assert seen[-1] is False  # --fresh starts over
