@@ -103,6 +103,21 @@ def test_changed_hyperparameters_are_named_and_other_keys_ignored(tmp_path):
                                                              "optimizer.dense_lr 0.001 -> 0.002"]
 
 
+def test_a_half_written_checkpoint_is_named_when_skipped(tmp_path, capsys):
+    from training.resume import resume_latest
+
+    checkpointer = Checkpointer(str(tmp_path), rank=0)
+    for step in (2, 4):
+        checkpointer.step_dir(step).mkdir()
+    (checkpointer.step_dir(2) / "COMPLETE").write_text("2\n")
+    assert checkpointer.latest_step() == 2 and checkpointer.half_written() == [checkpointer.step_dir(4)]
+    (checkpointer.step_dir(2) / "COMPLETE").unlink()  # nothing complete: the run starts over, saying why
+    assert resume_latest(checkpointer, TrainConfig(), "sha", 0, None, ({}, {}), 10) is None
+    [line] = capsys.readouterr().err.splitlines()
+    assert str(checkpointer.step_dir(2)) in line and str(checkpointer.step_dir(4)) in line
+    assert "no COMPLETE" in line and line.endswith("starting from step 0")
+
+
 def test_a_resume_that_would_add_or_drop_the_best_weights_is_refused(tmp_path):
     """Validation during training checkpoints the best weights beside the model: a checkpoint
     without them cannot feed a run that keeps them, nor the reverse; the period may change."""

@@ -79,6 +79,14 @@ class Checkpointer:
                  if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()]
         return max(steps, default=None)
 
+    def half_written(self) -> list[Path]:
+        """``step_<n>`` folders without ``COMPLETE`` (a save cut short), oldest first."""
+        if self.folder is None or not self.folder.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir()
+                 if (m := STEP_DIR.match(p.name)) and not (p / COMPLETE).exists()]
+        return [p for _, p in sorted(found)]
+
     def save(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful], shards_sha256: str,
              config: dict[str, Any]) -> None:
         """`shared`: state saved through DCP (sharded or replicated tensors); `own`: this rank's;

@@ -45,6 +45,11 @@ def resume_latest(checkpointer: Checkpointer, config: TrainConfig, shards_sha256
     Refused for other shards or another model shape; changed hyperparameters are named
     in a warning (``training.checkpoint``)."""
     step = checkpointer.latest_step()
+    skipped = [path for path in checkpointer.half_written() if step is None or int(path.name[5:]) > step]
+    if skipped and rank == 0:
+        print(f"freescale train: note: skipping {', '.join(map(str, skipped))}: no COMPLETE (a save cut short); "
+              + (f"resuming from {checkpointer.step_dir(step)}" if step is not None else "starting from step 0"),
+              file=sys.stderr, flush=True)
     if step is None:
         return None
     checkpointer.check_shards(step, shards_sha256)
