@@ -86,7 +86,8 @@ def build_shards(work: Path, args: argparse.Namespace) -> dict[str, Path]:
 def train(shards: Path, steps: int, seed: int, out: Path, args: argparse.Namespace, *extra: str) -> dict:
     from jobs.compare import train_once  # the one `freescale train` child process, as `freescale compare` runs it
 
-    return train_once(shards, out, ["--nproc-per-node", "2", "--max-steps", str(steps), "--tracking-uri",
+    steps_args = ["--max-steps", str(steps)] if steps else []  # 0: as the config says (its epochs)
+    return train_once(shards, out, ["--nproc-per-node", "2", *steps_args, "--tracking-uri",
                                     args.tracking_uri, "--run-name", out.stem, "--training.seed", str(seed),
                                     "--training.log_every", "1000", *extra])["summary"]
 
