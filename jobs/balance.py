@@ -176,6 +176,7 @@ def assign_samples(positioned, spec, args: argparse.Namespace, num_samples: int)
     the samples it plans, and the planning time in seconds."""
     from pyspark.sql import functions as F
 
+    from pipeline.session import checkpoint
     from shards import spark_plan
 
     started = time.perf_counter()
@@ -186,7 +187,7 @@ def assign_samples(positioned, spec, args: argparse.Namespace, num_samples: int)
     else:
         planned = spark_plan.apply_leftover_policy(positioned, num_samples, spec.global_batch_size, args.leftover)
         assignment = spark_plan.plan_windows(planned, spec)
-    assignment = assignment.localCheckpoint(eager=True)
+    assignment = checkpoint(assignment)
     return assignment, planned, time.perf_counter() - started
 
 

@@ -109,7 +109,7 @@ def prepare(args: argparse.Namespace) -> int:
     from jobs.tracking import job_run, reachable_tracking_uri
     from pipeline.ingest import drop_duplicate_interactions, read_interactions
     from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences, sequence_stats
-    from pipeline.session import build_spark_session
+    from pipeline.session import build_spark_session, checkpoint
     from pipeline.synthetic import synthetic_interactions
     from pipeline.user_features import (
         build_user_feature_vocab,
@@ -139,14 +139,14 @@ def prepare(args: argparse.Namespace) -> int:
             interactions = read_interactions(spark, args.input, fmt=args.format, user_col=args.user_col,
                                              item_col=args.item_col, time_col=args.time_col,
                                              rating_col=args.rating_col)
-        interactions = interactions.localCheckpoint(eager=True)  # read the raw input once
+        interactions = checkpoint(interactions)  # read the raw input once
         users, feature_names = None, []
         if args.user_features is not None:
             columns = feature_columns(args)
             # The user table's user column is recognised by name (user_id, userId, ...):
             # --user-col names the interaction log's, which may differ.
             users, feature_names = read_user_table(spark, args.user_features, feature_cols=columns)
-            users = users.localCheckpoint(eager=True)
+            users = checkpoint(users)
             source["user_features"] = fs.qualify(args.user_features)
         counts = interactions.agg(F.count(F.lit(1)).alias("interactions"),
                                   F.countDistinct("user_id").alias("users")).first()
@@ -174,7 +174,7 @@ def prepare(args: argparse.Namespace) -> int:
             repeated = observed.get["repeated"]
             duplicates = 0 if args.keep_duplicates else repeated
             if duplicates:
-                interactions = drop_duplicate_interactions(interactions).localCheckpoint(eager=True)
+                interactions = checkpoint(drop_duplicate_interactions(interactions))
                 vocab, sequences = write_sequences(interactions, mode="overwrite")
             feature_stats, feature_meta = {}, {}
             if users is not None:

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from pipeline import logs
 
@@ -116,3 +116,17 @@ def build_spark_session(master: str | None = None, app_name: str = "freescale") 
     elif starts_jvm or under_spark_submit():
         session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def checkpoint(frame: DataFrame) -> DataFrame:
+    """`frame` computed now and kept for the rest of the job: read several times, computed once.
+
+    With a checkpoint directory (``spark.checkpoint.dir``, or ``SparkContext.setCheckpointDir``)
+    the rows are written there (``checkpoint``): a reliable copy that outlives the executor that
+    computed it, so a job survives a lost worker. Without one they stay in the executors' block
+    stores (``localCheckpoint``): faster, but a lost executor's blocks cannot be recomputed and
+    the job fails (CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND). Local runs have no checkpoint directory.
+    """
+    if frame.sparkSession.sparkContext.getCheckpointDir() is not None:
+        return frame.checkpoint(eager=True)
+    return frame.localCheckpoint(eager=True)

@@ -63,15 +63,16 @@ def with_global_position(samples: DataFrame, seed: int) -> DataFrame:
     """
     from pyspark.sql import functions as F
 
+    from pipeline.session import checkpoint
+
     spark = samples.sparkSession
     keyed = samples.withColumn("_key", F.xxhash64(F.col("user_id"), F.lit(seed)))
     num_parts = max(1, spark.sparkContext.defaultParallelism)
-    ordered = (keyed.repartitionByRange(num_parts, "_key", "user_id")
-               .sortWithinPartitions("_key", "user_id")
-               .withColumn("_part", F.spark_partition_id())
-               # monotonically_increasing_id keeps the row index within its partition in the low 33 bits
-               .withColumn("_row", F.monotonically_increasing_id().bitwiseAND(F.lit((1 << 33) - 1)))
-               .localCheckpoint(eager=True))
+    ordered = checkpoint(keyed.repartitionByRange(num_parts, "_key", "user_id")
+                         .sortWithinPartitions("_key", "user_id")
+                         .withColumn("_part", F.spark_partition_id())
+                         # monotonically_increasing_id keeps the row index within its partition in the low 33 bits
+                         .withColumn("_row", F.monotonically_increasing_id().bitwiseAND(F.lit((1 << 33) - 1))))
     counts = dict(ordered.groupBy("_part").count().collect())
     offsets, running = [], 0
     for part in range(max(counts, default=-1) + 1):

@@ -62,12 +62,17 @@ def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def cluster_prepared(spark_cluster, executor_python, dist, movielens_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cluster-prepare") / "prepared"
+    """prepare as docs/cluster.md runs it, with spark.checkpoint.dir: its intermediate tables are
+    checkpointed there (balance's test below runs without one: localCheckpoint)."""
+    root = tmp_path_factory.mktemp("cluster-prepare")
+    out, checkpoints = root / "prepared", root / "checkpoints"
     run = finish(submit(spark_cluster, executor_python, dist, "prepare.py",
                         "--input", str(movielens_dir / "ratings.parquet"), "--output", str(out),
-                        "--user-features", str(movielens_dir / "users.parquet")))
+                        "--user-features", str(movielens_dir / "users.parquet"),
+                        conf=(f"spark.checkpoint.dir={checkpoints.as_uri()}",)))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "943 sequences" in run.stdout
+    assert checkpointed(checkpoints), "prepare kept nothing in spark.checkpoint.dir"
     return out
 
 
@@ -135,15 +140,19 @@ def tasks_of(worker_dir: Path, apps_before: set[str]) -> tuple[int, int]:
             sum(log.count("Executor: Finished task") for log in logs))
 
 
+def checkpointed(folder: Path) -> list[Path]:
+    """The checkpoint files a job wrote under its spark.checkpoint.dir (Spark's <dir>/<app uuid>/rdd-N/part-*)."""
+    return list(folder.glob("*/rdd-*/part-*"))
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "balance (and prepare) keep intermediate results with localCheckpoint, whose blocks live only on "
-    "the executor that computed them: a lost worker fails the job with CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND "
-    "(jobs/balance.py, shards/spark_plan.py, jobs/prepare.py; checkpoint() where spark.checkpoint.dir is set "
-    "passes this test)"))
 def test_a_worker_killed_mid_balance_changes_nothing(spark_cluster, executor_python, dist, cluster_prepared,
                                                      movielens_shards, tmp_path):
-    """Runs last in this module: the killed worker is not replaced."""
+    """A worker killed mid-job: Spark runs its tasks again and the shards are still the local ones.
+    With spark.checkpoint.dir set, balance keeps its intermediate tables there (pipeline.session's
+    checkpoint) rather than in the executors' block stores (localCheckpoint), where the lost
+    worker's blocks could not be recomputed (CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND).
+    Runs last in this module: the killed worker is not replaced."""
     victim = 1
     apps_before = {app.name for app in spark_cluster.worker_dirs[victim].glob("app-*")}
     events, checkpoints, shards = tmp_path / "events", tmp_path / "checkpoints", tmp_path / "shards"
@@ -175,4 +184,5 @@ def test_a_worker_killed_mid_balance_changes_nothing(spark_cluster, executor_pyt
               or (e["Event"] == "SparkListenerStageSubmitted" and e["Stage Info"]["Stage Attempt ID"] > 0)]
     assert redone, "nothing of the killed worker's was run again"
     assert all(e["Job Result"]["Result"] == "JobSucceeded" for e in logged if e["Event"] == "SparkListenerJobEnd")
+    assert checkpointed(checkpoints), "balance kept nothing in spark.checkpoint.dir"
     assert_same_shards(shards, movielens_shards)
