@@ -16,6 +16,9 @@ c. Virtual ranks: windows of heavy-tailed lengths (log-normal capped at max_seq_
    contiguous against kk with the GPU-fitted cost model. Every rank's batch of every step is
    timed on this GPU in turn with CUDA events; a step takes its slowest rank's time. Printed:
    bubble, sum of step times, speedup.
+d. Where a target batch's step goes: the host's time to issue it, the encoder's forward, and the
+   attention op's forward and backward alone (times the layers), so a missed target says whether
+   launches (host), attention or the rest of the layer is what to cut.
 
 The model is the issue's: D = 256, 4 layers, 4 heads of 64, fp32 parameters with TF32 matmuls.
 Times are medians of ``--repeats`` round-robin passes (every batch once per pass).
@@ -221,6 +224,7 @@ class Bench:
         self.header()
         self.numerics()
         curve = self.cost_curve()
+        self.breakdown(curve)
         fitted = self.fit()
         ranks = self.virtual_ranks(fitted.form)
         self.targets(curve, fitted, ranks)
@@ -276,7 +280,7 @@ class Bench:
             torch.backends.cuda.matmul.allow_tf32 = not precise
             if kernel == "triton":
                 out = ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
-                                                bias.time_bias.weight, max(lengths), spec, precise=precise)
+                                                bias.time_bias.weight, spec, precise=precise)
             else:
                 plan = GroupedPlan.build(offsets, timestamps, config)
                 with torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -342,6 +346,74 @@ class Bench:
         self.emit()
         self.table(["batch", "samples", "distinct lengths", "triton ms", "grouped ms", "triton speedup"], rows)
         return {"batches": batches, "times": times}
+
+    def breakdown(self, curve: dict) -> None:
+        """Section d (printed after b): the two target batches' steps taken apart."""
+        torch, np = self.torch, self.np
+        from training.ops import hstu_attention as ops
+
+        s = self.sizes
+        config = self.config("triton")
+        encoder = self.encoders()["triton"]
+        spec = ops.BiasSpec(config.num_position_buckets, config.max_seq_len, config.num_time_buckets,
+                            config.max_time_gap_seconds, 0)
+        heads, width = config.num_heads, config.attention_dim
+        bias = encoder.layers[0].relative_bias
+        rows = []
+        for key, label in (("short", f"{s.target_short[0]} x U[{s.target_short[1]}, {s.target_short[2]}]"),
+                           ("long", f"{s.target_long[0]} x U[{s.target_long[1]}, {s.target_long[2]}]")):
+            lengths = curve["batches"][key]
+            values, offsets, timestamps, grad = self.batch(lengths)
+            qkv = torch.randn(values.shape[0], 3 * heads * width, device=self.device).requires_grad_()
+            attention_grad = torch.randn(values.shape[0], heads * width, device=self.device)
+
+            def attention():
+                q, k, v = qkv.split(heads * width, dim=1)
+                return ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
+                                                 bias.time_bias.weight, spec)
+
+            def forward_only():
+                with torch.no_grad():
+                    encoder(values, offsets, timestamps)
+
+            def attention_both():
+                attention().backward(attention_grad)
+
+            def clear():
+                qkv.grad = None
+                encoder.zero_grad(set_to_none=True)
+
+            def attention_forward():
+                with torch.no_grad():
+                    attention()
+
+            step, step_clear = self.step_fn(encoder, lengths)
+            forward, att_fwd, att_both = self.time_all(
+                [(forward_only, clear), (attention_forward, clear), (attention_both, clear)])
+            issue = []
+            for _ in range(self.repeats):
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                step()
+                issue.append(time.perf_counter() - started)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                step_clear()
+            layers = s.num_layers
+            total = curve["times"]["triton"][key]
+            attention_ms = layers * att_both
+            rows.append([label, f"{total * 1e3:.2f}", f"{float(np.median(issue)) * 1e3:.2f}",
+                         f"{forward * 1e3:.2f}", f"{layers * att_fwd * 1e3:.2f}",
+                         f"{layers * (att_both - att_fwd) * 1e3:.2f}", f"{(total - attention_ms) * 1e3:.2f}"])
+        self.emit(f"## d. Where a target batch's step goes ({self.elapsed()})")
+        self.emit()
+        self.emit(f"Triton encoder. Host: wall time for the host to issue one forward+backward, the GPU idle "
+                  f"before it (near the step time: the step is launch-bound). Attention: the op alone on the batch's "
+                  f"shape, times {s.num_layers} layers. Rest: the step minus attention forward+backward.")
+        self.emit()
+        self.table(["batch", "step ms", "host ms to issue", "encoder forward ms", "attention forward ms",
+                    "attention backward ms", "rest of the step ms"], rows)
 
     def fit(self):
         """Section b, second half: the cost model fitted on mixed batches timed with the triton kernel."""

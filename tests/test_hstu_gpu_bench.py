@@ -29,7 +29,8 @@ def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
 def test_smoke_run_prints_every_section_and_writes_them(smoke) -> None:
     run, written = smoke
     assert run.returncode == 0, run.stderr[-2000:]
-    for heading in ("## a. Numerics", "## b. Cost curve", "### Cost model fitted", "## c. Virtual ranks",
+    for heading in ("## a. Numerics", "## b. Cost curve", "## d. Where a target batch's step goes",
+                    "### Cost model fitted", "## c. Virtual ranks",
                     "## Targets (issue 14)"):
         assert heading in run.stdout
     assert written.strip() == run.stdout.strip()

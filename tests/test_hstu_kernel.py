@@ -47,7 +47,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-12))
 
 
-def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0):
+def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0, shuffle_times: bool = False):
     generator = torch.Generator().manual_seed(seed)
     offsets = offsets_from_lengths(torch.tensor(lengths))
     total = int(offsets[-1])
@@ -57,17 +57,19 @@ def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0):
     q, k, v = projected.split([heads * config.attention_dim] * 2 + [heads * config.linear_dim], dim=1)
     # Gaps from 0 s (ties) to ~10^6 s: the time buckets span most of the table.
     timestamps = torch.cumsum(torch.randint(0, 10**6, (total,), generator=generator), 0)
+    if shuffle_times:
+        timestamps = timestamps[torch.randperm(total, generator=generator)]
     return q, k, v, offsets, timestamps
 
 
-def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16):
+def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16, shuffle_times: bool = False):
     """Forward and the five gradients (q, k, v, position table, time table) of both kernels."""
     torch.manual_seed(0)
     bias = RelativeAttentionBias(config)
     with torch.no_grad():  # large biases: a wrong bucket shows
         bias.position_bias.weight.normal_(std=1.0)
         bias.time_bias.weight.normal_(std=1.0)
-    q, k, v, offsets, timestamps = jagged_inputs(lengths, config)
+    q, k, v, offsets, timestamps = jagged_inputs(lengths, config, shuffle_times=shuffle_times)
     grad = torch.randn(q.shape[0], config.num_heads * config.linear_dim)
     results = []
     for kernel in ("triton", "grouped"):
@@ -78,7 +80,7 @@ def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16):
                                 config.max_time_gap_seconds,
                                 config.max_seq_len if config.attention_normalization == "max_seq_len" else 0)
             out = ops.jagged_hstu_attention(*inputs, offsets, timestamps, bias.position_bias.weight,
-                                            bias.time_bias.weight, max(lengths), spec, block=block)
+                                            bias.time_bias.weight, spec, block=block)
         else:
             plan = GroupedPlan.build(offsets, timestamps, config)
             out = plan.leave(plan.attend(*(plan.enter(t) for t in inputs), bias))
@@ -123,6 +125,28 @@ def test_autotuned_launch_gives_the_same_numbers_and_trials_leave_no_sum(monkeyp
     for name, actual, expected in zip(NAMES, triton_out, grouped_out):
         assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
     assert len(ops._backward_tuned.configs) > 1 and ops._backward_tuned.cache  # the tuner did run
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_work_list_visits_every_tile_of_every_sample_once(block: int) -> None:
+    """The flat grid: every (sample, tile) once, spare slots marked, empty samples included."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 3 * block, (37,), generator=generator)
+    lengths[[0, 5, 6, 36]] = torch.tensor([0, 0, block, 1])
+    items = ops.work_items(offsets_from_lengths(lengths), block)
+    assert items.shape[0] == int(lengths.sum()) // block + lengths.numel()
+    visited = sorted((int(s), int(m)) for s, m in items.tolist() if m >= 0)
+    expected = sorted((s, m) for s, n in enumerate(lengths.tolist()) for m in range(0, n, block))
+    assert visited == expected
+    assert [int(s) for s in items[:, 0]] == sorted(int(s) for s in items[:, 0])  # slots run in sample order
+
+
+def test_bias_gradients_with_unsorted_timestamps() -> None:
+    """Out-of-order timestamps: the time buckets along a row go up and down, so a row has many
+    runs of one bucket; the run sums must still give the grouped path's table gradients."""
+    triton_out, grouped_out = run_both([29, 6], CONFIG, shuffle_times=True)
+    for name, actual, expected in zip(NAMES, triton_out, grouped_out):
+        assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
 
 
 def test_thresholds_reproduce_the_cpu_formula_exactly() -> None:

@@ -55,7 +55,7 @@ def run(problem, kernel: str, dtype=torch.float32, precise: bool = False):
         spec = ops.BiasSpec(CONFIG.num_position_buckets, CONFIG.max_seq_len, CONFIG.num_time_buckets,
                             CONFIG.max_time_gap_seconds, 0)
         out = ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
-                                        bias.time_bias.weight, max(LENGTHS), spec, precise=precise)
+                                        bias.time_bias.weight, spec, precise=precise)
     else:
         previous = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False  # the reference in full fp32

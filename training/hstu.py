@@ -39,7 +39,7 @@ from torch import nn
 
 from pipeline.errors import InputError
 from training.config import AttentionKernel, AttentionKernelName, HSTUConfig, keyed_by
-from training.jagged import LengthGroup, group_by_length, group_order, lengths_from_offsets
+from training.jagged import LengthGroup, group_by_length, group_order
 from training.ops.relative_buckets import log_bucket
 
 
@@ -168,14 +168,10 @@ class JaggedPlan:
     config: HSTUConfig
     offsets: torch.Tensor
     timestamps: torch.Tensor
-    max_length: int
-    """Longest sample: the kernels' grid. Read once per forward (one host sync), not per layer."""
 
     @classmethod
     def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "JaggedPlan":
-        lengths = lengths_from_offsets(offsets)
-        max_length = int(lengths.max()) if lengths.numel() else 0
-        return cls(config=config, offsets=offsets, timestamps=timestamps, max_length=max_length)
+        return cls(config=config, offsets=offsets, timestamps=timestamps)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -193,7 +189,7 @@ class JaggedPlan:
             normalizer=config.max_seq_len if config.attention_normalization == "max_seq_len" else 0,
         )
         return ops.jagged_hstu_attention(q, k, v, self.offsets, self.timestamps, bias.position_bias.weight,
-                                         bias.time_bias.weight, self.max_length, spec)
+                                         bias.time_bias.weight, spec)
 
 
 PLANS = keyed_by(AttentionKernelName, {"grouped": GroupedPlan, "triton": JaggedPlan})

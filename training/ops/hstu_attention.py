@@ -13,9 +13,12 @@ the sample's length (or ``max_seq_len``). The grouped PyTorch path in
 Why a kernel: the grouped path issues a few dozen small ops per distinct length,
 so on a GPU a batch costs a fixed few milliseconds per distinct length and the
 balancer's ``a L^2 + b L + c`` does not describe it. Here a program handles one
-``BLOCK``-row tile of one sample and head; the grid is
-``(ceil(max_len / BLOCK), B, H)`` and programs past their sample's end return
-at once, so a step costs the sum of its samples' tiles.
+``BLOCK``-row tile of one sample and head, and the grid is a flat work list
+(``_work_item``): sample ``s`` owns slots ``S(s) .. S(s+1) - 1`` with
+``S(s) = offsets[s] // BLOCK + s``, at least the ``ceil(n_s / BLOCK)`` tiles it has
+and at most one more, so the grid ``(T // BLOCK + B, H)`` is known on the host
+without reading the lengths (no host sync), and a short sample in a batch with a
+long one launches its own tiles, not as many as the longest sample has.
 
 Forward: a program loops over its query tile's key tiles up to the diagonal,
 recomputing the bias from positions and timestamps (nothing ``L x L`` is ever
@@ -29,12 +32,14 @@ owns query tile ``m`` and accumulates ``dQ``. With ``w = SiLU(s) / n``::
     dK_j += dS_ij q_i        dQ_i += dS_ij k_j
     d pos_w[pb(i-j), h] += dS_ij             d time_w[tb(.), h] += dS_ij
 
-The bias gradients are a scatter into tiny tables. Atomics per score would
-serialise on a few hundred addresses, so each tile first sums ``dS`` per bucket
-over the (usually narrow) range of buckets it touches, the program keeps one
-per-bucket vector across its tiles, and adds it to the table once (fp32
-atomics; their order makes these two gradients non-deterministic in the last
-bits on a GPU, which the other five are not).
+The bias gradients are a scatter into tiny tables (``_add_runs``). Along a row of a
+tile the bucket changes only where the distance or gap crosses a threshold, so the
+row's ``dS`` falls into a few runs of one bucket each; a prefix sum along the row
+gives every run's total as the difference of the prefix at its two ends, and only
+those ends are added to the table (fp32 atomics, a few per row). Summing the tile
+once per bucket instead would cost dozens of full-tile reductions near the diagonal,
+where a tile spans dozens of buckets. The atomics' order makes these two gradients
+non-deterministic in the last bits on a GPU, which the other five are not.
 
 Import cost: triton is imported when this module is; ``training.hstu`` imports it
 only when the Triton kernel is selected. ``TRITON_INTERPRET=1`` must be set before
@@ -138,29 +143,53 @@ def _score_grad(dw, s, sig, valid, inv_n):
 
 
 @triton.jit
-def _add_per_bucket(hist, ds, buckets, valid, NUM_BUCKETS: tl.constexpr, PAD: tl.constexpr):
-    """``hist[b] += sum of ds where buckets == b``, looping only over the buckets this tile touches."""
-    first = tl.min(tl.min(tl.where(valid, buckets, NUM_BUCKETS), axis=1), axis=0)
-    last = tl.max(tl.max(tl.where(valid, buckets, -1), axis=1), axis=0)
-    index = tl.arange(0, PAD)
-    for b in range(first, last + 1):
-        total = tl.sum(tl.sum(tl.where(buckets == b, ds, 0.0), axis=1), axis=0)
-        hist += tl.where(index == b, total, 0.0)
-    return hist
+def _add_runs(table, ds, buckets, next_buckets, h, H):
+    """``table[b, h] += sum of ds where buckets == b``, by runs along each row.
+
+    ``buckets`` is -1 where ``ds`` is masked (and ``ds`` 0 there); ``next_buckets`` is each
+    entry's right neighbour's bucket, -1 past the tile's last column. A run of bucket ``b``
+    ending at column ``e`` and following one that ended at ``e'`` sums to ``P[e] - P[e']``,
+    ``P`` the row's prefix sum: so every run end adds ``P`` to its own bucket and ``-P``
+    to the next run's. Exact for any bucket pattern; bucket -1's runs are dropped.
+    """
+    prefix = tl.cumsum(ds, axis=1)
+    ends = buckets != next_buckets
+    tl.atomic_add(table + buckets * H + h, prefix, mask=ends & (buckets >= 0))
+    tl.atomic_add(table + next_buckets * H + h, -prefix, mask=ends & (next_buckets >= 0))
+
+
+@triton.jit
+def _work_item(offsets, num_samples, search_steps, BLOCK: tl.constexpr):
+    """This program's ``(sample, start, n, m0)``: rows ``start .. start + n``, tile rows from ``m0``.
+
+    Program ``p`` belongs to the sample ``s`` with ``S(s) <= p < S(s + 1)``, ``S(s) =
+    offsets[s] // BLOCK + s`` (strictly increasing, ``S(B) = T // BLOCK + B`` is the grid),
+    found by ``search_steps`` halvings of ``[0, B)``; ``m0 >= n`` marks a spare slot.
+    """
+    p = tl.program_id(0)
+    low = p * 0
+    high = low + num_samples
+    for _ in range(search_steps):
+        middle = (low + high) // 2
+        right = tl.load(offsets + middle) // BLOCK + middle <= p
+        low = tl.where(right, middle, low)
+        high = tl.where(right, high, middle)
+    start = tl.load(offsets + low)
+    n = (tl.load(offsets + low + 1) - start).to(tl.int32)
+    m0 = (p - (start // BLOCK + low)).to(tl.int32) * BLOCK
+    return low, start, n, m0
 
 
 @triton.jit
 def _forward_kernel(
     Q, K, V, OUT, offsets, times, pos_w, time_w, pos_thr, time_thr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    H, normalizer, pos_scale, time_scale,
+    H, normalizer, pos_scale, time_scale, num_samples, search_steps,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    tile, sample, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(offsets + sample)
-    n = (tl.load(offsets + sample + 1) - start).to(tl.int32)
-    m0 = tile * BLOCK
+    h = tl.program_id(1)
+    _, start, n, m0 = _work_item(offsets, num_samples, search_steps, BLOCK)
     if m0 >= n:
         return
     inv_n = 1.0 / tl.where(normalizer > 0, normalizer, n).to(tl.float32)
@@ -191,15 +220,12 @@ def _backward_kernel(
     Q, K, V, DOUT, DQ_OUT, DK_OUT, DV_OUT, DPOS, DTIME,
     offsets, times, pos_w, time_w, pos_thr, time_thr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    H, normalizer, pos_scale, time_scale,
+    H, normalizer, pos_scale, time_scale, num_samples, search_steps,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr,
-    POS_PAD: tl.constexpr, TIME_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    tile, sample, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(offsets + sample)
-    n = (tl.load(offsets + sample + 1) - start).to(tl.int32)
-    m0 = tile * BLOCK
+    h = tl.program_id(1)
+    _, start, n, m0 = _work_item(offsets, num_samples, search_steps, BLOCK)
     if m0 >= n:
         return
     inv_n = 1.0 / tl.where(normalizer > 0, normalizer, n).to(tl.float32)
@@ -207,17 +233,19 @@ def _backward_kernel(
     q_cols, v_cols = (dq_range < DQ)[None, :], (dv_range < DV)[None, :]
     # The gradient outputs are contiguous [T, H, D] buffers allocated by the wrapper.
     g_q_row, g_v_row = H * DQ, H * DV
-    own = tile * BLOCK + tl.arange(0, BLOCK)
+    own = m0 + tl.arange(0, BLOCK)
     mask_own = own < n
     t_own = tl.load(times + start + own, mask=mask_own, other=0)
+    # Each key column's right neighbour, for the runs of the bias gradients (_add_runs).
+    after = own + 1
+    mask_after = (after < n) & (tl.arange(0, BLOCK) < BLOCK - 1)
+    t_after = tl.load(times + start + after, mask=mask_after, other=0)
 
     # Phase 1: this program's tile as keys -> dK, dV, bias-table gradients.
     k = _rows(K, start, own, mask_own, stride_kt, h * stride_kh, dq_range, q_cols)
     v = _rows(V, start, own, mask_own, stride_vt, h * stride_vh, dv_range, v_cols)
     dk = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
-    pos_hist = tl.zeros([POS_PAD], dtype=tl.float32)
-    time_hist = tl.zeros([TIME_PAD], dtype=tl.float32)
     for i0 in range(m0, n, BLOCK):
         offs_m = i0 + tl.arange(0, BLOCK)
         mask_m = offs_m < n
@@ -234,15 +262,16 @@ def _backward_kernel(
         dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION)
         ds = _score_grad(dw, s, sig, valid, inv_n)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
-        pos_hist = _add_per_bucket(pos_hist, ds, pos_b, valid, NUM_POS, POS_PAD)
-        time_hist = _add_per_bucket(time_hist, ds, time_b, valid, NUM_TIME, TIME_PAD)
+        valid_after = mask_m[:, None] & mask_after[None, :] & (offs_m[:, None] >= after[None, :])
+        pos_after, time_after = _tile_buckets(offs_m, after, t_m, t_after, valid_after, pos_thr, time_thr,
+                                              pos_scale, time_scale, NUM_POS, NUM_TIME)
+        pos_after, time_after = tl.where(valid_after, pos_after, -1), tl.where(valid_after, time_after, -1)
+        _add_runs(DPOS, ds, tl.where(valid, pos_b, -1), pos_after, h, H)
+        _add_runs(DTIME, ds, tl.where(valid, time_b, -1), time_after, h, H)
     tl.store(DK_OUT + (start + own)[:, None] * g_q_row + h * DQ + dq_range[None, :],
              dk.to(DK_OUT.dtype.element_ty), mask=mask_own[:, None] & q_cols)
     tl.store(DV_OUT + (start + own)[:, None] * g_v_row + h * DV + dv_range[None, :],
              dv.to(DV_OUT.dtype.element_ty), mask=mask_own[:, None] & v_cols)
-    pos_index, time_index = tl.arange(0, POS_PAD), tl.arange(0, TIME_PAD)
-    tl.atomic_add(DPOS + pos_index * H + h, pos_hist, mask=pos_index < NUM_POS)
-    tl.atomic_add(DTIME + time_index * H + h, time_hist, mask=time_index < NUM_TIME)
 
     # Phase 2: this program's tile as queries -> dQ.
     q = _rows(Q, start, own, mask_own, stride_qt, h * stride_qh, dq_range, q_cols)
@@ -275,6 +304,15 @@ def _bucket_kernel(DIST, OUT, thresholds, scale, count, NUM_BUCKETS: tl.constexp
     tl.store(OUT + offs, _bucket(distance, thresholds, scale, NUM_BUCKETS).to(tl.int64), mask=mask)
 
 
+@triton.jit
+def _work_item_kernel(offsets, OUT, num_samples, search_steps, BLOCK: tl.constexpr):
+    """The kernels' work list alone: each slot's ``(sample, m0)``, ``m0 = -1`` for a spare slot."""
+    sample, _, n, m0 = _work_item(offsets, num_samples, search_steps, BLOCK)
+    p = tl.program_id(0)
+    tl.store(OUT + 2 * p, sample.to(tl.int64))
+    tl.store(OUT + 2 * p + 1, tl.where(m0 < n, m0, -1).to(tl.int64))
+
+
 def _tuned(kernel, configs: list[tuple[int, int]], reset: list[str]):
     """``kernel`` autotuned over ``(BLOCK, num_warps)`` once per head widths; ``reset`` names the
     buffers it accumulates into, zeroed before each trial so the trials leave no sum behind."""
@@ -289,14 +327,15 @@ _forward_tuned = _tuned(_forward_kernel, [(64, 4), (64, 8), (128, 8), (32, 4)], 
 _backward_tuned = _tuned(_backward_kernel, [(64, 4), (64, 8), (32, 4)], ["DPOS", "DTIME"])
 
 
-def _launch(kernel, tuned, block: int | None, max_length: int, batch: int, heads: int, *args, **meta) -> None:
-    """One launch over ``(tiles of the longest sample, samples, heads)``; ``block`` None autotunes."""
+def _launch(kernel, tuned, block: int | None, total: int, batch: int, heads: int, *args, **meta) -> None:
+    """One launch over ``(work slots, heads)`` (``_work_item``); ``block`` None autotunes."""
     if block is None and os.environ.get("TRITON_INTERPRET") == "1":
         block = INTERPRETED_BLOCK  # None: autotune here too (a test drives the tuner this way)
+    search = (batch, max(batch - 1, 0).bit_length())
     if block is None:
-        tuned[lambda m: (triton.cdiv(max_length, m["BLOCK"]), batch, heads)](*args, **meta)
+        tuned[lambda m: (total // m["BLOCK"] + batch, heads)](*args, *search, **meta)
     else:
-        kernel[(triton.cdiv(max_length, block), batch, heads)](*args, BLOCK=block, **meta)
+        kernel[(total // block + batch, heads)](*args, *search, BLOCK=block, **meta)
 
 
 def kernel_buckets(distance: torch.Tensor, num_buckets: int, max_distance: float) -> torch.Tensor:
@@ -310,6 +349,17 @@ def kernel_buckets(distance: torch.Tensor, num_buckets: int, max_distance: float
     return out
 
 
+def work_items(offsets: torch.Tensor, block: int) -> torch.Tensor:
+    """``[slots, 2]`` int64: each work slot's ``(sample, first tile row)`` as the attention kernels
+    find them, first row -1 for a spare slot."""
+    offsets = offsets.to(torch.int64).contiguous()
+    batch = offsets.numel() - 1
+    slots = int(offsets[-1]) // block + batch
+    out = torch.empty(slots, 2, dtype=torch.int64, device=offsets.device)
+    _work_item_kernel[(slots,)](offsets, out, batch, max(batch - 1, 0).bit_length(), BLOCK=block)
+    return out
+
+
 def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``[T, H * d]`` (any row stride, unit column stride) -> ``[T, H, d]`` view."""
     t = t.view(t.shape[0], heads, -1)
@@ -318,16 +368,16 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 class _JaggedHSTUAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, position_weight, time_weight, offsets, timestamps, max_length: int,
+    def forward(ctx, q, k, v, position_weight, time_weight, offsets, timestamps,
                 spec: BiasSpec, block: int | None, precision: str):
         total, heads, dq = q.shape
         dv = v.shape[2]
         out = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
         pos_thr = bucket_thresholds(spec.num_position_buckets, spec.max_position, q.device)
         time_thr = bucket_thresholds(spec.num_time_buckets, spec.max_time_gap, q.device)
-        if total and max_length and offsets.numel() > 1:
+        if total and offsets.numel() > 1:
             _launch(
-                _forward_kernel, _forward_tuned, block, max_length, offsets.numel() - 1, heads,
+                _forward_kernel, _forward_tuned, block, total, offsets.numel() - 1, heads,
                 q, k, v, out, offsets, timestamps, position_weight, time_weight, pos_thr, time_thr,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1),
@@ -339,7 +389,7 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets, PRECISION=precision,
             )
         ctx.save_for_backward(q, k, v, position_weight, time_weight, offsets, timestamps, pos_thr, time_thr)
-        ctx.max_length, ctx.spec, ctx.block, ctx.precision = max_length, spec, block, precision
+        ctx.spec, ctx.block, ctx.precision = spec, block, precision
         return out
 
     @staticmethod
@@ -354,9 +404,9 @@ class _JaggedHSTUAttention(torch.autograd.Function):
         grad_v = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
         grad_pos = torch.zeros(position_weight.shape, dtype=torch.float32, device=q.device)
         grad_time = torch.zeros(time_weight.shape, dtype=torch.float32, device=q.device)
-        if total and ctx.max_length and offsets.numel() > 1:
+        if total and offsets.numel() > 1:
             _launch(
-                _backward_kernel, _backward_tuned, block, ctx.max_length, offsets.numel() - 1, heads,
+                _backward_kernel, _backward_tuned, block, total, offsets.numel() - 1, heads,
                 q, k, v, grad_out, grad_q, grad_k, grad_v, grad_pos, grad_time,
                 offsets, timestamps, position_weight, time_weight, pos_thr, time_thr,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -366,25 +416,22 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 bucket_scale(spec.num_time_buckets, spec.max_time_gap),
                 DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
                 BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets,
-                POS_PAD=triton.next_power_of_2(spec.num_position_buckets),
-                TIME_PAD=triton.next_power_of_2(spec.num_time_buckets), PRECISION=ctx.precision,
+                NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets, PRECISION=ctx.precision,
             )
         return (grad_q, grad_k, grad_v, grad_pos.to(position_weight.dtype), grad_time.to(time_weight.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None)
 
 
 def jagged_hstu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
-    position_weight: torch.Tensor, time_weight: torch.Tensor, max_length: int, spec: BiasSpec,
+    position_weight: torch.Tensor, time_weight: torch.Tensor, spec: BiasSpec,
     block: int | None = None, precise: bool = False,
 ) -> torch.Tensor:
     """``A V`` of every sample over its own positions, ``[T, H * dv]`` in jagged order.
 
     ``q``, ``k`` ``[T, H * dq]`` and ``v`` ``[T, H * dv]`` (column views of one projection are
     fine: only the last dimension must be unit-stride); ``offsets`` ``[B+1]`` int64;
-    ``timestamps`` ``[T]`` seconds; the bias tables ``[buckets, H]``; ``max_length`` the
-    longest sample (the caller knows it once per batch, so no layer syncs for it); ``block``
+    ``timestamps`` ``[T]`` seconds; the bias tables ``[buckets, H]``; ``block``
     fixes the tile rows (tests) instead of autotuning them. fp32 dots run in TF32, as the
     trainer's matmuls do on GPUs; ``precise`` makes them full fp32 (slower; for checking).
     """
@@ -393,6 +440,6 @@ def jagged_hstu_attention(
         _heads(q, heads), _heads(k, heads), _heads(v, heads),
         position_weight.contiguous(), time_weight.contiguous(),
         offsets.to(torch.int64).contiguous(), timestamps.to(torch.int64).contiguous(),
-        int(max_length), spec, block, "ieee" if precise and q.dtype == torch.float32 else "tf32",
+        spec, block, "ieee" if precise and q.dtype == torch.float32 else "tf32",
     )
     return out.view(out.shape[0], -1)
