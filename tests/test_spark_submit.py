@@ -1,4 +1,5 @@
-"""The whole MovieLens-100K prepare + balance run through spark-submit on local Spark."""
+"""balance of MovieLens-100K through spark-submit on local Spark (prepare through spark-submit is
+tests/test_cluster.py's, on a cluster; here the session's prepare is the input)."""
 from __future__ import annotations
 
 import os
@@ -22,13 +23,9 @@ def spark_submit(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_movielens_prepare_and_balance_via_spark_submit(movielens_dir, tmp_path):
-    prepared, shards = tmp_path / "prepared", tmp_path / "shards"
-    run = spark_submit("prepare.py", "--input", str(movielens_dir / "ratings.parquet"),
-                       "--output", str(prepared))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "943 sequences" in run.stdout
-    run = spark_submit("balance.py", "--input", str(prepared), "--output", str(shards), "--world-size", "8",
+def test_movielens_balance_via_spark_submit(movielens_prepared, tmp_path):
+    shards = tmp_path / "shards"
+    run = spark_submit("balance.py", "--input", str(movielens_prepared), "--output", str(shards), "--world-size", "8",
                        "--local-batch-size", "16", "--strategy", "ortools", "--window-steps", "4",
                        "--time-limit", "0.5")
     assert run.returncode == 0, run.stderr[-3000:]
