@@ -69,6 +69,10 @@ def test_record_keeps_the_best_and_stops_after_patience() -> None:
     assert (record.best_epoch, record.best_step, record.best_value, record.stopped) == (2, 20, 0.3, True)
     never = ValidationRecord()
     assert not never.update(math.nan, 1, 10, patience=0) and not never.stopped
+    at_the_end = ValidationRecord()  # patience runs out at the run's last step: nothing was stopped
+    for epoch, value in enumerate([0.3, 0.2, 0.1], start=1):
+        at_the_end.update(value, epoch, epoch * 10, patience=2, last=epoch == 3)
+    assert (at_the_end.since_best, at_the_end.best_epoch, at_the_end.stopped) == (2, 1, False)
 
 
 @pytest.mark.parametrize("overrides, named", [

@@ -215,7 +215,7 @@ class Trainer:
         scores = evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
                           self.config.training.eval_max_samples or None, self.config.evaluation,
                           self.config.training.seed, uses=("valid",))
-        improved = self.validation.take(scores, self.step)
+        improved = self.validation.take(scores, self.step, last=self.step >= self.max_steps)
         if self.env.rank != 0:
             return
         epoch, record = self.step // self.manifest.num_steps, self.validation.record

@@ -32,17 +32,18 @@ class ValidationRecord:
     since_best: int = 0
     """Validations in a row without a better value."""
     stopped: bool = False
-    """Early stopping ended the run."""
+    """Early stopping ended the run before its last planned step."""
 
-    def update(self, value: float, epoch: int, step: int, patience: int) -> bool:
+    def update(self, value: float, epoch: int, step: int, patience: int, last: bool = False) -> bool:
         """Take the validation of ``epoch``; whether its weights are the new best. A NaN score
-        (no validation queries) never is."""
+        (no validation queries) never is. ``last``: the run ends here anyway, so running out of
+        patience stops nothing."""
         improved = value > self.best_value
         if improved:
             self.best_value, self.best_epoch, self.best_step, self.since_best = value, epoch, step, 0
         else:
             self.since_best += 1
-            self.stopped = bool(patience) and self.since_best >= patience
+            self.stopped = bool(patience) and self.since_best >= patience and not last
         return improved
 
     def state_dict(self) -> dict[str, Any]:
@@ -118,10 +119,11 @@ class Validation:
         every = self.config.every_epochs * self.steps_per_epoch
         return (step // every + 1) * every
 
-    def take(self, scores: dict[str, float], step: int) -> bool:
-        """Record the validation after ``step`` steps; whether it is the best so far."""
+    def take(self, scores: dict[str, float], step: int, last: bool) -> bool:
+        """Record the validation after ``step`` steps (``last``: the run's last step); whether it is
+        the best so far."""
         improved = self.record.update(scores[self.config.metric], step // self.steps_per_epoch, step,
-                                      self.config.patience)
+                                      self.config.patience, last)
         if improved and self.best is not None:
             self.best.keep()
         return improved
