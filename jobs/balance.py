@@ -288,7 +288,7 @@ def balance(args: argparse.Namespace) -> int:
     from jobs.hadoop_fs import HadoopFS
     from jobs.tracking import job_run, reachable_tracking_uri, run_tags
     from pipeline.cost_model import CostModel, cost_column, default_cost_model
-    from pipeline.session import build_spark_session
+    from pipeline.session import build_spark_session, checkpoints_removed
     from shards import spark_plan
     from shards.manifest import UserFeature, build_rank_shards, new_manifest
     from shards.schema import MANIFEST_NAME, STEP_STATS_DIR
@@ -299,7 +299,8 @@ def balance(args: argparse.Namespace) -> int:
               if k not in ("overwrite", "tracking_uri", "experiment", "comparison")}
     tags = {**run_tags(args.strategy, args.control, args.comparison), "freescale.world_size": str(args.world_size)}
     with job_run("balance", tracking_uri=args.tracking_uri, experiment=args.experiment, params=params, tags=tags,
-                 run_name=f"balance-{args.control or args.strategy}-k{args.world_size}") as run:
+                 run_name=f"balance-{args.control or args.strategy}-k{args.world_size}") as run, \
+            checkpoints_removed("balance"):  # inside the run: removed before it ends, failed or not
         model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
         started = time.perf_counter()
 

@@ -109,7 +109,7 @@ def prepare(args: argparse.Namespace) -> int:
     from jobs.tracking import job_run, reachable_tracking_uri
     from pipeline.ingest import drop_duplicate_interactions, read_interactions
     from pipeline.sequences import apply_item_vocab, build_item_vocab, build_sequences, sequence_stats
-    from pipeline.session import build_spark_session, checkpoint
+    from pipeline.session import build_spark_session, checkpoint, checkpoints_removed
     from pipeline.synthetic import synthetic_interactions
     from pipeline.user_features import (
         build_user_feature_vocab,
@@ -122,7 +122,9 @@ def prepare(args: argparse.Namespace) -> int:
 
     # The run spans the job's work: opened before Spark starts, FAILED if the job fails.
     params = {k: v for k, v in vars(args).items() if k not in ("overwrite", "tracking_uri", "experiment")}
-    with job_run("prepare", tracking_uri=args.tracking_uri, experiment=args.experiment, params=params) as run:
+    # Inside the run: its checkpoints are removed before the run ends, failed or not.
+    with job_run("prepare", tracking_uri=args.tracking_uri, experiment=args.experiment, params=params) as run, \
+            checkpoints_removed("prepare"):
         started = time.perf_counter()
         spark = build_spark_session(args.master, "freescale-prepare")
         fs = HadoopFS(spark)

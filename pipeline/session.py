@@ -130,3 +130,28 @@ def checkpoint(frame: DataFrame) -> DataFrame:
     if frame.sparkSession.sparkContext.getCheckpointDir() is not None:
         return frame.checkpoint(eager=True)
     return frame.localCheckpoint(eager=True)
+
+
+@contextlib.contextmanager
+def checkpoints_removed(job: str) -> Iterator[None]:
+    """Remove the job's reliable checkpoints when it ends, done or failed.
+
+    ``checkpoint`` writes them under ``<spark.checkpoint.dir>/<uuid of this SparkContext>/``; Spark
+    never deletes them, and nothing reads them once the job has ended (a rerun starts over).
+    A job killed outright (kill -9) leaves them. Failing to remove them is one warning, never the
+    job's failure.
+    """
+    try:
+        yield
+    finally:
+        from pyspark import SparkContext
+
+        context = SparkContext._active_spark_context
+        folder = context.getCheckpointDir() if context is not None else None
+        if folder:
+            try:
+                path = context._jvm.org.apache.hadoop.fs.Path(folder)
+                path.getFileSystem(context._jsc.hadoopConfiguration()).delete(path, True)
+            except Exception as exc:  # noqa: BLE001 - the job's own outcome stands
+                print(f"freescale {job}: warning: could not remove its checkpoints at {folder}: "
+                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
