@@ -38,7 +38,7 @@ dist: install
 	$(PY) -m build --no-isolation --outdir $(DIST) .
 	$(PY) -c 'import sys, zipfile; wheel = zipfile.ZipFile(sys.argv[1]); \
 	  out = zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED); \
-	  [out.writestr(i, wheel.read(i)) for i in wheel.infolist() if ".dist-info/" not in i.filename]' \
+	  [out.writestr(i, wheel.read(i)) for i in wheel.infolist() if ".dist-info/" not in i.filename and ".data/" not in i.filename]' \
 	  $(DIST)/freescale-*.whl $(DIST)/freescale.zip
 
 clean:

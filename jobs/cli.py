@@ -24,6 +24,17 @@ from pathlib import Path
 SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline", "simulate", "demo")
 
 
+def shipped_configs() -> Path:
+    """The project's configs/: the checkout's when run from one, else the installed wheel's copy
+    (``<prefix>/share/freescale/configs``, pyproject.toml's data-files)."""
+    import sysconfig
+
+    checkout = Path(__file__).resolve().parents[1] / "configs"
+    if checkout.is_dir():
+        return checkout
+    return Path(sysconfig.get_paths()["data"]) / "share" / "freescale" / "configs"
+
+
 def demo(argv: list[str]) -> int:
     """Embedded default: `freescale pipeline` with configs/demo_pipeline.toml: calibrate, prepare synthetic
     data, balance (kk, windows of 32), train 40 steps, compare contiguous vs balanced (local Spark,
@@ -39,7 +50,7 @@ def demo(argv: list[str]) -> int:
     p.add_argument("--local-batch-size", type=int, default=32)
     p.add_argument("--fresh", action="store_true", help="rerun every stage even if its output is current")
     args = p.parse_args(argv)
-    configs = Path(__file__).resolve().parents[1] / "configs"
+    configs = shipped_configs()
     # The built-in files wherever the demo runs from; the sizes and workdir from the command line.
     rc = workflow.main(["--config", str(configs / "demo_pipeline.toml"), "--train.config", str(configs / "demo.toml"),
                         "--pipeline.workdir", args.workdir, "--pipeline.world_size", str(args.world_size),

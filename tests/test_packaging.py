@@ -26,8 +26,10 @@ def test_dist_holds_every_module_once(dist):
     wheel = zipfile.ZipFile(dist.wheel).namelist()
     modules = project_modules()
     assert {"jobs/cli.py", "pipeline/ingest.py", "training/ops/hstu_attention.py"} <= modules
-    metadata = {name for name in wheel if ".dist-info/" in name}
-    assert set(wheel) - metadata == modules  # no tests, benchmarks or configs; no module left out
+    metadata = {name for name in wheel if ".dist-info/" in name or ".data/" in name}
+    assert set(wheel) - metadata == modules  # no tests or benchmarks; no module left out
+    shipped = {name.rsplit("/", 1)[1] for name in metadata if "/data/share/freescale/configs/" in name}
+    assert shipped == {path.name for path in (REPO / "configs").glob("*.toml")}  # as data files, beside the code
     entry_points = zipfile.ZipFile(dist.wheel).read(next(n for n in metadata if n.endswith("entry_points.txt")))
     assert "freescale = jobs.cli:main" in entry_points.decode()
     assert sorted(zipfile.ZipFile(dist.zip).namelist()) == sorted(set(wheel) - metadata)
@@ -59,6 +61,11 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(dist, tmp_path):
     where = run(str(python), "-c", "import jobs.cli, pipeline, training.ops; print(jobs.cli.__file__)")
     assert where.returncode == 0, where.stderr[-2000:]
     assert Path(where.stdout.strip()) == site / "jobs" / "cli.py"
+    # `freescale demo` finds its configs in the installed copy, not in a checkout.
+    configs = run(str(python), "-c", "from jobs.cli import shipped_configs; print(shipped_configs())")
+    assert configs.returncode == 0, configs.stderr[-2000:]
+    assert (Path(configs.stdout.strip()) / "demo_pipeline.toml").read_text() == \
+        (REPO / "configs" / "demo_pipeline.toml").read_text()
     helped = run(str(venv / "bin" / "freescale"), "--help")
     assert helped.returncode == 0, helped.stderr[-2000:]
     assert helped.stdout.startswith("The `freescale` command") and "freescale simulate" in helped.stdout
