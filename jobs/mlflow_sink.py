@@ -16,6 +16,10 @@ from jobs.tracking import failure as tracking_failure  # no mlflow import until 
 
 BATCH_METRICS = 1000  # MLflow's log_batch limit per request
 DRAIN_TIMEOUT_S = 15.0  # the most a run's end waits for unsent step metrics
+SERIES = {"step/": "step/loss", "epoch/": "epoch/epoch"}
+"""Each series (key prefix) and the metric every point of it has: how far a resumed run's record
+holds that series. Apart, because a kill can fall after a step's loss was sent and before the
+validation logged at that step was: the rerun must log that validation, not skip it."""
 
 
 class MLflowSink:
@@ -42,7 +46,7 @@ class MLflowSink:
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
         self._log_new_params(params)
-        self.resumed_through = self._last_logged_step()
+        self.resumed_through = {series: self._last_logged_step(key) for series, key in SERIES.items()}
         self.failed = False
         self._unsent: collections.deque[tuple[int, int, dict[str, float]]] = collections.deque()
         self._stopping = False
@@ -90,15 +94,17 @@ class MLflowSink:
         if changed:
             self.client.set_tag(self.run_id, "freescale.resumed_with", ", ".join(changed)[:5000])
 
-    def _last_logged_step(self) -> int:
-        history = self.client.get_metric_history(self.run_id, "step/loss")
+    def _last_logged_step(self, key: str) -> int:
+        history = self.client.get_metric_history(self.run_id, key)
         return max((m.step for m in history), default=-1)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
-        # A step may be logged more than once (a validation after its step's metrics); the steps a
-        # resumed run's record already has are not logged again.
-        if not self.failed and step > self.resumed_through:
-            self._queue(step, int(time.time() * 1000), {k: float(v) for k, v in metrics.items()})
+        # A step may be logged more than once (a validation after its step's metrics); the points a
+        # resumed run's record already has, series by series, are not logged again.
+        new = {k: float(v) for k, v in metrics.items()
+               if step > self.resumed_through.get(k.split("/", 1)[0] + "/", -1)}
+        if not self.failed and new:
+            self._queue(step, int(time.time() * 1000), new)
 
     def _queue(self, step: int, timestamp: int, metrics: dict[str, float]) -> None:
         with self._changed:
