@@ -56,9 +56,13 @@ def demo(argv: list[str]) -> int:
                         "--pipeline.workdir", args.workdir, "--pipeline.world_size", str(args.world_size),
                         "--pipeline.local_batch_size", str(args.local_batch_size)] + (["--fresh"] if args.fresh else []))
     if rc == 0:
+        # The mlflow beside this interpreter (a checkout's .venv, or the venv the wheel went into).
+        mlflow = Path(sys.executable).parent / "mlflow"
+        shown = os.path.relpath(mlflow)
+        shown = str(mlflow) if shown.startswith("..") else shown
         print(f"freescale demo: done; shards in {Path(args.workdir) / 'shards'}, comparison in "
               f"{Path(args.workdir) / 'compare_summary.json'}; browse the runs with: "
-              ".venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db")
+              f"{shown} ui --backend-store-uri sqlite:///mlflow.db")
     return rc
 
 
