@@ -12,8 +12,11 @@ negatives (the same for every model of a seed).
 Targets (issue 16): SASRec beats most-popular under both protocols; HSTU beats SASRec on NDCG@10
 under both protocols by more than the seed spread.
 
-Usage: python benchmarks/quality_bench.py [--repeats 3] [--local-batch-size 32]
+Usage: python benchmarks/quality_bench.py [--repeats 3] [--local-batch-size 32] [--models hstu,sasrec]
                                          [--workdir out/quality-bench] [--report-only] [--section.key=value ...]
+
+``--models hstu`` trains one model only (a sweep's probe of that model's settings; the comparison
+lines need both).
 """
 from __future__ import annotations
 
@@ -41,16 +44,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bubble_bench.add_run_arguments(parser, "out/quality-bench")
     parser.set_defaults(local_batch_size=32)
-    args, args.overrides = parser.parse_known_args()  # the rest: config overrides for every run
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"which models to train, comma-separated (default {','.join(MODELS)})")
+    args, args.overrides = parser.parse_known_args()
+    models = {name: MODELS[name] for name in args.models.split(",") if name in MODELS}
+    if not models or len(models) != len(args.models.split(",")):
+        parser.error(f"--models: choose from {', '.join(MODELS)}, got {args.models!r}")  # the rest: config overrides for every run
     args.user_features, args.user_feature_cols = True, "age,gender,occupation,zip_code"
     work = (REPO / args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    results: dict[str, list[dict]] = {name: [] for name in MODELS}
-    minutes: dict[str, list[float]] = {name: [] for name in MODELS}
+    results: dict[str, list[dict]] = {name: [] for name in models}
+    minutes: dict[str, list[float]] = {name: [] for name in models}
     shards = None if args.report_only else bubble_bench.build_shards(work, args)["balanced"]
     for rep in range(args.repeats):
-        for name, extra in MODELS.items():
+        for name, extra in models.items():
             out = work / f"{name}-{rep}.json"
             if not args.report_only:
                 began = time.time()
@@ -66,23 +74,28 @@ def main() -> None:
 def report(results: dict[str, list[dict]], minutes: dict[str, list[float]], args, work: Path,
            total_s: float) -> None:
     spread = bubble_bench.spread
-    first = results["hstu"][0]
+    first = next(iter(results.values()))[0]
     print(f"\n#### Model quality: MovieLens-100K, 2 gloo ranks x {args.local_batch_size} samples, "
           f"{args.repeats} seeds (median [min, max]), {int(first['eval_samples'])} test users\n")
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; config {CONFIG} "
           f"{' '.join(args.overrides)}\n")
-    print(f"| protocol | model | {' | '.join(label for _, label in METRICS)} | best epoch | minutes |")
-    print("|" + " --- |" * (4 + len(METRICS)))
+    first_rows = next(iter(results.values()))  # most-popular is scored on every run's queries alike
+    # The validation score early stopping followed (evaluation.metric): what a sweep chooses by.
+    chosen = next((k for k in first_rows[0] if k.startswith("best_valid")), None)
+    print(f"| protocol | model | {' | '.join(label for _, label in METRICS)} | best epoch | "
+          f"{chosen.removeprefix('best_') if chosen else 'validation'} at it | minutes |")
+    print("|" + " --- |" * (5 + len(METRICS)))
     for prefix, protocol in PROTOCOLS:
         for name, rows in results.items():
             cells = [spread([r[f"{prefix}{key}"] for r in rows]) for key, _ in METRICS]
             extra = [spread([r["best_epoch"] for r in rows]).replace(".0000", ""),
+                     spread([r[chosen] for r in rows]) if chosen else "-",
                      spread(minutes[name]) if minutes[name] else "-"]
             print(f"| {protocol} | {name} | {' | '.join(cells)} | {' | '.join(extra)} |")
-        cells = [spread([r[f"popular_{prefix}{key}"] for r in results["hstu"]]) for key, _ in METRICS]
-        print(f"| {protocol} | most-popular | {' | '.join(cells)} | - | - |")
+        cells = [spread([r[f"popular_{prefix}{key}"] for r in first_rows]) for key, _ in METRICS]
+        print(f"| {protocol} | most-popular | {' | '.join(cells)} | - | - | - |")
     print()
-    for prefix, protocol in PROTOCOLS:
+    for prefix, protocol in PROTOCOLS if set(results) == set(MODELS) else ():
         key = f"{prefix}ndcg_at_10"
         sasrec = [r[key] for r in results["sasrec"]]
         popular = [r[f"popular_{key}"] for r in results["sasrec"]]
