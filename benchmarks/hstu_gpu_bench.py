@@ -69,6 +69,11 @@ class Sizes:
     """Position and time buckets (the model's default; fewer only to keep the interpreter quick)."""
     warmup: bool = True
 
+    def target_label(self, key: str) -> str:
+        """``"short"`` / ``"long"``: the target batch's name in every table, e.g. ``128 x U[1, 200]``."""
+        n, low, high = {"short": self.target_short, "long": self.target_long}[key]
+        return f"{n} x U[{low}, {high}]"
+
 
 GPU = Sizes(embedding_dim=256, num_layers=4, num_heads=4, head_dim=64, max_seq_len=2048,
             curve_lengths=(8, 16, 32, 64, 128, 256, 512, 1024, 2048), curve_samples=8,
@@ -334,8 +339,7 @@ class Bench:
         rows = []
         for key in keys:
             lengths = batches[key]
-            label = {"short": f"{s.target_short[0]} x U[{s.target_short[1]}, {s.target_short[2]}]",
-                     "long": f"{s.target_long[0]} x U[{s.target_long[1]}, {s.target_long[2]}]"}.get(key, key)
+            label = s.target_label(key) if key in ("short", "long") else key
             tri, grp = times["triton"][key], times["grouped"][key]
             rows.append([label, str(len(lengths)), str(len(set(lengths))), f"{tri * 1e3:.2f}", f"{grp * 1e3:.2f}",
                          f"{grp / tri:.1f}x"])
@@ -360,10 +364,9 @@ class Bench:
         heads, width = config.num_heads, config.attention_dim
         bias = encoder.layers[0].relative_bias
         rows = []
-        for key, label in (("short", f"{s.target_short[0]} x U[{s.target_short[1]}, {s.target_short[2]}]"),
-                           ("long", f"{s.target_long[0]} x U[{s.target_long[1]}, {s.target_long[2]}]")):
+        for key in ("short", "long"):
             lengths = curve["batches"][key]
-            values, offsets, timestamps, grad = self.batch(lengths)
+            values, offsets, timestamps, _ = self.batch(lengths)
             qkv = torch.randn(values.shape[0], 3 * heads * width, device=self.device).requires_grad_()
             attention_grad = torch.randn(values.shape[0], heads * width, device=self.device)
 
@@ -403,7 +406,7 @@ class Bench:
             layers = s.num_layers
             total = curve["times"]["triton"][key]
             attention_ms = layers * att_both
-            rows.append([label, f"{total * 1e3:.2f}", f"{float(np.median(issue)) * 1e3:.2f}",
+            rows.append([s.target_label(key), f"{total * 1e3:.2f}", f"{float(np.median(issue)) * 1e3:.2f}",
                          f"{forward * 1e3:.2f}", f"{layers * att_fwd * 1e3:.2f}",
                          f"{layers * (att_both - att_fwd) * 1e3:.2f}", f"{(total - attention_ms) * 1e3:.2f}"])
         self.emit(f"## d. Where a target batch's step goes ({self.elapsed()})")
@@ -517,11 +520,11 @@ class Bench:
         long_t = times["triton"]["long"]
         s = self.sizes
         rows = [
-            [f"{s.target_short[0]} x U[{s.target_short[1]}, {s.target_short[2]}]: triton", "<= 8 ms",
+            [f"{s.target_label('short')}: triton", "<= 8 ms",
              f"{short_t * 1e3:.2f} ms", verdict(short_t <= 8e-3)],
-            [f"{s.target_short[0]} x U[{s.target_short[1]}, {s.target_short[2]}]: grouped / triton", ">= 20x",
+            [f"{s.target_label('short')}: grouped / triton", ">= 20x",
              f"{short_g / short_t:.1f}x", verdict(short_g / short_t >= 20)],
-            [f"{s.target_long[0]} x U[{s.target_long[1]}, {s.target_long[2]}]: triton", "<= 12 ms",
+            [f"{s.target_label('long')}: triton", "<= 12 ms",
              f"{long_t * 1e3:.2f} ms", verdict(long_t <= 12e-3)],
             ["per-sample constant / cost(50)", "<= 10%", f"{fitted.share_at_50:.1%}", verdict(fitted.share_at_50 <= 0.10)],
             ["cost-model R^2, held-out mixed batches", ">= 0.98", f"{fitted.r2_held_out:.3f}",

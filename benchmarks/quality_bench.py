@@ -46,10 +46,11 @@ def main() -> None:
     parser.set_defaults(local_batch_size=32)
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"which models to train, comma-separated (default {','.join(MODELS)})")
-    args, args.overrides = parser.parse_known_args()
-    models = {name: MODELS[name] for name in args.models.split(",") if name in MODELS}
-    if not models or len(models) != len(args.models.split(",")):
-        parser.error(f"--models: choose from {', '.join(MODELS)}, got {args.models!r}")  # the rest: config overrides for every run
+    args, args.overrides = parser.parse_known_args()  # the rest: config overrides for every run
+    names = args.models.split(",")
+    if not set(names) <= set(MODELS):
+        parser.error(f"--models: choose from {', '.join(MODELS)}, got {args.models!r}")
+    models = {name: MODELS[name] for name in names}
     args.user_features, args.user_feature_cols = True, "age,gender,occupation,zip_code"
     work = (REPO / args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -74,14 +75,14 @@ def main() -> None:
 def report(results: dict[str, list[dict]], minutes: dict[str, list[float]], args, work: Path,
            total_s: float) -> None:
     spread = bubble_bench.spread
-    first = next(iter(results.values()))[0]
+    first_rows = next(iter(results.values()))  # most-popular is scored on every run's queries alike
+    first = first_rows[0]
     print(f"\n#### Model quality: MovieLens-100K, 2 gloo ranks x {args.local_batch_size} samples, "
           f"{args.repeats} seeds (median [min, max]), {int(first['eval_samples'])} test users\n")
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; config {CONFIG} "
           f"{' '.join(args.overrides)}\n")
-    first_rows = next(iter(results.values()))  # most-popular is scored on every run's queries alike
     # The validation score early stopping followed (evaluation.metric): what a sweep chooses by.
-    chosen = next((k for k in first_rows[0] if k.startswith("best_valid")), None)
+    chosen = next((k for k in first if k.startswith("best_valid")), None)
     print(f"| protocol | model | {' | '.join(label for _, label in METRICS)} | best epoch | "
           f"{chosen.removeprefix('best_') if chosen else 'validation'} at it | minutes |")
     print("|" + " --- |" * (5 + len(METRICS)))

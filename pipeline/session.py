@@ -12,6 +12,7 @@ from typing import Iterator
 from pyspark.sql import DataFrame, SparkSession
 
 from pipeline import logs
+from pipeline.errors import one_line
 
 
 def under_spark_submit() -> bool:
@@ -153,5 +154,5 @@ def checkpoints_removed(job: str) -> Iterator[None]:
                 path = context._jvm.org.apache.hadoop.fs.Path(folder)
                 path.getFileSystem(context._jsc.hadoopConfiguration()).delete(path, True)
             except Exception as exc:  # noqa: BLE001 - the job's own outcome stands
-                print(f"freescale {job}: warning: could not remove its checkpoints at {folder}: "
-                      f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+                print(f"freescale {job}: warning: could not remove its checkpoints at {folder}: {one_line(exc)}",
+                      file=sys.stderr)

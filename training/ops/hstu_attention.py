@@ -327,11 +327,16 @@ _forward_tuned = _tuned(_forward_kernel, [(64, 4), (64, 8), (128, 8), (32, 4)], 
 _backward_tuned = _tuned(_backward_kernel, [(64, 4), (64, 8), (32, 4)], ["DPOS", "DTIME"])
 
 
+def _search_steps(batch: int) -> int:
+    """Halvings of ``[0, batch)`` that ``_work_item``'s search needs to reach one sample."""
+    return max(batch - 1, 0).bit_length()
+
+
 def _launch(kernel, tuned, block: int | None, total: int, batch: int, heads: int, *args, **meta) -> None:
     """One launch over ``(work slots, heads)`` (``_work_item``); ``block`` None autotunes."""
     if block is None and os.environ.get("TRITON_INTERPRET") == "1":
         block = INTERPRETED_BLOCK  # None: autotune here too (a test drives the tuner this way)
-    search = (batch, max(batch - 1, 0).bit_length())
+    search = (batch, _search_steps(batch))
     if block is None:
         tuned[lambda m: (total // m["BLOCK"] + batch, heads)](*args, *search, **meta)
     else:
@@ -356,7 +361,7 @@ def work_items(offsets: torch.Tensor, block: int) -> torch.Tensor:
     batch = offsets.numel() - 1
     slots = int(offsets[-1]) // block + batch
     out = torch.empty(slots, 2, dtype=torch.int64, device=offsets.device)
-    _work_item_kernel[(slots,)](offsets, out, batch, max(batch - 1, 0).bit_length(), BLOCK=block)
+    _work_item_kernel[(slots,)](offsets, out, batch, _search_steps(batch), BLOCK=block)
     return out
 
 
