@@ -47,7 +47,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-12))
 
 
-def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0, shuffle_times: bool = False):
+def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0, shuffle_times: bool = False,
+                  wide_times: bool = False):
     generator = torch.Generator().manual_seed(seed)
     offsets = offsets_from_lengths(torch.tensor(lengths))
     total = int(offsets[-1])
@@ -59,17 +60,20 @@ def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0, shuffle
     timestamps = torch.cumsum(torch.randint(0, 10**6, (total,), generator=generator), 0)
     if shuffle_times:
         timestamps = timestamps[torch.randperm(total, generator=generator)]
+    if wide_times:  # gaps past 2^31 s within a sample: the kernel's 64-bit path
+        timestamps = timestamps + (torch.rand(total, generator=generator) < 0.3) * 2**33
     return q, k, v, offsets, timestamps
 
 
-def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16, shuffle_times: bool = False):
+def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16, shuffle_times: bool = False,
+             wide_times: bool = False):
     """Forward and the five gradients (q, k, v, position table, time table) of both kernels."""
     torch.manual_seed(0)
     bias = RelativeAttentionBias(config)
     with torch.no_grad():  # large biases: a wrong bucket shows
         bias.position_bias.weight.normal_(std=1.0)
         bias.time_bias.weight.normal_(std=1.0)
-    q, k, v, offsets, timestamps = jagged_inputs(lengths, config, shuffle_times=shuffle_times)
+    q, k, v, offsets, timestamps = jagged_inputs(lengths, config, shuffle_times=shuffle_times, wide_times=wide_times)
     grad = torch.randn(q.shape[0], config.num_heads * config.linear_dim)
     results = []
     for kernel in ("triton", "grouped"):
@@ -141,10 +145,12 @@ def test_work_list_visits_every_tile_of_every_sample_once(block: int) -> None:
     assert [int(s) for s in items[:, 0]] == sorted(int(s) for s in items[:, 0])  # slots run in sample order
 
 
-def test_bias_gradients_with_unsorted_timestamps() -> None:
+@pytest.mark.parametrize("wide_times", [False, True], ids=["gaps-below-2^31", "gaps-past-2^31"])
+def test_bias_gradients_with_unsorted_timestamps(wide_times: bool) -> None:
     """Out-of-order timestamps: the time buckets along a row go up and down, so a row has many
-    runs of one bucket; the run sums must still give the grouped path's table gradients."""
-    triton_out, grouped_out = run_both([29, 6], CONFIG, shuffle_times=True)
+    runs of one bucket; the run sums must still give the grouped path's table gradients. Gaps
+    past 2^31 s take the kernel's 64-bit path (tiles of real histories take the 32-bit one)."""
+    triton_out, grouped_out = run_both([29, 6], CONFIG, shuffle_times=True, wide_times=wide_times)
     for name, actual, expected in zip(NAMES, triton_out, grouped_out):
         assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
 
@@ -160,13 +166,20 @@ def test_thresholds_reproduce_the_cpu_formula_exactly() -> None:
                            log_bucket(distances, num_buckets, max_distance))
 
 
-def test_kernel_buckets_equal_log_bucket_exactly() -> None:
+@pytest.mark.parametrize("position", [True, False], ids=["position-table", "time-guess"])
+def test_kernel_buckets_equal_log_bucket_exactly(position: bool) -> None:
     generator = torch.Generator().manual_seed(0)
-    for num_buckets, max_distance in ((64, 1024), (64, 4 * 365 * 86400.0), (16, 40), (8, 5)):
+    shapes = ((64, 1024), (64, 2048), (16, 40), (8, 5)) if position else ((64, 4 * 365 * 86400.0), (16, 40), (8, 5))
+    for num_buckets, max_distance in shapes:
         distances = torch.cat([torch.arange(0, 4096),
                                torch.randint(0, int(3 * max_distance) + 2, (4096,), generator=generator)])
         expected = log_bucket(distances, num_buckets, max_distance)
-        assert torch.equal(ops.kernel_buckets(distances, num_buckets, max_distance), expected)
+        assert torch.equal(ops.kernel_buckets(distances, num_buckets, max_distance, position), expected)
+    if not position:  # blocks spanning more than 2^31 s take the 64-bit path
+        distances = torch.cat([distances, torch.randint(2**31, 2**40, (4096,), generator=generator)])
+        distances = distances[torch.randperm(distances.numel(), generator=generator)]
+        assert torch.equal(ops.kernel_buckets(distances, num_buckets, max_distance, position),
+                           log_bucket(distances, num_buckets, max_distance))
 
 
 def test_encoder_with_triton_kernel_equals_grouped_encoder(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,6 +47,8 @@ the import to run the kernels on CPU tensors (tests).
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -54,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from training.ops.relative_buckets import bucket_scale, bucket_thresholds
+from training.ops.relative_buckets import INT64_MAX, bucket_by_thresholds, bucket_scale, bucket_thresholds
 
 
 def _interpreter_scalar_index() -> None:
@@ -100,46 +102,86 @@ INTERPRETED_BLOCK: int | None = 16
 tests quick. Compiled kernels pick their tile by autotuning (``_tuned``)."""
 
 
-@triton.jit
-def _bucket(distance, thresholds, scale, NUM_BUCKETS: tl.constexpr):
-    """Bucket of int64 ``distance >= 0``: a float guess, then exact against the integer thresholds."""
-    guess = (tl.log(distance.to(tl.float32) + 1.0) * scale).to(tl.int32)
-    guess = tl.minimum(tl.maximum(guess, 0), NUM_BUCKETS - 1)
-    lower = tl.load(thresholds + guess)
-    upper = tl.load(thresholds + guess + 1)
-    return guess - (distance < lower).to(tl.int32) + (distance >= upper).to(tl.int32)
+COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
-def _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION: tl.constexpr):
-    """``q k^T`` plus both biases, fp32 ``[BLOCK, BLOCK]``."""
+def _log2(x):
+    """``log2`` by the SFU's approximation (one instruction, ~2^-22 relative error): ``tl.log2``
+    compiles to a ~20-instruction accurate routine, per tile entry. The interpreter has no PTX."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _sigmoid(x):
+    """``1 / (1 + 2^(-x log2 e))`` by the SFU's approximate ``ex2`` and ``rcp`` (4 instructions; ``tl.sigmoid``
+    compiles to ~11 with denormal and overflow handling that SiLU attention does not need)."""
+    if COMPILED:
+        return tl.inline_asm_elementwise(
+            "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; "
+            "add.ftz.f32 t, t, 0f3F800000; rcp.approx.ftz.f32 $0, t; }",
+            "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.sigmoid(x)
+
+
+@triton.jit
+def _time_bucket(gap, thresholds, scale, NUM_BUCKETS: tl.constexpr):
+    """Bucket of int32 ``gap >= 0`` (clamped by ``_clamped_gap``): a float guess lowered by 0.01 of a
+    bucket, so it is the true bucket or the one below (float32 ``log`` differs from the CPU formula
+    the thresholds come from by ~1e-5 of a bucket), then one load of the next integer threshold decides."""
+    guess = (_log2(gap.to(tl.float32) + 1.0) * scale - 0.01).to(tl.int32)
+    guess = tl.maximum(tl.minimum(guess, NUM_BUCKETS - 2), 0)
+    return guess + (gap >= tl.load(thresholds + guess + 1)).to(tl.int32)
+
+
+@triton.jit
+def _clamped_gap(t_m, t_n, gap_limit):
+    """``min(|t_m - t_n|, gap_limit)`` as int32 ``[rows, cols]`` from int64 timestamp vectors; past
+    ``gap_limit`` (the last finite threshold) every gap is in one bucket, so the clamp changes none.
+
+    When the tile's timestamps span less than 2^31 s (always, for real histories), the gaps are
+    taken in 32-bit arithmetic from the tile's earliest time, a third of the 64-bit work per entry;
+    the 64-bit path keeps any other input exact."""
+    lo = tl.minimum(tl.min(t_m, axis=0), tl.min(t_n, axis=0))
+    span = tl.maximum(tl.max(t_m, axis=0), tl.max(t_n, axis=0)) - lo
+    if (span >= 0) & (span <= 2147483647):  # negative: the span overflowed int64
+        gap = (t_m - lo).to(tl.int32)[:, None] - (t_n - lo).to(tl.int32)[None, :]
+        gap = tl.minimum(tl.where(gap < 0, -gap, gap), gap_limit)
+    else:
+        wide = t_m[:, None] - t_n[None, :]
+        gap = tl.minimum(tl.maximum(wide, -gap_limit), gap_limit).to(tl.int32)
+        gap = tl.where(gap < 0, -gap, gap)
+    return gap
+
+
+@triton.jit
+def _position_bucket(distance, lut, pos_limit):
+    """Bucket of ``i - j`` read from the per-distance table (``kernel_tables``); distances past
+    ``pos_limit`` share its bucket, negative ones (masked by the caller) read entry 0."""
+    return tl.load(lut + tl.minimum(tl.maximum(distance, 0), pos_limit))
+
+
+@triton.jit
+def _tile(q, k, rows, cols, t_m, t_n, h, H, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+          NUM_TIME: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile's scores ``q k^T`` plus both biases (fp32 ``[BLOCK, BLOCK]``) and its two bucket tiles."""
+    pos_b = _position_bucket(rows[:, None] - cols[None, :], pos_lut, pos_limit)
+    time_b = _time_bucket(_clamped_gap(t_m, t_n, gap_limit), time_thr, time_scale, NUM_TIME)
     s = tl.dot(q, tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION)
     s += tl.load(pos_w + pos_b * H + h).to(tl.float32)
     s += tl.load(time_w + time_b * H + h).to(tl.float32)
-    return s
+    return s, pos_b, time_b
 
 
 @triton.jit
-def _tile_buckets(offs_m, offs_n, t_m, t_n, valid, pos_thr, time_thr, pos_scale, time_scale,
-                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr):
-    distance = tl.where(valid, offs_m[:, None] - offs_n[None, :], 0).to(tl.int64)
-    gap = tl.where(valid, t_m[:, None] - t_n[None, :], 0)
-    gap = tl.where(gap < 0, -gap, gap)
-    return (_bucket(distance, pos_thr, pos_scale, NUM_POS),
-            _bucket(gap, time_thr, time_scale, NUM_TIME))
-
-
-@triton.jit
-def _rows(ptr, start, offs, mask, stride_t, head_offset, cols, col_mask):
-    """``[BLOCK, BLOCK_D]`` tile of one head: rows ``start + offs``, zero where masked."""
-    return tl.load(ptr + (start + offs)[:, None] * stride_t + head_offset + cols[None, :],
-                   mask=mask[:, None] & col_mask, other=0.0)
-
-
-@triton.jit
-def _score_grad(dw, s, sig, valid, inv_n):
+def _score_grad(dw, s, sig, inv_n):
     """``dS`` from ``dW`` through ``W = SiLU(S) / n``: SiLU'(s) = sig(s) (1 + s (1 - sig(s)))."""
-    return tl.where(valid, dw * sig * (1.0 + s * (1.0 - sig)) * inv_n, 0.0)
+    return dw * sig * (1.0 + s * (1.0 - sig)) * inv_n
 
 
 @triton.jit
@@ -181,127 +223,221 @@ def _work_item(offsets, num_samples, search_steps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _forward_tile(acc, q, k_base, v_base, rows, n0, t_m, t_base, h, H, n, inv_n, stride_kt, stride_vt,
+                  pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                  DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
+    """``acc += W V`` over key tile ``n0``. Off the diagonal every key is in the sample and before
+    every query, so nothing is masked; query rows past the sample are garbage nobody stores."""
+    cols = n0 + tl.arange(0, BLOCK)
+    dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
+    if DIAGONAL:
+        in_sample = cols < n
+        k = tl.load(k_base + cols[:, None] * stride_kt + dq_range[None, :],
+                    mask=in_sample[:, None] & (dq_range < DQ)[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + dv_range[None, :],
+                    mask=in_sample[:, None] & (dv_range < DV)[None, :], other=0.0)
+        t_n = tl.load(t_base + tl.minimum(cols, n - 1))
+    else:
+        k = tl.load(k_base + cols[:, None] * stride_kt + dq_range[None, :], mask=(dq_range < DQ)[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + dv_range[None, :], mask=(dv_range < DV)[None, :], other=0.0)
+        t_n = tl.load(t_base + cols)
+    s, _, _ = _tile(q, k, rows, cols, t_m, t_n, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
+                    pos_limit, gap_limit, NUM_TIME, PRECISION)
+    w = s * _sigmoid(s) * inv_n
+    if DIAGONAL:
+        w = tl.where(rows[:, None] >= cols[None, :], w, 0.0)
+    return acc + tl.dot(w.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
+
+
+@triton.jit
 def _forward_kernel(
-    Q, K, V, OUT, offsets, times, pos_w, time_w, pos_thr, time_thr,
+    Q, K, V, OUT, offsets, times, pos_w, time_w, pos_lut, time_thr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    H, normalizer, pos_scale, time_scale, num_samples, search_steps,
+    H, normalizer, time_scale, pos_limit, gap_limit, num_samples, search_steps,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
     _, start, n, m0 = _work_item(offsets, num_samples, search_steps, BLOCK)
     if m0 >= n:
         return
     inv_n = 1.0 / tl.where(normalizer > 0, normalizer, n).to(tl.float32)
-    offs_m = m0 + tl.arange(0, BLOCK)
-    mask_m = offs_m < n
+    # 64-bit row offsets once per program; within a sample, 32-bit arithmetic.
+    q_base = Q + start * stride_qt + h * stride_qh
+    k_base = K + start * stride_kt + h * stride_kh
+    v_base = V + start * stride_vt + h * stride_vh
+    t_base = times + start
+    rows = m0 + tl.arange(0, BLOCK)
+    in_sample = rows < n
     dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
-    q = _rows(Q, start, offs_m, mask_m, stride_qt, h * stride_qh, dq_range, (dq_range < DQ)[None, :])
-    t_m = tl.load(times + start + offs_m, mask=mask_m, other=0)
+    q = tl.load(q_base + rows[:, None] * stride_qt + dq_range[None, :],
+                mask=in_sample[:, None] & (dq_range < DQ)[None, :], other=0.0)
+    # Rows past the sample read its last timestamp (not 0), which keeps each tile's time span
+    # that of the sample, so _clamped_gap's 32-bit path holds there too.
+    t_m = tl.load(t_base + tl.minimum(rows, n - 1))
     acc = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
-    for n0 in range(0, m0 + BLOCK, BLOCK):
-        offs_n = n0 + tl.arange(0, BLOCK)
-        mask_n = offs_n < n
-        k = _rows(K, start, offs_n, mask_n, stride_kt, h * stride_kh, dq_range, (dq_range < DQ)[None, :])
-        v = _rows(V, start, offs_n, mask_n, stride_vt, h * stride_vh, dv_range, (dv_range < DV)[None, :])
-        t_n = tl.load(times + start + offs_n, mask=mask_n, other=0)
-        valid = mask_m[:, None] & mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
-        pos_b, time_b = _tile_buckets(offs_m, offs_n, t_m, t_n, valid, pos_thr, time_thr,
-                                      pos_scale, time_scale, NUM_POS, NUM_TIME)
-        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION)
-        w = tl.where(valid, s * tl.sigmoid(s) * inv_n, 0.0)
-        acc += tl.dot(w.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
-    tl.store(OUT + (start + offs_m)[:, None] * stride_ot + h * stride_oh + dv_range[None, :],
-             acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & (dv_range < DV)[None, :])
+    for n0 in range(0, m0, BLOCK):
+        acc = _forward_tile(acc, q, k_base, v_base, rows, n0, t_m, t_base, h, H, n, inv_n, stride_kt, stride_vt,
+                            pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                            DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
+    acc = _forward_tile(acc, q, k_base, v_base, rows, m0, t_m, t_base, h, H, n, inv_n, stride_kt, stride_vt,
+                        pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                        DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
+    tl.store(OUT + (start + rows)[:, None] * stride_ot + h * stride_oh + dv_range[None, :],
+             acc.to(OUT.dtype.element_ty), mask=in_sample[:, None] & (dv_range < DV)[None, :])
+
+
+@triton.jit
+def _key_tile_grads(dk, dv, k, v, own, t_own, after, t_after, i0, q_base, g_base, t_base, h, H, n, inv_n,
+                    stride_qt, stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                    grad_pos, grad_time,
+                    DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
+    """Query tile ``i0`` against this program's key tile: ``dK``, ``dV`` and both bias tables.
+    Query rows past the sample load ``dO = 0``, so their ``dS`` is exactly 0 without a mask."""
+    rows = i0 + tl.arange(0, BLOCK)
+    in_sample = rows < n
+    dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
+    q = tl.load(q_base + rows[:, None] * stride_qt + dq_range[None, :],
+                mask=in_sample[:, None] & (dq_range < DQ)[None, :], other=0.0)
+    g = tl.load(g_base + rows[:, None] * stride_gt + dv_range[None, :],
+                mask=in_sample[:, None] & (dv_range < DV)[None, :], other=0.0)
+    t_m = tl.load(t_base + tl.minimum(rows, n - 1))
+    s, pos_b, time_b = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
+                             pos_limit, gap_limit, NUM_TIME, PRECISION)
+    sig = _sigmoid(s)
+    w = s * sig * inv_n
+    ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, sig, inv_n)
+    # Run ends of the bias gradients: each entry against its right neighbour (-1: no neighbour).
+    pos_next = _position_bucket(rows[:, None] - after[None, :], pos_lut, pos_limit)
+    time_next = _time_bucket(_clamped_gap(t_m, t_after, gap_limit), time_thr, time_scale,
+                             NUM_TIME)
+    has_next = (tl.arange(0, BLOCK) < BLOCK - 1)[None, :] & in_sample[:, None]
+    if DIAGONAL:
+        causal = rows[:, None] >= own[None, :]
+        w = tl.where(causal, w, 0.0)
+        ds = tl.where(causal, ds, 0.0)
+        counted = causal & in_sample[:, None]
+        has_next = has_next & (rows[:, None] >= after[None, :])
+    else:
+        counted = in_sample[:, None] & (own >= 0)[None, :]
+    dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
+    _add_runs(grad_pos, ds, tl.where(counted, pos_b, -1), tl.where(has_next, pos_next, -1), h, H)
+    _add_runs(grad_time, ds, tl.where(counted, time_b, -1), tl.where(has_next, time_next, -1), h, H)
+    return dk, dv
+
+
+@triton.jit
+def _query_tile_grad(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt, stride_vt,
+                     pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
+    """Key tile ``j0`` against this program's query tile: ``dQ``."""
+    cols = j0 + tl.arange(0, BLOCK)
+    dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
+    if DIAGONAL:
+        in_sample = cols < n
+        k = tl.load(k_base + cols[:, None] * stride_kt + dq_range[None, :],
+                    mask=in_sample[:, None] & (dq_range < DQ)[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + dv_range[None, :],
+                    mask=in_sample[:, None] & (dv_range < DV)[None, :], other=0.0)
+        t_n = tl.load(t_base + tl.minimum(cols, n - 1))
+    else:
+        k = tl.load(k_base + cols[:, None] * stride_kt + dq_range[None, :], mask=(dq_range < DQ)[None, :], other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vt + dv_range[None, :], mask=(dv_range < DV)[None, :], other=0.0)
+        t_n = tl.load(t_base + cols)
+    s, _, _ = _tile(q, k, own, cols, t_own, t_n, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
+                    pos_limit, gap_limit, NUM_TIME, PRECISION)
+    ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, _sigmoid(s),
+                     inv_n)
+    if DIAGONAL:
+        ds = tl.where(own[:, None] >= cols[None, :], ds, 0.0)
+    return dq + tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
 
 
 @triton.jit
 def _backward_kernel(
-    Q, K, V, DOUT, DQ_OUT, DK_OUT, DV_OUT, DPOS, DTIME,
-    offsets, times, pos_w, time_w, pos_thr, time_thr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    H, normalizer, pos_scale, time_scale, num_samples, search_steps,
+    Q, K, V, DOUT, DQ_OUT, DK_OUT, DV_OUT, DBIAS,
+    offsets, times, pos_w, time_w, pos_lut, time_thr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+    H, normalizer, time_scale, pos_limit, gap_limit, num_samples, search_steps,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr,
+    STRIPES: tl.constexpr,
 ):
     h = tl.program_id(1)
     _, start, n, m0 = _work_item(offsets, num_samples, search_steps, BLOCK)
     if m0 >= n:
         return
     inv_n = 1.0 / tl.where(normalizer > 0, normalizer, n).to(tl.float32)
+    q_base = Q + start * stride_qt + h * stride_qh
+    k_base = K + start * stride_kt + h * stride_kh
+    v_base = V + start * stride_vt + h * stride_vh
+    g_base = DOUT + start * stride_gt + h * stride_gh
+    t_base = times + start
+    # Both bias tables' gradients, in one of STRIPES copies: programs spread their atomics over
+    # the copies instead of all meeting on the few entries far distances and gaps fall in.
+    grad_pos = DBIAS + (tl.program_id(0) % STRIPES) * (NUM_POS + NUM_TIME) * H
+    grad_time = grad_pos + NUM_POS * H
     dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
     q_cols, v_cols = (dq_range < DQ)[None, :], (dv_range < DV)[None, :]
-    # The gradient outputs are contiguous [T, H, D] buffers allocated by the wrapper.
-    g_q_row, g_v_row = H * DQ, H * DV
     own = m0 + tl.arange(0, BLOCK)
-    mask_own = own < n
-    t_own = tl.load(times + start + own, mask=mask_own, other=0)
-    # Each key column's right neighbour, for the runs of the bias gradients (_add_runs).
-    after = own + 1
-    mask_after = (after < n) & (tl.arange(0, BLOCK) < BLOCK - 1)
-    t_after = tl.load(times + start + after, mask=mask_after, other=0)
+    in_sample = own < n
+    t_own = tl.load(t_base + tl.minimum(own, n - 1))
+    after = own + 1  # each key column's right neighbour, for the runs of the bias gradients
+    t_after = tl.load(t_base + tl.minimum(after, n - 1))
 
     # Phase 1: this program's tile as keys -> dK, dV, bias-table gradients.
-    k = _rows(K, start, own, mask_own, stride_kt, h * stride_kh, dq_range, q_cols)
-    v = _rows(V, start, own, mask_own, stride_vt, h * stride_vh, dv_range, v_cols)
+    k = tl.load(k_base + own[:, None] * stride_kt + dq_range[None, :], mask=in_sample[:, None] & q_cols, other=0.0)
+    v = tl.load(v_base + own[:, None] * stride_vt + dv_range[None, :], mask=in_sample[:, None] & v_cols, other=0.0)
     dk = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
-    for i0 in range(m0, n, BLOCK):
-        offs_m = i0 + tl.arange(0, BLOCK)
-        mask_m = offs_m < n
-        q = _rows(Q, start, offs_m, mask_m, stride_qt, h * stride_qh, dq_range, q_cols)
-        g = _rows(DOUT, start, offs_m, mask_m, stride_dot, h * stride_doh, dv_range, v_cols)
-        t_m = tl.load(times + start + offs_m, mask=mask_m, other=0)
-        valid = mask_m[:, None] & mask_own[None, :] & (offs_m[:, None] >= own[None, :])
-        pos_b, time_b = _tile_buckets(offs_m, own, t_m, t_own, valid, pos_thr, time_thr,
-                                      pos_scale, time_scale, NUM_POS, NUM_TIME)
-        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION)
-        sig = tl.sigmoid(s)
-        w = tl.where(valid, s * sig * inv_n, 0.0)
-        dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
-        dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION)
-        ds = _score_grad(dw, s, sig, valid, inv_n)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
-        valid_after = mask_m[:, None] & mask_after[None, :] & (offs_m[:, None] >= after[None, :])
-        pos_after, time_after = _tile_buckets(offs_m, after, t_m, t_after, valid_after, pos_thr, time_thr,
-                                              pos_scale, time_scale, NUM_POS, NUM_TIME)
-        pos_after, time_after = tl.where(valid_after, pos_after, -1), tl.where(valid_after, time_after, -1)
-        _add_runs(DPOS, ds, tl.where(valid, pos_b, -1), pos_after, h, H)
-        _add_runs(DTIME, ds, tl.where(valid, time_b, -1), time_after, h, H)
-    tl.store(DK_OUT + (start + own)[:, None] * g_q_row + h * DQ + dq_range[None, :],
-             dk.to(DK_OUT.dtype.element_ty), mask=mask_own[:, None] & q_cols)
-    tl.store(DV_OUT + (start + own)[:, None] * g_v_row + h * DV + dv_range[None, :],
-             dv.to(DV_OUT.dtype.element_ty), mask=mask_own[:, None] & v_cols)
+    dk, dv = _key_tile_grads(dk, dv, k, v, own, t_own, after, t_after, m0, q_base, g_base, t_base, h, H, n, inv_n,
+                             stride_qt, stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit,
+                             gap_limit, grad_pos, grad_time,
+                             DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
+    for i0 in range(m0 + BLOCK, n, BLOCK):
+        dk, dv = _key_tile_grads(dk, dv, k, v, own, t_own, after, t_after, i0, q_base, g_base, t_base, h, H, n,
+                                 inv_n, stride_qt, stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale,
+                                 pos_limit, gap_limit, grad_pos, grad_time,
+                                 DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
+    # The gradient outputs are contiguous [T, H, D] buffers allocated by the wrapper.
+    tl.store(DK_OUT + ((start + own) * H + h)[:, None] * DQ + dq_range[None, :],
+             dk.to(DK_OUT.dtype.element_ty), mask=in_sample[:, None] & q_cols)
+    tl.store(DV_OUT + ((start + own) * H + h)[:, None] * DV + dv_range[None, :],
+             dv.to(DV_OUT.dtype.element_ty), mask=in_sample[:, None] & v_cols)
 
     # Phase 2: this program's tile as queries -> dQ.
-    q = _rows(Q, start, own, mask_own, stride_qt, h * stride_qh, dq_range, q_cols)
-    g = _rows(DOUT, start, own, mask_own, stride_dot, h * stride_doh, dv_range, v_cols)
+    q = tl.load(q_base + own[:, None] * stride_qt + dq_range[None, :], mask=in_sample[:, None] & q_cols, other=0.0)
+    g = tl.load(g_base + own[:, None] * stride_gt + dv_range[None, :], mask=in_sample[:, None] & v_cols, other=0.0)
     dq = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
-    for j0 in range(0, m0 + BLOCK, BLOCK):
-        offs_n = j0 + tl.arange(0, BLOCK)
-        mask_n = offs_n < n
-        k = _rows(K, start, offs_n, mask_n, stride_kt, h * stride_kh, dq_range, q_cols)
-        v = _rows(V, start, offs_n, mask_n, stride_vt, h * stride_vh, dv_range, v_cols)
-        t_n = tl.load(times + start + offs_n, mask=mask_n, other=0)
-        valid = mask_own[:, None] & mask_n[None, :] & (own[:, None] >= offs_n[None, :])
-        pos_b, time_b = _tile_buckets(own, offs_n, t_own, t_n, valid, pos_thr, time_thr,
-                                      pos_scale, time_scale, NUM_POS, NUM_TIME)
-        s = _scores(q, k, pos_b, time_b, pos_w, time_w, h, H, PRECISION)
-        sig = tl.sigmoid(s)
-        dw = tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION)
-        ds = _score_grad(dw, s, sig, valid, inv_n)
-        dq += tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
-    tl.store(DQ_OUT + (start + own)[:, None] * g_q_row + h * DQ + dq_range[None, :],
-             dq.to(DQ_OUT.dtype.element_ty), mask=mask_own[:, None] & q_cols)
+    for j0 in range(0, m0, BLOCK):
+        dq = _query_tile_grad(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt, stride_vt,
+                              pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                              DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
+    dq = _query_tile_grad(dq, q, g, own, t_own, m0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt, stride_vt,
+                          pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                          DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
+    tl.store(DQ_OUT + ((start + own) * H + h)[:, None] * DQ + dq_range[None, :],
+             dq.to(DQ_OUT.dtype.element_ty), mask=in_sample[:, None] & q_cols)
 
 
 @triton.jit
-def _bucket_kernel(DIST, OUT, thresholds, scale, count, NUM_BUCKETS: tl.constexpr, BLOCK: tl.constexpr):
-    """The kernels' bucketing alone, for testing it against ``log_bucket``."""
+def _bucket_kernel(DIST, OUT, table, scale, limit, count, POSITION: tl.constexpr, NUM_BUCKETS: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """The kernels' bucketing alone (``POSITION``: the per-distance table; else the time guess
+    against thresholds), for testing it against ``log_bucket``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < count
     distance = tl.load(DIST + offs, mask=mask, other=0)
-    tl.store(OUT + offs, _bucket(distance, thresholds, scale, NUM_BUCKETS).to(tl.int64), mask=mask)
+    if POSITION:
+        bucket = _position_bucket(distance.to(tl.int32), table, limit)
+    else:
+        bucket = _time_bucket(tl.reshape(_clamped_gap(distance, tl.zeros([1], tl.int64), limit), [BLOCK]), table, scale,
+                              NUM_BUCKETS)
+    tl.store(OUT + offs, bucket.to(tl.int64), mask=mask)
 
 
 @triton.jit
@@ -313,18 +449,23 @@ def _work_item_kernel(offsets, OUT, num_samples, search_steps, BLOCK: tl.constex
     tl.store(OUT + 2 * p + 1, tl.where(m0 < n, m0, -1).to(tl.int64))
 
 
-def _tuned(kernel, configs: list[tuple[int, int]], reset: list[str]):
-    """``kernel`` autotuned over ``(BLOCK, num_warps)`` once per head widths; ``reset`` names the
-    buffers it accumulates into, zeroed before each trial so the trials leave no sum behind."""
+def _tuned(kernel, configs: list[tuple[int, int, int]], reset: list[str]):
+    """``kernel`` autotuned over ``(BLOCK, num_warps, num_stages)`` once per head widths; ``reset``
+    names the buffers it accumulates into, zeroed before each trial so the trials leave no sum behind."""
     return triton.autotune(
-        configs=[triton.Config({"BLOCK": block}, num_warps=warps) for block, warps in configs],
+        configs=[triton.Config({"BLOCK": block}, num_warps=warps, num_stages=stages)
+                 for block, warps, stages in configs],
         key=["DQ", "DV"], reset_to_zero=reset or None,
     )(kernel)
 
 
-# Untimed on this project's machines (no GPU to tune on): a small grid around FlashAttention's 64x64.
-_forward_tuned = _tuned(_forward_kernel, [(64, 4), (64, 8), (128, 8), (32, 4)], [])
-_backward_tuned = _tuned(_backward_kernel, [(64, 4), (64, 8), (32, 4)], ["DPOS", "DTIME"])
+# Chosen by what sm_90 compiles them to, not by timing (no GPU to tune on; see
+# benchmarks/kernel_static.py): configs that spill or need more shared memory than an SM has are left out.
+_forward_tuned = _tuned(_forward_kernel, [(64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 1)], [])
+_backward_tuned = _tuned(_backward_kernel, [(64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 8, 1)], ["DBIAS"])
+
+BIAS_STRIPES = 16
+"""Copies of the bias-table gradients the backward's programs spread their atomics over."""
 
 
 def _search_steps(batch: int) -> int:
@@ -343,14 +484,68 @@ def _launch(kernel, tuned, block: int | None, total: int, batch: int, heads: int
         kernel[(total // block + batch, heads)](*args, *search, BLOCK=block, **meta)
 
 
-def kernel_buckets(distance: torch.Tensor, num_buckets: int, max_distance: float) -> torch.Tensor:
-    """Buckets of int64 ``distance >= 0`` as the attention kernels compute them."""
+INT32_MAX = 2**31 - 1
+POSITION_TABLE_LIMIT = 2**20
+"""Longest distance the position table spells out (4 MiB); histories are far shorter."""
+
+
+@dataclass(frozen=True)
+class KernelTables:
+    """The bucket definitions (``training.ops.relative_buckets``) in the form the kernels read them."""
+
+    position: torch.Tensor
+    """``[pos_limit + 1]`` int32: the bucket of each distance ``i - j``."""
+    pos_limit: int
+    """The last position threshold: every longer distance is in its bucket."""
+    time_thresholds: torch.Tensor
+    """``[num_time_buckets + 1]`` int32 thresholds; ``INT32_MAX`` for a bucket no gap reaches."""
+    gap_limit: int
+    """The last finite time threshold: the kernels clamp gaps to it, which changes no bucket."""
+    time_scale: float
+
+
+@functools.lru_cache(maxsize=32)
+def kernel_tables(spec: BiasSpec, device: torch.device) -> KernelTables:
+    """Built once per spec and device and never written to (a copy per layer would be a host-to-device
+    copy per layer, which waits for the GPU)."""
+    def last_finite(thresholds: torch.Tensor) -> int:
+        return int(thresholds[thresholds < INT64_MAX].max())
+
+    position = bucket_thresholds(spec.num_position_buckets, spec.max_position)
+    pos_limit = last_finite(position)
+    if pos_limit > POSITION_TABLE_LIMIT:
+        raise ValueError(f"max_position {spec.max_position} needs a {pos_limit + 1}-entry position table; "
+                         f"the kernel takes at most {POSITION_TABLE_LIMIT + 1}")
+    time = bucket_thresholds(spec.num_time_buckets, spec.max_time_gap)
+    gap_limit = last_finite(time)
+    if gap_limit >= INT32_MAX:
+        raise ValueError(f"max_time_gap {spec.max_time_gap} s puts a time bucket past 2^31 s, "
+                         "beyond the kernel's 32-bit gaps")
+    return KernelTables(
+        position=bucket_by_thresholds(torch.arange(pos_limit + 1), spec.num_position_buckets, spec.max_position)
+        .to(torch.int32).to(device),
+        pos_limit=pos_limit,
+        time_thresholds=time.clamp(max=INT32_MAX).to(torch.int32).to(device),
+        gap_limit=gap_limit,
+        time_scale=bucket_scale(spec.num_time_buckets, spec.max_time_gap) * math.log(2.0),  # per log2 unit
+    )
+
+
+def kernel_buckets(distance: torch.Tensor, num_buckets: int, max_distance: float, position: bool) -> torch.Tensor:
+    """Buckets of int64 ``distance >= 0`` as the attention kernels compute them: a position
+    (``i - j``, from the per-distance table) or a time gap (a guess, then the thresholds)."""
     distance = distance.to(torch.int64).contiguous()
     out = torch.empty_like(distance)
+    # The other table of the pair is a one-bucket stand-in.
+    spec = (BiasSpec(num_buckets, max_distance, 1, 1, normalizer=0) if position
+            else BiasSpec(1, 1, num_buckets, max_distance, normalizer=0))
+    tables = kernel_tables(spec, distance.device)
+    table, limit = ((tables.position, tables.pos_limit) if position
+                    else (tables.time_thresholds, tables.gap_limit))
     block = 1024
     _bucket_kernel[(triton.cdiv(distance.numel(), block),)](
-        distance, out, bucket_thresholds(num_buckets, max_distance, distance.device),
-        bucket_scale(num_buckets, max_distance), distance.numel(), NUM_BUCKETS=num_buckets, BLOCK=block)
+        distance, out, table, tables.time_scale, limit, distance.numel(),
+        POSITION=position, NUM_BUCKETS=num_buckets, BLOCK=block)
     return out
 
 
@@ -378,53 +573,52 @@ class _JaggedHSTUAttention(torch.autograd.Function):
         total, heads, dq = q.shape
         dv = v.shape[2]
         out = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
-        pos_thr = bucket_thresholds(spec.num_position_buckets, spec.max_position, q.device)
-        time_thr = bucket_thresholds(spec.num_time_buckets, spec.max_time_gap, q.device)
+        tables = kernel_tables(spec, q.device)
         if total and offsets.numel() > 1:
             _launch(
                 _forward_kernel, _forward_tuned, block, total, offsets.numel() - 1, heads,
-                q, k, v, out, offsets, timestamps, position_weight, time_weight, pos_thr, time_thr,
+                q, k, v, out, offsets, timestamps, position_weight, time_weight, tables.position,
+                tables.time_thresholds,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1),
-                heads, spec.normalizer,
-                bucket_scale(spec.num_position_buckets, spec.max_position),
-                bucket_scale(spec.num_time_buckets, spec.max_time_gap),
+                heads, spec.normalizer, tables.time_scale, tables.pos_limit, tables.gap_limit,
                 DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
                 BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets, PRECISION=precision,
+                NUM_TIME=spec.num_time_buckets, PRECISION=precision,
             )
-        ctx.save_for_backward(q, k, v, position_weight, time_weight, offsets, timestamps, pos_thr, time_thr)
+        ctx.save_for_backward(q, k, v, position_weight, time_weight, offsets, timestamps)
         ctx.spec, ctx.block, ctx.precision = spec, block, precision
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, position_weight, time_weight, offsets, timestamps, pos_thr, time_thr = ctx.saved_tensors
+        q, k, v, position_weight, time_weight, offsets, timestamps = ctx.saved_tensors
         spec, block = ctx.spec, ctx.block
         total, heads, dq = q.shape
         dv = v.shape[2]
+        tables = kernel_tables(spec, q.device)
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
         grad_q = torch.empty(total, heads, dq, dtype=q.dtype, device=q.device)
         grad_k = torch.empty(total, heads, dq, dtype=k.dtype, device=k.device)
         grad_v = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
-        grad_pos = torch.zeros(position_weight.shape, dtype=torch.float32, device=q.device)
-        grad_time = torch.zeros(time_weight.shape, dtype=torch.float32, device=q.device)
+        num_pos = spec.num_position_buckets
+        grad_bias = torch.zeros(BIAS_STRIPES, num_pos + spec.num_time_buckets, heads, dtype=torch.float32,
+                                device=q.device)
         if total and offsets.numel() > 1:
             _launch(
                 _backward_kernel, _backward_tuned, block, total, offsets.numel() - 1, heads,
-                q, k, v, grad_out, grad_q, grad_k, grad_v, grad_pos, grad_time,
-                offsets, timestamps, position_weight, time_weight, pos_thr, time_thr,
+                q, k, v, grad_out, grad_q, grad_k, grad_v, grad_bias,
+                offsets, timestamps, position_weight, time_weight, tables.position, tables.time_thresholds,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 grad_out.stride(0), grad_out.stride(1),
-                heads, spec.normalizer,
-                bucket_scale(spec.num_position_buckets, spec.max_position),
-                bucket_scale(spec.num_time_buckets, spec.max_time_gap),
+                heads, spec.normalizer, tables.time_scale, tables.pos_limit, tables.gap_limit,
                 DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
                 BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                NUM_POS=spec.num_position_buckets, NUM_TIME=spec.num_time_buckets, PRECISION=ctx.precision,
+                NUM_POS=num_pos, NUM_TIME=spec.num_time_buckets, PRECISION=ctx.precision, STRIPES=BIAS_STRIPES,
             )
-        return (grad_q, grad_k, grad_v, grad_pos.to(position_weight.dtype), grad_time.to(time_weight.dtype),
-                None, None, None, None, None)
+        grad_bias = grad_bias.sum(0)
+        return (grad_q, grad_k, grad_v, grad_bias[:num_pos].to(position_weight.dtype),
+                grad_bias[num_pos:].to(time_weight.dtype), None, None, None, None, None)
 
 
 def jagged_hstu_attention(
