@@ -22,24 +22,31 @@ long one launches its own tiles, not as many as the longest sample has.
 
 Forward: a program loops over its query tile's key tiles up to the diagonal,
 recomputing the bias from positions and timestamps (nothing ``L x L`` is ever
-stored). Backward, one launch, two phases per program (as FlashAttention-2's
-Triton backward): phase 1 owns key tile ``m`` and accumulates ``dK``, ``dV`` and
-the bias-table gradients over the query tiles at and below the diagonal; phase 2
-owns query tile ``m`` and accumulates ``dQ``. With ``w = SiLU(s) / n``::
+stored); only the diagonal tile is masked. Backward, one launch, two phases per
+program (as FlashAttention-2's Triton backward): phase 1 owns key tile ``m`` and
+accumulates ``dK`` and ``dV`` over the query tiles at and below the diagonal; phase 2
+owns query tile ``m`` and accumulates ``dQ`` and the bias-table gradients (phase 1
+already holds four tiles in registers). With ``w = SiLU(s) / n``::
 
     dV_j += w_ij dO_i        dW_ij = dO_i . v_j
     dS_ij = dW_ij * SiLU'(s_ij) / n          SiLU'(s) = sig(s) (1 + s (1 - sig(s)))
     dK_j += dS_ij q_i        dQ_i += dS_ij k_j
     d pos_w[pb(i-j), h] += dS_ij             d time_w[tb(.), h] += dS_ij
 
+Per tile entry the bias is most of the work (the dots run on tensor cores), so it is
+kept cheap: the position bucket is read from a per-distance table, the time bucket
+is a float guess and one threshold load, gaps are 32-bit when a tile's timestamps
+span less than 2^31 s, and ``log2`` and the sigmoid use the SFU's one-instruction
+approximations (errors ~1e-7, below TF32's). ``benchmarks/kernel_static.py`` counts
+what each costs in the compiled sm_90 code.
+
 The bias gradients are a scatter into tiny tables (``_add_runs``). Along a row of a
 tile the bucket changes only where the distance or gap crosses a threshold, so the
 row's ``dS`` falls into a few runs of one bucket each; a prefix sum along the row
 gives every run's total as the difference of the prefix at its two ends, and only
-those ends are added to the table (fp32 atomics, a few per row). Summing the tile
-once per bucket instead would cost dozens of full-tile reductions near the diagonal,
-where a tile spans dozens of buckets. The atomics' order makes these two gradients
-non-deterministic in the last bits on a GPU, which the other five are not.
+those ends are added to the table (relaxed fp32 atomics, a few per row, spread over
+``BIAS_STRIPES`` copies that the wrapper sums). The atomics' order makes these two
+gradients non-deterministic in the last bits on a GPU, which the other five are not.
 
 Import cost: triton is imported when this module is; ``training.hstu`` imports it
 only when the Triton kernel is selected. ``TRITON_INTERPRET=1`` must be set before
@@ -196,8 +203,10 @@ def _add_runs(table, ds, buckets, next_buckets, h, H):
     """
     prefix = tl.cumsum(ds, axis=1)
     ends = buckets != next_buckets
-    tl.atomic_add(table + buckets * H + h, prefix, mask=ends & (buckets >= 0))
-    tl.atomic_add(table + next_buckets * H + h, -prefix, mask=ends & (next_buckets >= 0))
+    # Relaxed: nothing in this launch reads the sums, so the default acq_rel's fence per add
+    # (a GPU-wide MEMBAR for each of a thread's dozens of adds per tile) buys nothing.
+    tl.atomic_add(table + buckets * H + h, prefix, mask=ends & (buckets >= 0), sem="relaxed")
+    tl.atomic_add(table + next_buckets * H + h, -prefix, mask=ends & (next_buckets >= 0), sem="relaxed")
 
 
 @triton.jit
@@ -289,13 +298,12 @@ def _forward_kernel(
 
 
 @triton.jit
-def _key_tile_grads(dk, dv, k, v, own, t_own, after, t_after, i0, q_base, g_base, t_base, h, H, n, inv_n,
-                    stride_qt, stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                    grad_pos, grad_time,
+def _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt, stride_gt,
+                    pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
                     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
-    """Query tile ``i0`` against this program's key tile: ``dK``, ``dV`` and both bias tables.
-    Query rows past the sample load ``dO = 0``, so their ``dS`` is exactly 0 without a mask."""
+    """Query tile ``i0`` against this program's key tile: ``dK`` and ``dV``. Query rows past the
+    sample load ``dO = 0``, so their ``dS`` is exactly 0 without a mask."""
     rows = i0 + tl.arange(0, BLOCK)
     in_sample = rows < n
     dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
@@ -304,37 +312,28 @@ def _key_tile_grads(dk, dv, k, v, own, t_own, after, t_after, i0, q_base, g_base
     g = tl.load(g_base + rows[:, None] * stride_gt + dv_range[None, :],
                 mask=in_sample[:, None] & (dv_range < DV)[None, :], other=0.0)
     t_m = tl.load(t_base + tl.minimum(rows, n - 1))
-    s, pos_b, time_b = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
-                             pos_limit, gap_limit, NUM_TIME, PRECISION)
+    s, _, _ = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
+                    pos_limit, gap_limit, NUM_TIME, PRECISION)
     sig = _sigmoid(s)
     w = s * sig * inv_n
     ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, sig, inv_n)
-    # Run ends of the bias gradients: each entry against its right neighbour (-1: no neighbour).
-    pos_next = _position_bucket(rows[:, None] - after[None, :], pos_lut, pos_limit)
-    time_next = _time_bucket(_clamped_gap(t_m, t_after, gap_limit), time_thr, time_scale,
-                             NUM_TIME)
-    has_next = (tl.arange(0, BLOCK) < BLOCK - 1)[None, :] & in_sample[:, None]
     if DIAGONAL:
         causal = rows[:, None] >= own[None, :]
         w = tl.where(causal, w, 0.0)
         ds = tl.where(causal, ds, 0.0)
-        counted = causal & in_sample[:, None]
-        has_next = has_next & (rows[:, None] >= after[None, :])
-    else:
-        counted = in_sample[:, None] & (own >= 0)[None, :]
     dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
-    _add_runs(grad_pos, ds, tl.where(counted, pos_b, -1), tl.where(has_next, pos_next, -1), h, H)
-    _add_runs(grad_time, ds, tl.where(counted, time_b, -1), tl.where(has_next, time_next, -1), h, H)
     return dk, dv
 
 
 @triton.jit
-def _query_tile_grad(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt, stride_vt,
-                     pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
-    """Key tile ``j0`` against this program's query tile: ``dQ``."""
+def _query_tile_grads(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt, stride_vt,
+                      pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit, grad_pos, grad_time,
+                      DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                      BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr,
+                      DIAGONAL: tl.constexpr):
+    """Key tile ``j0`` against this program's query tile: ``dQ`` and both bias tables (here, not
+    with ``dK``/``dV``, where four accumulated tiles already hold most registers)."""
     cols = j0 + tl.arange(0, BLOCK)
     dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
     if DIAGONAL:
@@ -348,12 +347,27 @@ def _query_tile_grad(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n, 
         k = tl.load(k_base + cols[:, None] * stride_kt + dq_range[None, :], mask=(dq_range < DQ)[None, :], other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vt + dv_range[None, :], mask=(dv_range < DV)[None, :], other=0.0)
         t_n = tl.load(t_base + cols)
-    s, _, _ = _tile(q, k, own, cols, t_own, t_n, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
-                    pos_limit, gap_limit, NUM_TIME, PRECISION)
+    s, pos_b, time_b = _tile(q, k, own, cols, t_own, t_n, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
+                             pos_limit, gap_limit, NUM_TIME, PRECISION)
     ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, _sigmoid(s),
                      inv_n)
+    # Run ends of the bias gradients: each entry against its right neighbour (-1: none). Query
+    # rows past the sample have dS = 0 (dO = 0) and are left out of the runs.
+    after = cols + 1
+    pos_next = _position_bucket(own[:, None] - after[None, :], pos_lut, pos_limit)
+    time_next = _time_bucket(_clamped_gap(t_own, tl.load(t_base + tl.minimum(after, n - 1)), gap_limit),
+                             time_thr, time_scale, NUM_TIME)
+    rows_in = own < n
+    has_next = (tl.arange(0, BLOCK) < BLOCK - 1)[None, :] & rows_in[:, None]
     if DIAGONAL:
-        ds = tl.where(own[:, None] >= cols[None, :], ds, 0.0)
+        causal = own[:, None] >= cols[None, :]
+        ds = tl.where(causal, ds, 0.0)
+        counted = causal & rows_in[:, None]
+        has_next = has_next & (own[:, None] >= after[None, :])
+    else:
+        counted = rows_in[:, None] & (cols >= 0)[None, :]
+    _add_runs(grad_pos, ds, tl.where(counted, pos_b, -1), tl.where(has_next, pos_next, -1), h, H)
+    _add_runs(grad_time, ds, tl.where(counted, time_b, -1), tl.where(has_next, time_next, -1), h, H)
     return dq + tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
 
 
@@ -386,22 +400,18 @@ def _backward_kernel(
     own = m0 + tl.arange(0, BLOCK)
     in_sample = own < n
     t_own = tl.load(t_base + tl.minimum(own, n - 1))
-    after = own + 1  # each key column's right neighbour, for the runs of the bias gradients
-    t_after = tl.load(t_base + tl.minimum(after, n - 1))
 
-    # Phase 1: this program's tile as keys -> dK, dV, bias-table gradients.
+    # Phase 1: this program's tile as keys -> dK, dV.
     k = tl.load(k_base + own[:, None] * stride_kt + dq_range[None, :], mask=in_sample[:, None] & q_cols, other=0.0)
     v = tl.load(v_base + own[:, None] * stride_vt + dv_range[None, :], mask=in_sample[:, None] & v_cols, other=0.0)
     dk = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
-    dk, dv = _key_tile_grads(dk, dv, k, v, own, t_own, after, t_after, m0, q_base, g_base, t_base, h, H, n, inv_n,
-                             stride_qt, stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit,
-                             gap_limit, grad_pos, grad_time,
+    dk, dv = _key_tile_grads(dk, dv, k, v, own, m0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
+                             stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
                              DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
     for i0 in range(m0 + BLOCK, n, BLOCK):
-        dk, dv = _key_tile_grads(dk, dv, k, v, own, t_own, after, t_after, i0, q_base, g_base, t_base, h, H, n,
-                                 inv_n, stride_qt, stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale,
-                                 pos_limit, gap_limit, grad_pos, grad_time,
+        dk, dv = _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
+                                 stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
                                  DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
     # The gradient outputs are contiguous [T, H, D] buffers allocated by the wrapper.
     tl.store(DK_OUT + ((start + own) * H + h)[:, None] * DQ + dq_range[None, :],
@@ -409,17 +419,17 @@ def _backward_kernel(
     tl.store(DV_OUT + ((start + own) * H + h)[:, None] * DV + dv_range[None, :],
              dv.to(DV_OUT.dtype.element_ty), mask=in_sample[:, None] & v_cols)
 
-    # Phase 2: this program's tile as queries -> dQ.
+    # Phase 2: this program's tile as queries -> dQ, bias-table gradients.
     q = tl.load(q_base + own[:, None] * stride_qt + dq_range[None, :], mask=in_sample[:, None] & q_cols, other=0.0)
     g = tl.load(g_base + own[:, None] * stride_gt + dv_range[None, :], mask=in_sample[:, None] & v_cols, other=0.0)
     dq = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     for j0 in range(0, m0, BLOCK):
-        dq = _query_tile_grad(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt, stride_vt,
-                              pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                              DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
-    dq = _query_tile_grad(dq, q, g, own, t_own, m0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt, stride_vt,
-                          pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                          DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
+        dq = _query_tile_grads(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt,
+                               stride_vt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                               grad_pos, grad_time, DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
+    dq = _query_tile_grads(dq, q, g, own, t_own, m0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt,
+                           stride_vt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                           grad_pos, grad_time, DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
     tl.store(DQ_OUT + ((start + own) * H + h)[:, None] * DQ + dq_range[None, :],
              dq.to(DQ_OUT.dtype.element_ty), mask=in_sample[:, None] & q_cols)
 
@@ -459,10 +469,11 @@ def _tuned(kernel, configs: list[tuple[int, int, int]], reset: list[str]):
     )(kernel)
 
 
-# Chosen by what sm_90 compiles them to, not by timing (no GPU to tune on; see
-# benchmarks/kernel_static.py): configs that spill or need more shared memory than an SM has are left out.
+# Chosen by what sm_90 compiles them to, not by timing (no GPU to tune on; benchmarks/kernel_static.py,
+# docs/results/kernel_static.md): 128-row tiles need more shared memory than an SM has, and the
+# backward's 64-row tiles on 4 warps spill hundreds of registers per tile, so neither is offered.
 _forward_tuned = _tuned(_forward_kernel, [(64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 1)], [])
-_backward_tuned = _tuned(_backward_kernel, [(64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 8, 1)], ["DBIAS"])
+_backward_tuned = _tuned(_backward_kernel, [(32, 4, 2), (64, 8, 2), (64, 8, 1), (32, 2, 2)], ["DBIAS"])
 
 BIAS_STRIPES = 16
 """Copies of the bias-table gradients the backward's programs spread their atomics over."""

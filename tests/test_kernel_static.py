@@ -1,0 +1,48 @@
+"""The HSTU attention kernels compile for sm_90 (H100/H200) on this GPU-less machine.
+
+CI has no GPU, so without this the compiled kernels would first meet Triton's compiler on a GPU
+machine, in a check that has minutes to run. ``benchmarks/kernel_static.py`` compiles them for
+sm_90 with the ptxas Triton ships; here one small config each, in a subprocess because this test
+session interprets Triton (tests/conftest.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("static") / "rows.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "benchmarks/kernel_static.py", "--configs", "32/4/2", "--json", str(out)],
+                   cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=300)
+    return json.loads(out.read_text())
+
+
+def loops_of(rows: list[dict], kernel: str) -> list[dict]:
+    found = [row for row in rows if row["kernel"] == kernel]
+    assert found and not any("error" in row for row in found), found
+    return found
+
+
+def test_forward_compiles_fits_an_sm_and_keeps_its_tile_loop_in_registers(compiled) -> None:
+    (loop,) = loops_of(compiled, "forward")
+    assert loop["fits"] and loop["spill ld/st"] == 0
+    assert loop["tensor-core"] > 0 and loop["atomics"] == 0
+    # lg2, ex2 and rcp per entry: the SFU approximations, not the ~20-instruction accurate routines.
+    assert loop["SFU"] >= 3 * 32 * 32 // (4 * 32)
+
+
+def test_backward_adds_bias_gradients_in_phase_two_only(compiled) -> None:
+    key_tiles, query_tiles = loops_of(compiled, "backward")
+    for loop in (key_tiles, query_tiles):
+        assert loop["fits"] and loop["spill ld/st"] == 0 and loop["tensor-core"] > 0
+    assert key_tiles["atomics"] == 0 and query_tiles["atomics"] > 0
