@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from training.config import HSTUConfig, ModelConfig
 from training.hstu import GroupedPlan, HSTUEncoder, HSTULayer, log_bucket
 from training.jagged import (
+    check_jagged,
     group_by_length,
     jagged_concat_last,
     next_item_positions,
@@ -138,6 +139,15 @@ def test_encoder_rejects_mismatched_jagged_shapes() -> None:
     values, offsets, timestamps = encoder_inputs([3, 2], SMALL.embedding_dim)
     with pytest.raises(ValueError, match="jagged shapes"):
         encoder(values[:-1], offsets, timestamps[:-1])
+
+
+def test_jagged_check_reads_offsets_only_on_the_host() -> None:
+    """On a GPU, reading offsets[-1] would wait for the GPU once per forward; a device tensor
+    (meta here, which cannot be read at all) is left unread, the other lengths still checked."""
+    values, offsets, timestamps = encoder_inputs([3, 2], SMALL.embedding_dim)
+    check_jagged(values, offsets.to("meta"), timestamps)
+    with pytest.raises(ValueError, match="not read on meta"):
+        check_jagged(values, offsets.to("meta"), timestamps[:-1])
 
 
 @pytest.mark.parametrize("block_size", [128, 4])

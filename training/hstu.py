@@ -39,7 +39,7 @@ from torch import nn
 
 from pipeline.errors import InputError
 from training.config import AttentionKernel, AttentionKernelName, HSTUConfig, keyed_by
-from training.jagged import LengthGroup, group_by_length, group_order
+from training.jagged import LengthGroup, check_jagged, group_by_length, group_order
 from training.ops.relative_buckets import log_bucket
 
 
@@ -333,11 +333,7 @@ class HSTUEncoder(nn.Module):
         return resolve_attention_kernel(self.config.attention_kernel, device)
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
-        if values.shape[0] != int(offsets[-1]) or timestamps.shape[0] != values.shape[0]:
-            raise ValueError(
-                f"jagged shapes disagree: values {tuple(values.shape)}, timestamps "
-                f"{tuple(timestamps.shape)}, offsets end at {int(offsets[-1])}"
-            )
+        check_jagged(values, offsets, timestamps)
         plan = PLANS[self.kernel(values.device)].build(offsets, timestamps, self.config)
         x = plan.enter(self.input_dropout(values))
         for layer in self.layers:

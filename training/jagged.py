@@ -22,6 +22,18 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
+def check_jagged(values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> None:
+    """``ValueError`` when an encoder's inputs disagree in length. ``offsets[-1]`` is only read
+    where it lives on the host: on a GPU reading it waits for every queued kernel, once per
+    forward, so the host could never run ahead of the GPU (the loader builds offsets and
+    values together, so there the check guards nothing the data could break)."""
+    ends = offsets.device.type == "cpu" and values.shape[0] != int(offsets[-1])
+    if ends or timestamps.shape[0] != values.shape[0]:
+        end = int(offsets[-1]) if offsets.device.type == "cpu" else f"? (not read on {offsets.device.type})"
+        raise ValueError(f"jagged shapes disagree: values {tuple(values.shape)}, timestamps "
+                         f"{tuple(timestamps.shape)}, offsets end at {end}")
+
+
 def lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
     """``[B+1]`` offsets -> ``[B]`` int64 lengths."""
     return (offsets[1:] - offsets[:-1]).to(torch.int64)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import AttentionKernelName, SASRecConfig
-from training.jagged import group_by_length, group_order, lengths_from_offsets
+from training.jagged import check_jagged, group_by_length, group_order, lengths_from_offsets
 
 
 def jagged_positions(offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
@@ -157,11 +157,7 @@ class SASRecEncoder(nn.Module):
         return "grouped"
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
-        if values.shape[0] != int(offsets[-1]) or timestamps.shape[0] != values.shape[0]:
-            raise ValueError(
-                f"jagged shapes disagree: values {tuple(values.shape)}, timestamps "
-                f"{tuple(timestamps.shape)}, offsets end at {int(offsets[-1])}"
-            )
+        check_jagged(values, offsets, timestamps)
         positions = jagged_positions(offsets, self.config.max_seq_len)
         x = self.input_dropout(values + self.position_embedding(positions))
         plan = SASRecPlan.build(offsets)
