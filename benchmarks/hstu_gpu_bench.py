@@ -406,17 +406,22 @@ class Bench:
             layers = s.num_layers
             total = curve["times"]["triton"][key]
             attention_ms = layers * att_both
-            rows.append([s.target_label(key), f"{total * 1e3:.2f}", f"{float(np.median(issue)) * 1e3:.2f}",
+            launches = kernel_launches(step) + 2 * layers  # the Triton op's two launches per layer
+            host = float(np.median(issue))
+            rows.append([s.target_label(key), f"{total * 1e3:.2f}", f"{host * 1e3:.2f}", str(launches),
+                         f"{host / launches * 1e6:.0f}",
                          f"{forward * 1e3:.2f}", f"{layers * att_fwd * 1e3:.2f}",
                          f"{layers * (att_both - att_fwd) * 1e3:.2f}", f"{(total - attention_ms) * 1e3:.2f}"])
+            step_clear()
         self.emit(f"## d. Where a target batch's step goes ({self.elapsed()})")
         self.emit()
         self.emit(f"Triton encoder. Host: wall time for the host to issue one forward+backward, the GPU idle "
-                  f"before it (near the step time: the step is launch-bound). Attention: the op alone on the batch's "
-                  f"shape, times {s.num_layers} layers. Rest: the step minus attention forward+backward.")
+                  f"before it (near the step time: the step is launch-bound). Launches: PyTorch ops that run a "
+                  f"kernel (counted once, untimed) plus the Triton op's two per layer. Attention: the op alone on "
+                  f"the batch's shape, times {s.num_layers} layers. Rest: the step minus attention forward+backward.")
         self.emit()
-        self.table(["batch", "step ms", "host ms to issue", "encoder forward ms", "attention forward ms",
-                    "attention backward ms", "rest of the step ms"], rows)
+        self.table(["batch", "step ms", "host ms to issue", "launches", "host us per launch", "encoder forward ms",
+                    "attention forward ms", "attention backward ms", "rest of the step ms"], rows)
 
     def fit(self):
         """Section b, second half: the cost model fitted on mixed batches timed with the triton kernel."""
@@ -555,6 +560,30 @@ class Fitted:
     share_at_50: float
     batches: int
     held_out: int
+
+
+def kernel_launches(step) -> int:
+    """PyTorch ops one call of ``step`` dispatches that run a kernel: views, allocations and
+    metadata ops launch nothing and are left out; the Triton kernels are not PyTorch ops."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    silent = {"empty", "empty_like", "empty_strided", "detach", "alias", "lift_fresh", "_to_copy_noop"}
+
+    class Count(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not (func.is_view or name in silent or func._schema.name.startswith("aten::sym_")):
+                Count.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return Count.count
 
 
 def relative_error(actual, expected) -> float:
