@@ -7,7 +7,7 @@ carries ``ptxas`` and ``nvdisasm``. For each kernel and autotune config (``BLOCK
 num_stages``) this prints the registers and spill bytes ``ptxas -v`` reports, the shared memory
 the kernel needs, and, for every loop of the compiled SASS, the instructions one iteration
 issues per thread along its cheapest path (the kernels branch per tile only to a rarely taken
-64-bit path), per tile entry, and the SFU, global-load, atomic and local-memory (spill)
+64-bit path), per tile entry, and the SFU, global-load, atomic, GPU-wide fence and local-memory (spill)
 instructions among them.
 
 These are static counts, not times: a GPU run of ``benchmarks/hstu_gpu_bench.py`` is the
@@ -180,6 +180,7 @@ def describe(path: list[str], block: int, warps: int) -> dict[str, float]:
         "global loads": counts["LDG"] + counts["LDGSTS"],
         "atomics": counts["RED"] + counts["ATOM"] + counts["ATOMG"] + counts["REDG"],
         "spill ld/st": counts["LDL"] + counts["STL"],
+        "fences": sum(1 for i in path if "MEMBAR" in i and (".GPU" in i or ".SYS" in i)),  # not CTA-local ones
         "tensor-core": counts["HGMMA"] + counts["HMMA"],
     }
 
@@ -208,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
          "tile entry by all threads (instructions x threads / BLOCK^2)")
     emit()
     emit("| kernel | BLOCK/warps/stages | registers | spill bytes | shared KiB | fits an SM | loop | instructions "
-         "| per entry | SFU | global loads | atomics | spill ld/st | tensor-core |")
-    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+         "| per entry | SFU | global loads | atomics | fences | spill ld/st | tensor-core |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for name in args.kernels:
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"kernel": name, "block": block, "warps": warps, "stages": stages,
                                  "error": f"{type(err).__name__}: {err}"})
                     emit(f"| {name} | {block}/{warps}/{stages} | compile failed: "
-                         f"{type(err).__name__}: {str(err).splitlines()[0][:120]} |||||||||||")
+                         f"{type(err).__name__}: {str(err).splitlines()[0][:120]} ||||||||||||")
                     continue
                 registers, spills = resources(compiled, workdir)
                 shared = compiled.metadata.shared
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                     d = describe(path, block, warps)
                     rows.append({**config, "loop": index + 1, **d})
                     emit(f"{head if index == 0 else '| | | | | |'} | {index + 1} | {d['instructions']} | "
-                         f"{d['per entry']:.0f} | {d['SFU']} | {d['global loads']} | {d['atomics']} | "
+                         f"{d['per entry']:.0f} | {d['SFU']} | {d['global loads']} | {d['atomics']} | {d['fences']} | "
                          f"{d['spill ld/st']} | {d['tensor-core']} |")
                 print(f"  ({name} {block}/{warps}/{stages} compiled in {time.perf_counter() - started:.1f} s)",
                       file=sys.stderr)
