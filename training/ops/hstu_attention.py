@@ -232,13 +232,10 @@ def _work_item(offsets, num_samples, search_steps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _forward_tile(acc, q, k_base, v_base, rows, n0, t_m, t_base, h, H, n, inv_n, stride_kt, stride_vt,
-                  pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                  DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
-    """``acc += W V`` over key tile ``n0``. Off the diagonal every key is in the sample and before
-    every query, so nothing is masked; query rows past the sample are garbage nobody stores."""
-    cols = n0 + tl.arange(0, BLOCK)
+def _key_rows(k_base, v_base, t_base, cols, n, stride_kt, stride_vt, DQ: tl.constexpr, DV: tl.constexpr,
+              BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, DIAGONAL: tl.constexpr):
+    """K, V and timestamps of key rows ``cols``. Off the diagonal every key is in the sample, so
+    nothing is masked; on it, keys past the sample read 0 (and their sample's last timestamp)."""
     dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
     if DIAGONAL:
         in_sample = cols < n
@@ -251,6 +248,18 @@ def _forward_tile(acc, q, k_base, v_base, rows, n0, t_m, t_base, h, H, n, inv_n,
         k = tl.load(k_base + cols[:, None] * stride_kt + dq_range[None, :], mask=(dq_range < DQ)[None, :], other=0.0)
         v = tl.load(v_base + cols[:, None] * stride_vt + dv_range[None, :], mask=(dv_range < DV)[None, :], other=0.0)
         t_n = tl.load(t_base + cols)
+    return k, v, t_n
+
+
+@triton.jit
+def _forward_tile(acc, q, k_base, v_base, rows, n0, t_m, t_base, h, H, n, inv_n, stride_kt, stride_vt,
+                  pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                  DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
+    """``acc += W V`` over key tile ``n0``. Off the diagonal every key is in the sample and before
+    every query, so nothing is masked; query rows past the sample are garbage nobody stores."""
+    cols = n0 + tl.arange(0, BLOCK)
+    k, v, t_n = _key_rows(k_base, v_base, t_base, cols, n, stride_kt, stride_vt, DQ, DV, BLOCK_DQ, BLOCK_DV, DIAGONAL)
     s, _, _ = _tile(q, k, rows, cols, t_m, t_n, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
                     pos_limit, gap_limit, NUM_TIME, PRECISION)
     w = s * _sigmoid(s) * inv_n
@@ -335,18 +344,7 @@ def _query_tile_grads(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n,
     """Key tile ``j0`` against this program's query tile: ``dQ`` and both bias tables (here, not
     with ``dK``/``dV``, where four accumulated tiles already hold most registers)."""
     cols = j0 + tl.arange(0, BLOCK)
-    dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
-    if DIAGONAL:
-        in_sample = cols < n
-        k = tl.load(k_base + cols[:, None] * stride_kt + dq_range[None, :],
-                    mask=in_sample[:, None] & (dq_range < DQ)[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vt + dv_range[None, :],
-                    mask=in_sample[:, None] & (dv_range < DV)[None, :], other=0.0)
-        t_n = tl.load(t_base + tl.minimum(cols, n - 1))
-    else:
-        k = tl.load(k_base + cols[:, None] * stride_kt + dq_range[None, :], mask=(dq_range < DQ)[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vt + dv_range[None, :], mask=(dv_range < DV)[None, :], other=0.0)
-        t_n = tl.load(t_base + cols)
+    k, v, t_n = _key_rows(k_base, v_base, t_base, cols, n, stride_kt, stride_vt, DQ, DV, BLOCK_DQ, BLOCK_DV, DIAGONAL)
     s, pos_b, time_b = _tile(q, k, own, cols, t_own, t_n, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
                              pos_limit, gap_limit, NUM_TIME, PRECISION)
     ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, _sigmoid(s),
