@@ -110,6 +110,7 @@ tests quick. Compiled kernels pick their tile by autotuning (``_tuned``)."""
 
 
 COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+"""False under the interpreter, which cannot run the inline PTX of ``_log2`` and ``_sigmoid``."""
 
 
 @triton.jit
@@ -152,8 +153,8 @@ def _clamped_gap(t_m, t_n, gap_limit):
     ``gap_limit`` (the last finite threshold) every gap is in one bucket, so the clamp changes none.
 
     When the tile's timestamps span less than 2^31 s (always, for real histories), the gaps are
-    taken in 32-bit arithmetic from the tile's earliest time, a third of the 64-bit work per entry;
-    the 64-bit path keeps any other input exact."""
+    taken in 32-bit arithmetic from the tile's earliest time (int64 compares and selects cost
+    several instructions each); the 64-bit path keeps any other input exact."""
     lo = tl.minimum(tl.min(t_m, axis=0), tl.min(t_n, axis=0))
     span = tl.maximum(tl.max(t_m, axis=0), tl.max(t_n, axis=0)) - lo
     if (span >= 0) & (span <= 2147483647):  # negative: the span overflowed int64
