@@ -27,11 +27,11 @@ def check_jagged(values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.
     where it lives on the host: on a GPU reading it waits for every queued kernel, once per
     forward, so the host could never run ahead of the GPU (the loader builds offsets and
     values together, so there the check guards nothing the data could break)."""
-    ends = offsets.device.type == "cpu" and values.shape[0] != int(offsets[-1])
-    if ends or timestamps.shape[0] != values.shape[0]:
-        end = int(offsets[-1]) if offsets.device.type == "cpu" else f"? (not read on {offsets.device.type})"
+    end = int(offsets[-1]) if offsets.device.type == "cpu" else None
+    if end not in (None, values.shape[0]) or timestamps.shape[0] != values.shape[0]:
+        shown = end if end is not None else f"? (not read on {offsets.device.type})"
         raise ValueError(f"jagged shapes disagree: values {tuple(values.shape)}, timestamps "
-                         f"{tuple(timestamps.shape)}, offsets end at {end}")
+                         f"{tuple(timestamps.shape)}, offsets end at {shown}")
 
 
 def lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:

@@ -257,8 +257,8 @@ def _forward_tile(acc, q, k_base, v_base, rows, n0, t_m, t_base, h, H, n, inv_n,
                   pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
                   DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
-    """``acc += W V`` over key tile ``n0``. Off the diagonal every key is in the sample and before
-    every query, so nothing is masked; query rows past the sample are garbage nobody stores."""
+    """``acc += W V`` over key tile ``n0`` (masked on the diagonal only); query rows past the
+    sample are garbage nobody stores."""
     cols = n0 + tl.arange(0, BLOCK)
     k, v, t_n = _key_rows(k_base, v_base, t_base, cols, n, stride_kt, stride_vt, DQ, DV, BLOCK_DQ, BLOCK_DV, DIAGONAL)
     s, _, _ = _tile(q, k, rows, cols, t_m, t_n, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
