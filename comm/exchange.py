@@ -27,6 +27,7 @@ rank whose batch was empty issues the same sequence with zeros.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -230,7 +231,12 @@ class StepExchange:
         received = self._recv[g]
         if torch.is_grad_enabled() and not received.requires_grad:
             received.requires_grad_(True)
-            received.register_hook(lambda grad, g=g: self._grad_ready(g, grad))
+            # The hook reaches the exchange through a weak reference. Holding it would close a
+            # cycle (exchange -> its collectives' work handles -> `received`, held in C++ ->
+            # hook -> exchange) that Python's collector cannot see, and every step's exchange,
+            # rows and graph would stay alive for the rest of the run (~4 MB a step).
+            exchange = weakref.ref(self)
+            received.register_hook(lambda grad, g=g: exchange()._grad_ready(g, grad))
         return received
 
     # ------------------------------------------------------------- backward
