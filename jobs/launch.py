@@ -1,6 +1,7 @@
 """`freescale train`: start this node's ranks with torch's elastic launcher (torchrun). One node
 stands alone; a job of several nodes runs it on each with --nnodes, --node-rank and node 0's
---rdzv-endpoint.
+--rdzv-endpoint. Each node says on stderr when it starts waiting for the others and when all have
+joined; one that waits past --rdzv-timeout ends with one line naming the endpoint, and exit 3.
 
 The ranks' progress lines reach the terminal as they come; tracebacks, torchrun's own
 logging and its failure report go to the job's log only (--verbose shows everything). A
@@ -20,12 +21,19 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import typing
 from pathlib import Path
+from typing import Callable
 
 from jobs.tracking import add_tracking_arguments
 from shards.schema import MANIFEST_NAME
 from training.config import CommMode
+
+# torchrun's own timeout for a rendezvous: LaunchConfig (torch/distributed/launcher/api.py) sets
+# rdzv_configs["timeout"] = 900 when none is given, which the static rendezvous passes to its
+# TCPStore (the static handler's own default, 600, is never reached from torchrun).
+RDZV_TIMEOUT_S = 900
 
 
 def launch(argv: list[str] | None = None) -> int:
@@ -58,6 +66,9 @@ def _launch(argv: list[str] | None) -> int:
     parser.add_argument("--rdzv-endpoint",
                         help="HOST:PORT of node 0, where the nodes meet (torchrun's static rendezvous); "
                              "needed with --nnodes > 1")
+    parser.add_argument("--rdzv-timeout", type=int, metavar="SECONDS",
+                        help=f"how long the nodes wait for each other at --rdzv-endpoint before the job ends "
+                             f"with exit 3 (default {RDZV_TIMEOUT_S}, torchrun's)")
     parser.add_argument("--config", help="TOML config (configs/*.toml)")
     parser.add_argument("--max-steps", type=int,
                         help="stop after N >= 1 steps (default: the config's training.max_steps; 0 there = one pass "
@@ -75,7 +86,7 @@ def _launch(argv: list[str] | None) -> int:
     # the folder is the ranks' check (each reads its own files).
     if not Path(args.shards).is_dir():
         raise InputError(f"--shards {args.shards}: no such directory")
-    rendezvous = _rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    rendezvous = _rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
     nproc = args.nproc_per_node
     if nproc is None:
         manifest = Path(args.shards) / MANIFEST_NAME
@@ -117,20 +128,29 @@ def _launch(argv: list[str] | None) -> int:
         if logs.verbose():
             env[logs.VERBOSE_ENV] = "1"
             output = None
-            rc = _wait(subprocess.Popen(cmd, env=env))
+            waiting = _waiting(args, _say)
+            proc = subprocess.Popen(cmd, env=env)
+            if waiting:
+                waiting.start(proc)
+            rc = _wait(proc, waiting.stop if waiting else None)
+            if waiting:
+                waiting.finish()
         else:
             output = RankOutput(log)
-            rc = output.run(cmd, env)
+            waiting = _waiting(args, output.say)
+            rc = output.run(cmd, env, waiting)
         statuses = {}
         for path in Path(status_dir).glob("rank-*"):
             try:
                 statuses[int(path.name.split("-", 1)[1])] = int(path.read_text())
             except ValueError:
                 continue
+    if waiting and waiting.failed(rc, statuses, output):
+        return waiting.conclude(rc, output)
     return conclude_ranks(rc, statuses, output, nproc * args.nnodes)
 
 
-def _rendezvous(nnodes: int, node_rank: int, endpoint: str | None) -> list[str]:
+def _rendezvous(nnodes: int, node_rank: int, endpoint: str | None, timeout_s: int | None) -> list[str]:
     """torchrun's options for how the nodes meet: one node stands alone; several meet at node 0's
     HOST:PORT in a static rendezvous, where node R's ranks are R*nproc .. (R+1)*nproc-1 (the ranks,
     and so the shards each node reads, do not depend on which node starts first)."""
@@ -143,28 +163,183 @@ def _rendezvous(nnodes: int, node_rank: int, endpoint: str | None) -> list[str]:
     if nnodes == 1:
         if endpoint:
             raise InputError("--rdzv-endpoint is for --nnodes > 1 (one node meets itself)")
+        if timeout_s is not None:
+            raise InputError("--rdzv-timeout is for --nnodes > 1 (one node waits for no other)")
         return ["--standalone"]
     host, _, port = (endpoint or "").rpartition(":")
     if not host or not port.isdigit():
         raise InputError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (node 0's address), "
                          f"got {endpoint or 'none'}")
-    return [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}"]
+    if timeout_s is not None and timeout_s < 1:
+        raise InputError(f"--rdzv-timeout must be a positive number of seconds, got {timeout_s}")
+    # Always given, so that the timeout the nodes' lines name is the one torchrun applies.
+    return [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-conf=timeout={timeout_s or RDZV_TIMEOUT_S}"]
 
 
-def _wait(proc: subprocess.Popen) -> int:
+def _waiting(args: argparse.Namespace, say: Callable[[str], None]) -> RendezvousWait | None:
+    """The wait for the other nodes, for a job of several."""
+    if args.nnodes == 1:
+        return None
+    return RendezvousWait(args.rdzv_endpoint, args.nnodes, args.rdzv_timeout or RDZV_TIMEOUT_S, say)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _wait(proc: subprocess.Popen, on_stop: Callable[[int], None] | None = None) -> int:
     """torchrun's status. A Ctrl-C reaches torchrun too (one process group); a SIGTERM sent to the
     launcher alone (a scheduler stopping the job) is passed on to torchrun. Either way torchrun
     stops its ranks, which end their runs KILLED, and the launcher keeps reading their output
-    until they are gone rather than dying with the pipes."""
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    until they are gone rather than dying with the pipes. `on_stop(signum)` hears of either
+    first: a node still waiting for the others stops torchrun itself."""
+    def stop(signum: int) -> None:
+        if on_stop is not None:
+            on_stop(signum)
+        if signum == signal.SIGTERM:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop(signum))
     try:
         while True:
             try:
                 return proc.wait()
             except KeyboardInterrupt:
+                stop(signal.SIGINT)
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _has_children(pid: int) -> bool | None:
+    """Whether process `pid` has started a process; None where /proc cannot tell (not Linux)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid:
+            return True
+    return False
+
+
+class RendezvousWait:
+    """This node's wait for the others at node 0's endpoint, told on stderr: one line when it
+    starts, one when every node has joined.
+
+    torchrun starts this node's ranks only once every node has joined (the static rendezvous
+    gives out ranks from all nodes' reports), so its first child process is the sign. Past the
+    timeout torchrun gives up by itself on node 0 (a second or two late); on another node its
+    store client tries to connect once more, about twice the timeout in all, so past the timeout
+    and GRACE_S this stops torchrun itself (before the join it has no ranks to leave behind)."""
+
+    POLL_S = 0.5
+    # Counted from torchrun's start, before its imports (seconds on a busy machine): node 0's own
+    # timeout, which counts from its store's, must come first to give its count of the nodes.
+    GRACE_S = 20
+    # What torchrun says when it gives up: node 0's store counts the nodes (each node's agent is
+    # one client), another node's store client fails to reach node 0.
+    JOINED = re.compile(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+) clients joined")
+    UNANSWERED = re.compile(r"failed to connect/validate to host|timed out after \d+ms while trying to connect to")
+    # c10d's errors (a port in use, a host that does not resolve): the machine's or the network's.
+    DIST_ERROR = re.compile(r"^torch\.distributed\.(Dist\w*Error): (.+)$", re.M)
+
+    def __init__(self, endpoint: str, nnodes: int, timeout_s: int, say: Callable[[str], None]):
+        self.endpoint = endpoint
+        self.nnodes = nnodes
+        self.timeout_s = timeout_s
+        self.say = say
+        self.joined = False
+        self.gave_up = False  # this stopped torchrun at the timeout
+        self.stopped_by: int | None = None  # the signal that stopped the wait
+        self._done = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    def start(self, proc: subprocess.Popen) -> None:
+        self._proc = proc
+        self.say(f"freescale train: waiting for {self.nnodes} nodes at {self.endpoint}, up to {self.timeout_s} s")
+        self._watch = threading.Thread(target=self._until_joined, daemon=True)
+        self._watch.start()
+
+    def _until_joined(self) -> None:
+        started = time.monotonic()
+        deadline = started + self.timeout_s + self.GRACE_S
+        while not self._done.wait(self.POLL_S):
+            children = _has_children(self._proc.pid)
+            if children is None:  # no way to tell: no join line, and no deadline that could stop a running job
+                return
+            if children:
+                self.joined = True
+                self.say(f"freescale train: all {self.nnodes} nodes joined at {self.endpoint} after "
+                         f"{time.monotonic() - started:.0f} s")
+                return
+            if time.monotonic() > deadline:
+                self.gave_up = True
+                self._proc.send_signal(signal.SIGTERM)
+                return
+
+    def stop(self, signum: int) -> None:
+        """A Ctrl-C or SIGTERM during the wait. torchrun's store ignores Ctrl-C until its timeout;
+        before the join a SIGTERM ends it at once."""
+        if self.joined:
+            return
+        self.stopped_by = signum
+        if signum != signal.SIGTERM:  # _wait passes a SIGTERM on itself
+            self._proc.send_signal(signal.SIGTERM)
+
+    def finish(self) -> None:
+        """torchrun has exited: the watch ends, and has said what it had to before the last line."""
+        self._done.set()
+        if self._watch is not None:
+            self._watch.join()
+
+    def failed(self, rc: int, statuses: dict[int, int], output: RankOutput | None) -> bool:
+        """torchrun ended before the nodes met: no rank started (none left a status, torchrun
+        reported none), the join not seen."""
+        ranks_ran = statuses or (output is not None and output.torchrun_failures())
+        return rc != 0 and not self.joined and not ranks_ran
+
+    def conclude(self, rc: int, output: RankOutput | None) -> int:
+        """The job's last line and exit status for a rendezvous that did not complete."""
+        from jobs.job_errors import error_line
+
+        if self.stopped_by is not None:
+            name = signal.Signals(self.stopped_by).name
+            error_line("train", f"stopped by {name} while waiting for {self.nnodes} nodes at {self.endpoint}",
+                       details=False)
+            return 128 + self.stopped_by
+        said = "".join(output.hidden) if output is not None else ""
+        reason, code = self._reason(rc, said)
+        error_line("train", f"rendezvous at {self.endpoint} {reason}", details=output is not None)
+        return code
+
+    def _reason(self, rc: int, said: str) -> tuple[str, int]:
+        """Why the nodes did not meet, from what torchrun said (`said`; a count only where it gave
+        one), and the exit status: 3 where the network or another node is the cause."""
+        from jobs.job_errors import EXIT_ENVIRONMENT, EXIT_FAILED
+
+        timed_out = f"timed out after {self.timeout_s} s"
+        joined = self.JOINED.search(said)
+        if joined:
+            return f"{timed_out}: {joined.group(1)} of {joined.group(2)} nodes joined", EXIT_ENVIRONMENT
+        if self.UNANSWERED.search(said):
+            return f"{timed_out}: node 0 did not answer there", EXIT_ENVIRONMENT
+        if self.gave_up:
+            return (f"{timed_out}; torchrun did not say how many of the {self.nnodes} nodes joined",
+                    EXIT_ENVIRONMENT)
+        errors = self.DIST_ERROR.findall(said)
+        if errors:
+            return f"failed: {errors[-1][0]}: {errors[-1][1].strip()}", EXIT_ENVIRONMENT
+        return f"failed: torchrun exited with status {rc} before the {self.nnodes} nodes met", EXIT_FAILED
 
 
 class RankOutput:
@@ -176,7 +351,11 @@ class RankOutput:
 
     TRACE = re.compile(r"(Traceback \(most recent call last\):|Fatal Python error|Current thread 0x|Thread 0x|"
                        r"terminate called|Exception in thread|\[rank\d+\]:)")
-    TORCHRUN_LOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d")  # torch.distributed.elastic's glog-style lines
+    # torch.distributed.elastic's glog-style lines, and c10d's (C++) in brackets
+    TORCHRUN_LOG = re.compile(r"\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
+    # The stack c10d logs under a C++ warning or error (a store client's retry), up to a blank line.
+    CPP_STACK = re.compile(r"Exception raised from ")
+    CPP_FRAME = re.compile(r"(frame #\d+: |<omitting python frames>)")
     # Library warnings: Python's (`file:line: XWarning: ...` and the source line under it) and the
     # logging module's default format (`WARNING:torchrec...:...`).
     WARNING = re.compile(r"(\S+:\d+: \w*Warning: |(WARNING|INFO|DEBUG):[\w.]+:)")
@@ -190,7 +369,7 @@ class RankOutput:
         self.hidden: collections.deque[str] = collections.deque(maxlen=5000)
         self._lock = threading.Lock()
 
-    def run(self, cmd: list[str], env: dict[str, str]) -> int:
+    def run(self, cmd: list[str], env: dict[str, str], waiting: RendezvousWait | None = None) -> int:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a", encoding="utf-8", errors="replace") as self._log:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -199,21 +378,35 @@ class RankOutput:
                      threading.Thread(target=self._pump, args=(proc.stderr, sys.stderr), daemon=True)]
             for pump in pumps:
                 pump.start()
-            rc = _wait(proc)
+            if waiting:
+                waiting.start(proc)
+            rc = _wait(proc, waiting.stop if waiting else None)
             for pump in pumps:
                 pump.join()
+            if waiting:  # its last words reach the log too
+                waiting.finish()
         return rc
 
+    def say(self, line: str) -> None:
+        """A line of the launcher's own, on stderr and in the log, whole between the ranks' lines."""
+        with self._lock:
+            self._log.write(line + "\n")
+            self._log.flush()
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
     def _pump(self, stream, terminal) -> None:
-        in_trace = in_warning = False
+        in_trace = in_warning = in_stack = False
         for line in stream:
             reported = self.RANK_ERROR.match(line)
             ours = line.startswith("freescale ")
             if not ours and not in_trace and self.TRACE.match(line):
                 in_trace = True
             in_warning = bool(self.WARNING.match(line)) or (in_warning and line.startswith("  "))
+            in_stack = bool(self.CPP_STACK.match(line) or (in_stack and (self.CPP_FRAME.match(line)
+                                                                            or not line.strip())))
             # A rank's error line waits for the launch's last line, which gathers them.
-            show = not reported and (ours or not (in_trace or in_warning or self.TORCHRUN_LOG.match(line)))
+            show = not reported and (ours or not (in_trace or in_warning or in_stack or self.TORCHRUN_LOG.match(line)))
             with self._lock:
                 self._log.write(line)
                 self._log.flush()

@@ -1,11 +1,15 @@
 """`freescale train` on several nodes: each node runs it with --nnodes, --node-rank and node 0's
---rdzv-endpoint; here two nodes on this machine, one rank each, against one node of two ranks. And
-the launcher's own checks, which answer before torchrun starts."""
+--rdzv-endpoint; here two nodes on this machine, one rank each, against one node of two ranks; and
+node 0 alone, which gives up at --rdzv-timeout. And the launcher's own checks, which answer before
+torchrun starts."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
+import uuid
 
 import pytest
 
@@ -30,6 +34,9 @@ class NoProcesses:
      "--node-rank must be in 0..1 for --nnodes 2, got 2"),
     (["--nnodes", "0"], "--nnodes must be a positive integer, got 0"),
     (["--rdzv-endpoint", "127.0.0.1:29400"], "--rdzv-endpoint is for --nnodes > 1 (one node meets itself)"),
+    (["--rdzv-timeout", "5"], "--rdzv-timeout is for --nnodes > 1 (one node waits for no other)"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-timeout", "0"],
+     "--rdzv-timeout must be a positive number of seconds, got 0"),
 ])
 def test_a_bad_launch_is_one_line_before_torchrun(movielens_shards, monkeypatch, capsys, args, message):
     from jobs import cli, launch
@@ -52,6 +59,82 @@ def test_nodes_must_divide_the_manifests_ranks(movielens_shards_1, monkeypatch, 
     assert [helpers.without_details(line) for line in lines] == [
         f"freescale train: error: {movielens_shards_1 / 'manifest.json'} is for 1 ranks, which --nnodes 2 "
         f"does not divide: pass --nproc-per-node"]
+
+
+def test_the_default_rdzv_timeout_is_torchruns():
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from jobs.launch import RDZV_TIMEOUT_S
+
+    assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).rdzv_configs["timeout"] == RDZV_TIMEOUT_S
+
+
+# What torchrun (torch 2.13) printed when it gave up, on node 0 and on node 1 (whose store
+# client logs each failed try, and raises after the last).
+NODE_0_GAVE_UP = ("torch.distributed.DistStoreError: Timed out after 11 seconds waiting for clients. "
+                  "1/2 clients joined.\n")
+NODE_1_GAVE_UP = ("[W1205 05:46:31.017539997 TCPStore.cpp:340] [c10d] TCP client failed to connect/validate to "
+                  "host 127.0.0.1:29517 - retrying (try=0, timeout=10000ms, delay=7061ms): The client socket has "
+                  "timed out after 10000ms while trying to connect to (127.0.0.1, 29517).\n"
+                  "torch.distributed.DistNetworkError: The client socket has timed out after 10000ms while trying "
+                  "to connect to (127.0.0.1, 29517).\n")
+IN_USE = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+          "address. port: 29517, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n")
+
+
+@pytest.mark.parametrize("said, gave_up, reason, code", [
+    (NODE_0_GAVE_UP, False, "timed out after 10 s: 1 of 2 nodes joined", 3),
+    (NODE_1_GAVE_UP, False, "timed out after 10 s: node 0 did not answer there", 3),
+    # This launcher stopped torchrun past the timeout: what its store client had logged by then.
+    (NODE_1_GAVE_UP.splitlines()[0], True, "timed out after 10 s: node 0 did not answer there", 3),
+    ("", True, "timed out after 10 s; torchrun did not say how many of the 2 nodes joined", 3),
+    (IN_USE, False, "failed: DistNetworkError: The server socket has failed to listen on any local network address. "
+                    "port: 29517, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use", 3),
+    ("ModuleNotFoundError: No module named 'torch.distributed.run'\n", False,
+     "failed: torchrun exited with status 1 before the 2 nodes met", 1),
+])
+def test_a_failed_rendezvous_says_what_torchrun_knew(said, gave_up, reason, code):
+    from jobs.launch import RendezvousWait
+
+    waiting = RendezvousWait("127.0.0.1:29517", 2, 10, say=print)
+    waiting.gave_up = gave_up
+    assert waiting._reason(1, said) == (reason, code)
+
+
+RDZV_TIMEOUT_S = 5  # short: the test takes about this and torchrun's start
+
+
+def test_a_node_alone_gives_up_at_the_rdzv_timeout(tmp_path):
+    """Node 0 of 2 with node 1 never started: a line when it starts waiting, and past --rdzv-timeout
+    one error line naming the endpoint and the count torchrun gave, exit 3, nothing left running.
+    The ranks never start, so an empty shard folder does."""
+    endpoint = f"127.0.0.1:{helpers.free_port()}"
+    marker = uuid.uuid4().hex  # in the environment of the launcher and all it starts
+    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(tmp_path), "--nproc-per-node", "1",
+           "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+           "--rdzv-timeout", str(RDZV_TIMEOUT_S), "--tracking-uri", "none"]
+    env = {**helpers.train_env(), "FREESCALE_LOG_DIR": str(tmp_path / "logs"), "FREESCALE_TEST_RDZV": marker}
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        first = proc.stderr.readline()
+        said_at = time.monotonic()
+        out, rest = proc.communicate(timeout=RDZV_TIMEOUT_S + 30)
+    finally:
+        if proc.poll() is None:
+            helpers.kill_tree(proc.pid)
+            proc.wait()
+    ended = time.monotonic()
+    assert first == f"freescale train: waiting for 2 nodes at {endpoint}, up to {RDZV_TIMEOUT_S} s\n"
+    assert ended - said_at >= RDZV_TIMEOUT_S  # said when the wait began, not when it ended
+    assert proc.returncode == 3, rest
+    assert out == ""
+    [last] = rest.splitlines()
+    assert re.fullmatch(rf"freescale train: error: rendezvous at {re.escape(endpoint)} timed out after "
+                        rf"{RDZV_TIMEOUT_S} s: 1 of 2 nodes joined \(details: .+\.log\)", last), last
+    assert ended - started < RDZV_TIMEOUT_S + 30
+    assert helpers.processes_with("FREESCALE_TEST_RDZV", marker) == []
 
 
 def train_nodes(shards, tmp_path, name: str, nodes: list[list[str]]) -> tuple[list[subprocess.CompletedProcess],
@@ -92,6 +175,10 @@ def test_two_nodes_train_the_losses_of_one_node_of_two_ranks(movielens_shards, t
                                  for node in (1, 0)])  # node 1 first: it waits for node 0
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
+        lines = run.stderr.splitlines()
+        assert f"freescale train: waiting for 2 nodes at {endpoint}, up to 900 s" in lines
+        assert any(re.fullmatch(rf"freescale train: all 2 nodes joined at {re.escape(endpoint)} after \d+ s", line)
+                   for line in lines), lines
 
     def layout(environs):
         keys = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
