@@ -7,7 +7,9 @@ ones go into its own file. A checkpoint is `<folder>/step_<n>/`: the DCP files, 
 `rank_<r>.pt` per rank with what only that rank knows, `SHARDS` (the SHA-256 of the shard
 manifest it trained on: a loader position means nothing in other shards), and
 `CONFIG` (the run's flat config), and `COMPLETE`, written last by rank 0 after every
-rank finished. A folder without `COMPLETE` (a crash mid-save) is ignored.
+rank finished. A folder without `COMPLETE` (a crash mid-save) is ignored. A rank's own
+state is plain data (tensors, numbers, strings, lists and dicts), and nothing of a checkpoint
+is read by an unpickler that could run code from it (``training.safe_load``).
 
 One job at a time: rank 0 holds `<folder>/LOCK` (host, PID) while it trains, so a
 second job on the same folder is refused instead of overwriting the first one's
@@ -25,12 +27,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from pipeline import locks
+from pipeline.errors import InputError
 from shards.manifest import ShardError
 from training.config import ConfigError
+from training.distributed import all_ranks_ok
+from training.safe_load import SafePlanner, SafeReader, check_plain, read_own_state
 
 COMPLETE = "COMPLETE"
 SHARDS = "SHARDS"
@@ -93,7 +98,9 @@ class Checkpointer:
         `config`: the run's flat config (``to_flat_dict``), checked on resume."""
         target = self.step_dir(step)
         dcp.save(shared, checkpoint_id=str(target))
-        torch.save({name: state.state_dict() for name, state in own.items()}, target / f"rank_{self.rank}.pt")
+        own_state = {name: state.state_dict() for name, state in own.items()}
+        check_plain(own_state, f"rank {self.rank}'s own state")  # what a resume reads back safely
+        torch.save(own_state, target / f"rank_{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
             (target / SHARDS).write_text(f"{shards_sha256}\n")
@@ -177,19 +184,48 @@ class Checkpointer:
         return f"checkpoint folder {self.folder}: another job took the lock {path} at the same time"
 
     def load(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful]) -> None:
-        """Load every state saved by :meth:`save` into the same objects."""
+        """Load every state saved by :meth:`save` into the same objects, running no code from the files
+        (``training.safe_load``): a file that holds more than data is refused in one line."""
         source = self.step_dir(step)
+        saved, reader = self._read_first(source)
         # flatten_sharded_tensors (for FSDP 2D nesting) drops a ShardedTensor that has
         # no shard on this rank -- a table-wise table placed on another rank -- which
         # DCP then takes for a checkpoint from torch <= 2.3 and fails on every key.
-        dcp.load(shared, checkpoint_id=str(source), planner=DefaultLoadPlanner(flatten_sharded_tensors=False))
-        own_path = source / f"rank_{self.rank}.pt"
-        if not own_path.exists():
-            raise FileNotFoundError(f"checkpoint {source} has no state for rank {self.rank} "
-                                    "(saved with a different world size?)")
-        saved = torch.load(own_path, weights_only=False)
+        planner = SafePlanner(source, flatten_sharded_tensors=False)
+        try:
+            dcp.load(shared, storage_reader=reader, planner=planner)
+        except CheckpointException as failed:
+            refusal = _refusal_in(failed)
+            if refusal is None:
+                raise
+            raise refusal from None
         for name, state in own.items():
             state.load_state_dict(saved[name])
+
+    def _read_first(self, source: Path) -> tuple[dict[str, Any], SafeReader]:
+        """This rank's own file and DCP's metadata, read on every rank before the shared state's
+        collective load; all stop if any rank's are missing or refused."""
+        own_path = source / f"rank_{self.rank}.pt"
+        error: Exception | None = None
+        saved, reader = {}, None
+        try:
+            if not own_path.exists():
+                raise FileNotFoundError(f"checkpoint {source} has no state for rank {self.rank} "
+                                        "(saved with a different world size?)")
+            saved = read_own_state(own_path)
+            reader = SafeReader(source)
+        except (FileNotFoundError, InputError) as exc:
+            error = exc
+        if not all_ranks_ok(error is None):
+            raise error or InputError(f"checkpoint {source}: another rank's file was refused (its error "
+                                      "names the file)")
+        return saved, reader
+
+
+def _refusal_in(failed: CheckpointException) -> InputError | None:
+    """DCP raises its load's failures on every rank as one ``CheckpointException`` (a BaseException,
+    which a job's one-line report would miss): the refusal of a file among them, if any."""
+    return next((exc for exc, _ in failed.failures.values() if isinstance(exc, InputError)), None)
 
 
 def _holds_best_weights(config: dict[str, Any]) -> bool:

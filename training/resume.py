@@ -7,9 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.errors import InputError
 from training.checkpoint import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig, to_flat_dict
 from training.model import SequentialRecommender
+from training.validation import is_sharded
 
 
 def checkpoint_states(sharded_model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: Any,
@@ -17,8 +19,9 @@ def checkpoint_states(sharded_model: nn.Module, dense_optimizer: torch.optim.Opt
     """``(shared, own)`` ``Stateful`` objects for the checkpointer.
 
     Shared (through DCP): the model, the item table's fused optimizer and the dense
-    optimizer. Own (this rank's file): the run's progress (step, RNG states, the sink's
-    record), the loader position and the user feature tables' fused optimizer. The user
+    optimizer. Own (this rank's file, plain data): the run's progress (step, RNG states, the sink's
+    record), the loader position and the user feature tables' fused optimizer (its local shards,
+    ``LocalShards``). The user
     tables are sharded table-wise and their bag collection's optimizer lists only the
     tables a rank holds (unlike the item table's, whose state is a ShardedTensor on every
     rank), so DCP would find keys only some ranks have; the same world size and plan put
@@ -33,8 +36,59 @@ def checkpoint_states(sharded_model: nn.Module, dense_optimizer: torch.optim.Opt
         shared["best_weights"] = best_weights
     own: dict[str, Any] = {"trainer": progress, "loader": loader}
     if user_optimizer:
-        own["user_table_optimizer"] = user_optimizer[0]
+        own["user_table_optimizer"] = LocalShards(user_optimizer[0])
     return shared, own
+
+
+class LocalShards:
+    """A fused optimizer as a ``Stateful`` of plain data: each ShardedTensor of its state as the list of
+    this rank's local shards.
+
+    A rank's own file holds plain data only (``training.safe_load``): a ShardedTensor pickles as
+    torch.distributed classes rebuilt through ``getattr``, which no safe unpickler builds. The
+    local shards are all this rank needs: the same world size and table placement (checked,
+    ``training.checkpoint``) give it the same shards on resume, which are copied in place.
+    """
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return _local_shards(self.optimizer.state_dict())
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        live = self.optimizer.state_dict()  # the optimizer's own tensors, not copies
+        _copy_local_shards(live, saved, "user_table_optimizer")
+        self.optimizer.load_state_dict(live)  # TorchRec's checks and hooks; the values are in place already
+
+
+def _local_shards(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {key: _local_shards(value) for key, value in state.items()}
+    if is_sharded(state):
+        return [shard.tensor for shard in state.local_shards()]
+    return state
+
+
+def _copy_local_shards(live: dict[str, Any], saved: dict[str, Any], where: str) -> None:
+    """Copy ``saved`` (``_local_shards`` of the same optimizer) into ``live``'s tensors."""
+    for key, value in live.items():
+        if key not in saved:
+            raise InputError(f"checkpoint's {where} has no {key} (saved with another table placement?)")
+        if isinstance(value, dict):
+            _copy_local_shards(value, saved[key], f"{where}.{key}")
+        elif is_sharded(value):
+            targets = [shard.tensor for shard in value.local_shards()]
+            if [t.shape for t in targets] != [t.shape for t in saved[key]]:
+                raise InputError(f"checkpoint's {where}.{key} holds local shards of shapes "
+                                 f"{[tuple(t.shape) for t in saved[key]]}, this rank's are "
+                                 f"{[tuple(t.shape) for t in targets]} (saved with another table placement?)")
+            for target, shard in zip(targets, saved[key]):
+                target.detach().copy_(shard)
+        elif isinstance(value, torch.Tensor):
+            value.detach().copy_(saved[key])
+        else:
+            live[key] = saved[key]
 
 
 def resume_latest(checkpointer: Checkpointer, config: TrainConfig, shards_sha256: str, rank: int,

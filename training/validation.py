@@ -64,7 +64,7 @@ class BestWeights:
         self.saved = self._copy()  # the initial weights until the first validation: DCP loads in place
 
     def _copy(self) -> dict[str, Any]:
-        return {name: copy.deepcopy(value) if _is_sharded(value) else value.detach().clone()
+        return {name: copy.deepcopy(value) if is_sharded(value) else value.detach().clone()
                 for name, value in self.model.state_dict().items()}
 
     def keep(self) -> None:
@@ -85,13 +85,13 @@ class BestWeights:
                 _copy_into(self.saved[name], value)
 
 
-def _is_sharded(value: Any) -> bool:
+def is_sharded(value: Any) -> bool:
     return hasattr(value, "local_shards")  # torch.distributed's ShardedTensor
 
 
 def _copy_into(target: Any, source: Any) -> None:
     """Copy ``source``'s values into ``target`` in place (tensors, or the local shards of sharded ones)."""
-    if _is_sharded(target):
+    if is_sharded(target):
         for into, shard in zip(target.local_shards(), source.local_shards()):
             into.tensor.detach().copy_(shard.tensor)
     else:
