@@ -305,17 +305,17 @@ def measure_rank_speeds(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 def calibration_device(choice: str, model: Any) -> str:
     """The device ``--device`` means here, checked with the HSTU attention kernel (when the model's
-    encoder is HSTU) before any run or output exists: a missing GPU or a kernel that cannot run
-    is one ``InputError`` line."""
+    encoder is HSTU) before any run or output exists: a missing GPU, a kernel that cannot run or
+    one that cannot take the config is one line (``training.attention_kernel``, the ranks' check)."""
     import torch
 
-    from training.hstu import resolve_attention_kernel
+    from training.attention_kernel import attention_kernel_for
 
     if choice == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available to this process")
     device = choice if choice != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if model.encoder == "hstu":
-        resolve_attention_kernel(model.hstu.attention_kernel, device)
+        attention_kernel_for(model.hstu, device)
     return device
 
 

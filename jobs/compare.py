@@ -130,6 +130,7 @@ def check_shard_sets(sets: dict[str, Path], world_size: int | None, local_batch_
 
 def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
     """Everything that needs no Spark, torch or MLflow: a bad argument is one line within a second."""
+    from training.attention_kernel import check_attention_kernel
     from training.config import load_config
 
     if (args.input is None) == (args.shards is None):
@@ -158,7 +159,8 @@ def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
             raise InputError(f"{flag} {path}: no such file")
     if args.summary_json and Path(args.summary_json).is_dir():
         raise InputError(f"--summary-json {args.summary_json} is a directory")
-    load_config(args.config, overrides)  # a bad key or value in the training config: one line, now
+    # A bad key or value in the training config, or a kernel its ranks would refuse here: one line, now.
+    check_attention_kernel(load_config(args.config, overrides))
 
 
 # ----------------------------------------------------------------------- names

@@ -110,10 +110,12 @@ def _launch(argv: list[str] | None) -> int:
     if args.comm_mode:
         settings += ["--comm.mode", args.comm_mode]
     settings += overrides
-    # The ranks' config, checked here first: a bad file, key or value is one line, before torchrun.
+    # The ranks' config, checked here first: a bad file, key or value is one line, before torchrun;
+    # so is an attention kernel the ranks would refuse on this machine.
+    from training.attention_kernel import check_attention_kernel
     from training.config import load_config
 
-    load_config(args.config, settings)
+    check_attention_kernel(load_config(args.config, settings))
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
            "-m", "jobs.train"]
     if args.config:

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from pipeline.errors import InputError
+from training.attention_kernel import resolve_attention_kernel
 from training.config import HSTUConfig
-from training.hstu import GroupedPlan, HSTUEncoder, RelativeAttentionBias, log_bucket, resolve_attention_kernel
+from training.hstu import GroupedPlan, HSTUEncoder, RelativeAttentionBias, log_bucket
 from training.jagged import offsets_from_lengths
 from training.ops.relative_buckets import bucket_by_thresholds
 

@@ -16,6 +16,7 @@ values (``keyed_by`` checks at import that the two agree).
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -80,7 +81,10 @@ class HSTUConfig:
     (``training.ops.hstu_attention``), needs a CUDA device (or ``TRITON_INTERPRET=1``, for
     tests); ``"grouped"``: PyTorch ops per group of equal-length samples, the CPU path and
     the kernel's reference; ``"auto"``: triton on CUDA, grouped on CPU. Both compute the
-    same numbers. Asking for triton where it cannot run stops the job, never falls back."""
+    same numbers. Asking for triton where it cannot run stops the job, never falls back; so does
+    triton with a value it cannot take (``max_seq_len`` past 2^20, ``max_time_gap_seconds`` past
+    2^31 s), which the grouped path takes. ``freescale train`` checks both before torchrun starts
+    (``training.attention_kernel``)."""
 
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
@@ -95,6 +99,10 @@ class HSTUConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        # The time buckets' scale divides by log1p(max_time_gap_seconds): 0 failed at the first step.
+        if not 0.0 < self.max_time_gap_seconds < math.inf:
+            raise ValueError(f"max_time_gap_seconds must be a positive number of seconds, "
+                             f"got {self.max_time_gap_seconds}")
 
 
 @dataclass

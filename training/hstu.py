@@ -28,8 +28,6 @@ log-bucketed relative position ``i - j`` and time gap ``|t_i - t_j|``.
 from __future__ import annotations
 
 import functools
-import os
-import typing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.errors import InputError
-from training.config import AttentionKernel, AttentionKernelName, HSTUConfig, keyed_by
+from training.attention_kernel import attention_kernel_for
+from training.config import AttentionKernelName, HSTUConfig, keyed_by
 from training.jagged import LengthGroup, check_jagged, group_by_length, group_order
 from training.ops.relative_buckets import log_bucket
 
@@ -203,33 +201,6 @@ def _triton_ops():
     return hstu_attention
 
 
-def triton_runs_on(device: torch.device) -> str | None:
-    """Why the Triton kernel cannot run on ``device``; None when it can."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not interpreted:
-        return f"it needs a CUDA device and this process runs on {device.type}"
-    try:
-        import triton  # noqa: F401
-    except ImportError as err:
-        return f"triton cannot be imported ({err})"
-    return None
-
-
-def resolve_attention_kernel(choice: AttentionKernel, device: torch.device | str) -> AttentionKernelName:
-    """The kernel ``choice`` means on ``device``; ``InputError`` (one line) if triton is asked for
-    and cannot run there -- never a quiet fall back to the slower kernel."""
-    device = torch.device(device)
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" else "grouped"
-    if choice == "triton":
-        reason = triton_runs_on(device)
-        if reason is not None:
-            allowed = "', '".join(typing.get_args(AttentionKernel))
-            raise InputError(f"model.hstu.attention_kernel = 'triton' cannot run: {reason} "
-                             f"(choose one of '{allowed}'; 'auto' picks triton on CUDA, grouped on CPU)")
-    return choice
-
-
 def _attention_group(group: LengthGroup, timestamps: torch.Tensor, config: HSTUConfig) -> AttentionGroup:
     length = group.length
     device = group.rows.device
@@ -329,8 +300,9 @@ class HSTUEncoder(nn.Module):
         self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
 
     def kernel(self, device: torch.device | str) -> AttentionKernelName:
-        """The attention kernel this encoder runs on ``device`` (see ``resolve_attention_kernel``)."""
-        return resolve_attention_kernel(self.config.attention_kernel, device)
+        """The attention kernel this encoder runs on ``device``; one line where triton would run and
+        cannot (``training.attention_kernel``)."""
+        return attention_kernel_for(self.config, torch.device(device).type)
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         check_jagged(values, offsets, timestamps)

@@ -63,7 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from training.ops.relative_buckets import INT64_MAX, bucket_by_thresholds, bucket_scale, bucket_thresholds
+from training.ops.kernel_limits import INT32_MAX, POSITION_TABLE_LIMIT, position_table_too_long, time_gaps_too_wide
+from training.ops.relative_buckets import bucket_by_thresholds, bucket_scale, bucket_thresholds, last_finite_threshold
 
 
 def _interpreter_scalar_index() -> None:
@@ -494,11 +495,6 @@ def _launch(kernel, tuned, block: int | None, total: int, batch: int, heads: int
         kernel[(total // block + batch, heads)](*args, *search, BLOCK=block, **meta)
 
 
-INT32_MAX = 2**31 - 1
-POSITION_TABLE_LIMIT = 2**20
-"""Longest distance the position table spells out (4 MiB); histories are far shorter."""
-
-
 @dataclass(frozen=True)
 class KernelTables:
     """The bucket definitions (``training.ops.relative_buckets``) in the form the kernels read them."""
@@ -517,20 +513,17 @@ class KernelTables:
 @functools.lru_cache(maxsize=32)
 def kernel_tables(spec: BiasSpec, device: torch.device) -> KernelTables:
     """Built once per spec and device and never written to (a copy per layer would be a host-to-device
-    copy per layer, which waits for the GPU)."""
-    def last_finite(thresholds: torch.Tensor) -> int:
-        return int(thresholds[thresholds < INT64_MAX].max())
-
-    position = bucket_thresholds(spec.num_position_buckets, spec.max_position)
-    pos_limit = last_finite(position)
-    if pos_limit > POSITION_TABLE_LIMIT:
-        raise ValueError(f"max_position {spec.max_position} needs a {pos_limit + 1}-entry position table; "
-                         f"the kernel takes at most {POSITION_TABLE_LIMIT + 1}")
-    time = bucket_thresholds(spec.num_time_buckets, spec.max_time_gap)
-    gap_limit = last_finite(time)
-    if gap_limit >= INT32_MAX:
+    copy per layer, which waits for the GPU). The trainer's config check refuses the same limits
+    before any rank starts (``training.attention_kernel``); this refusal is for direct callers."""
+    if position_table_too_long(spec.num_position_buckets, spec.max_position):
+        raise ValueError(f"max_position {spec.max_position} needs a position table of more than "
+                         f"{POSITION_TABLE_LIMIT + 1} entries, the kernel's limit")
+    if time_gaps_too_wide(spec.num_time_buckets, spec.max_time_gap):
         raise ValueError(f"max_time_gap {spec.max_time_gap} s puts a time bucket past 2^31 s, "
                          "beyond the kernel's 32-bit gaps")
+    pos_limit = last_finite_threshold(spec.num_position_buckets, spec.max_position)
+    gap_limit = last_finite_threshold(spec.num_time_buckets, spec.max_time_gap)
+    time = bucket_thresholds(spec.num_time_buckets, spec.max_time_gap)
     return KernelTables(
         position=bucket_by_thresholds(torch.arange(pos_limit + 1), spec.num_position_buckets, spec.max_position)
         .to(torch.int32).to(device),

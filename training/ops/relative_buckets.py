@@ -61,6 +61,12 @@ def bucket_thresholds(num_buckets: int, max_distance: float, device: torch.devic
     return _thresholds_on(int(num_buckets), float(max_distance), torch.device(device))
 
 
+def last_finite_threshold(num_buckets: int, max_distance: float) -> int:
+    """The smallest distance of the last bucket any integer distance reaches (0 with one bucket)."""
+    thresholds = bucket_thresholds(num_buckets, max_distance)
+    return int(thresholds[thresholds < INT64_MAX].max())
+
+
 @functools.lru_cache(maxsize=64)
 def _thresholds_on(num_buckets: int, max_distance: float, device: torch.device) -> torch.Tensor:
     return _thresholds_cpu(num_buckets, max_distance).to(device)
