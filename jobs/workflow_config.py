@@ -15,6 +15,8 @@ from typing import Any, Literal
 from balancing.strategies import STRATEGIES  # numpy only
 from balancing.types import LeftoverPolicy
 from pipeline.layouts import FORMATS  # plain data
+from pipeline.errors import InputError
+from training.attention_kernel import check_attention_kernel
 from training.config import DEFAULT_EXPERIMENT, ConfigError, apply_table, load_config, parse_overrides  # no torch
 
 StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  # the balancing registry's names
@@ -199,8 +201,9 @@ def load_workflow_config(path: str, overrides: list[str]) -> WorkflowConfig:
         raise ConfigError(f"{path}: train.overrides.{fixed[0]}: set by the pipeline (<workdir>/checkpoints, "
                           "<workdir>/shards), not settable")
     try:
-        load_config(config.train.config or None, override_argv(config.train.overrides))
-    except ConfigError as exc:
+        # What the training config alone decides, before the pipeline's first stage runs.
+        check_attention_kernel(load_config(config.train.config or None, override_argv(config.train.overrides)))
+    except (ConfigError, InputError) as exc:
         raise ConfigError(f"{path}: [train]: {exc}") from None
     return config
 

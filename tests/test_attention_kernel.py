@@ -131,3 +131,14 @@ def test_freescale_train_refuses_triton_on_a_cpu_machine_before_torchrun(tmp_pat
     [line] = run.stderr.strip().splitlines()
     assert line.startswith("freescale train: error: model.hstu.attention_kernel = 'triton' cannot run")
     assert elapsed < 5, f"{elapsed:.1f} s"  # about 0.5 s; torchrun's start would be about 10 s
+
+
+def test_a_pipeline_config_is_checked_before_its_first_stage(no_gpu, tmp_path):
+    from jobs.workflow_config import load_workflow_config
+
+    path = tmp_path / "pipeline.toml"
+    path.write_text('[train.overrides]\n"model.hstu.attention_kernel" = "triton"\n')
+    with pytest.raises(ConfigError, match=r"\[train\]: model.hstu.attention_kernel = 'triton' cannot run"):
+        load_workflow_config(str(path), [])
+    path.write_text('[train.overrides]\n"model.hstu.attention_kernel" = "grouped"\n')
+    assert load_workflow_config(str(path), []).train.overrides == {"model.hstu.attention_kernel": "grouped"}
