@@ -121,7 +121,8 @@ def soak(result: Soak, shards: Path, config: str, steps: int, every_s: float, ex
     argv = [FREESCALE, "train", "--shards", str(shards), "--config", config, "--comm-mode", mode,
             "--max-steps", str(steps), "--tracking-uri", "none", "--training.log_every", "50",
             # Early stopping off first (it needs validations), so every run trains its steps.
-            "--evaluation.patience", "0", "--evaluation.every_epochs", "0", *extra]
+            "--evaluation.patience", "0", "--evaluation.every_epochs", "0",
+            "--training.eval_max_samples", "64", *extra]
     start = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -137,7 +138,8 @@ def soak(result: Soak, shards: Path, config: str, steps: int, every_s: float, ex
     while proc.poll() is None:
         for rank, pid in rank_processes(proc.pid).items():
             mb = rss_mb(pid)
-            if mb is not None and result.step:
+            # Training steps only: the run's end (its test-item evaluation) is not a step.
+            if mb is not None and 0 < result.step < steps:
                 result.samples.setdefault(rank, []).append((result.step, mb))
         time.sleep(every_s)
     reader.join(timeout=10)
