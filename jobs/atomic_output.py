@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 _TAG_HEX = 12
 # The names atomic_output gives its temporary siblings: <name>.tmp-<tag> and <name>.old-<tag>.
 _SIBLING = r"\.(?:tmp|old)-[0-9a-f]{%d}" % _TAG_HEX
+_STAGED = re.compile(r"(.+?)\.tmp-[0-9a-f]{%d}(?:/|$)" % _TAG_HEX)
 
 
 def check_no_overlap(output: str, inputs: dict[str, str | None]) -> None:
@@ -70,6 +71,13 @@ def stale_siblings(fs: HadoopFS, output: str) -> list[str]:
     return [d for d in fs.list_dirs(parent) if pattern.fullmatch(d.rstrip("/").rpartition("/")[2])]
 
 
+def staged_output(path: str) -> str | None:
+    """The output whose staging folder (``<output>.tmp-<tag>``) holds ``path``; None when none does.
+    Error messages name the output the user asked for, not the staging folder a task was writing."""
+    match = _STAGED.match(path)
+    return match.group(1) if match else None
+
+
 def remove_stale_siblings(fs: HadoopFS, output: str) -> int:
     """Delete the temporary folders an interrupted run left next to ``output``; how many.
 
@@ -91,18 +99,27 @@ def stale_note(removed: int) -> str:
 
 @contextmanager
 def atomic_output(fs: HadoopFS, output: str, overwrite: bool) -> Iterator[str]:
-    """Yield a temporary directory; on success it becomes `output`, on error it is removed."""
+    """Yield a temporary directory; on success it becomes `output`, on error it is removed.
+
+    The block's Spark jobs form one job group, so that a stop can cancel them, and the jobs the
+    interrupted action has yet to start, before the staging folder is removed."""
+    from jobs.job_errors import stop_of
+
     check_output_free(fs, output, overwrite)
     output = output.rstrip("/")
     tag = uuid.uuid4().hex[:_TAG_HEX]
     staging = f"{output}.tmp-{tag}"
+    group = f"freescale-output-{tag}"
+    _set_job_group(group, f"writing {output}")
     try:
         yield staging
     except BaseException as exc:
-        if not isinstance(exc, Exception):  # a stop signal (Stopped, Ctrl-C) interrupted the driver only
-            _cancel_spark_jobs()
+        if stop_of(exc) is not None:  # a stop signal interrupted the driver only: the JVM may go on writing
+            _cancel_spark_jobs(group)
         _remove_staging(fs, staging)
         raise
+    finally:
+        _set_job_group(None)
     # Swap: the old output is moved aside first so a crash between the two renames
     # leaves either the old or the new output findable, never a mix.
     retired = f"{output}.old-{tag}"
@@ -117,8 +134,28 @@ def atomic_output(fs: HadoopFS, output: str, overwrite: bool) -> Iterator[str]:
 CANCEL_WAIT_S = 20.0
 
 
-def _cancel_spark_jobs() -> None:
-    """Cancel the session's running Spark jobs and wait (CANCEL_WAIT_S at most) until none runs."""
+def _set_job_group(group: str | None, description: str = "") -> None:
+    """Put this thread's next Spark jobs in job group `group` (None: in none). A process without
+    Spark (or whose JVM is gone) has nothing to group."""
+    from pyspark import SparkContext
+
+    context = SparkContext._active_spark_context
+    if context is None:
+        return
+    try:
+        if group is None:
+            context._jsc.clearJobGroup()
+        else:
+            context.setJobGroup(group, description)
+    except Exception:  # noqa: BLE001 - the JVM may be gone (a signal to the process group)
+        pass
+
+
+def _cancel_spark_jobs(group: str) -> None:
+    """Cancel job group `group`'s running jobs and those it has yet to start (Spark's
+    cancelJobGroupAndFutureJobs: an interrupted write may still be planning its next job, which a
+    cancel of the running ones would miss), then every running job, and wait (CANCEL_WAIT_S at
+    most) until none runs."""
     import time
 
     from pyspark import SparkContext
@@ -127,6 +164,7 @@ def _cancel_spark_jobs() -> None:
     if context is None:
         return
     try:
+        context._jsc.sc().cancelJobGroupAndFutureJobs(group)
         context.cancelAllJobs()
         deadline = time.monotonic() + CANCEL_WAIT_S
         while context.statusTracker().getActiveJobsIds() and time.monotonic() < deadline:
@@ -137,13 +175,20 @@ def _cancel_spark_jobs() -> None:
 
 def _remove_staging(fs: HadoopFS, staging: str) -> None:
     """Remove the staging folder through Hadoop, or, when the JVM is gone (stopped with its
-    process group), from the local file system when it is local."""
+    process group), from the local file system when it is local. A remote one that cannot be
+    removed is one warning: the job's own error (or stop) is what ends it, and the next run of the
+    job removes the folder (remove_stale_siblings)."""
     import shutil
+    import sys
+
+    from pipeline.errors import one_line
 
     try:
         fs.delete(staging)
-    except Exception:  # noqa: BLE001 - py4j's errors when the JVM died
+    except Exception as exc:  # noqa: BLE001 - py4j's errors when the JVM died
         local = local_path(staging)
-        if local is None:
-            raise
-        shutil.rmtree(local, ignore_errors=True)
+        if local is not None:
+            shutil.rmtree(local, ignore_errors=True)
+            return
+        print(f"freescale: warning: could not remove the staging folder {staging} ({one_line(exc)}); "
+              "the next run for this output removes it", file=sys.stderr, flush=True)

@@ -114,11 +114,13 @@ def read_sequences(spark, fs, input_uri: str):
 
 def check_inputs(args: argparse.Namespace) -> None:
     """What can be checked without Spark (local paths; Spark checks remote ones in
-    read_sequences): the output is not an input, and --input is a prepare output or a
-    sequences Parquet with REQUIRED_COLUMNS in every file's footer."""
+    read_sequences): the output is not an input, --input is a prepare output or a
+    sequences Parquet with REQUIRED_COLUMNS in every file's footer, and a --master
+    spark://... takes connections."""
     from jobs.atomic_output import check_local_output_free, check_no_overlap
     from pipeline import paths, preflight
 
+    preflight.check_master(args.master)
     capacities_file = args.capacities[1:] if args.capacities and args.capacities.startswith("@") else None
     check_no_overlap(args.output, {"--input": args.input, "--cost-model": args.cost_model,
                                    "--capacities": capacities_file})

@@ -5,8 +5,9 @@
     2  EXIT_BAD_INPUT    bad input or arguments: InputError, ConfigError, ShardError, InfeasibleError,
                          a missing or existing path, argparse's own errors
     3  EXIT_ENVIRONMENT  this machine or a service stopped the job: a comm/process-group backend that
-                         cannot run here (CUDA absent), Java missing or Spark unable to start, MLflow
-                         tracking that failed where it stops the job
+                         cannot run here (CUDA absent), Java missing or Spark unable to start, a Spark
+                         master that does not answer, a file system scheme Spark has no jar for, a full
+                         disk (jobs/spark_errors.py), MLflow tracking that failed where it stops the job
 
 The line reads ``freescale JOB: error: MESSAGE`` and, when the log holds the details (a Python,
 JVM or torchrun trace), ends with ``(details: LOG)``; see pipeline/logs.py for where the log is.
@@ -15,13 +16,17 @@ FREESCALE_DEBUG=1 re-raises expected failures too.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Iterator
 
+from jobs.spark_errors import environment_message
 from pipeline import logs
 from pipeline.errors import InputError
 
@@ -41,6 +46,72 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+# The stop signal received inside `stops_on_signals`, kept apart from the exception that carries it:
+# on its way out the Stopped can be replaced by another error (a cleanup's own; a py4j call failing
+# because the signal took Spark's JVM down with the process group), and the job must still end as
+# stopped, whichever error surfaces.
+_received: list[int] = []
+
+
+def stop_signal() -> int | None:
+    """The stop signal this process received inside `stops_on_signals`; None when none has."""
+    return _received[0] if _received else None
+
+
+def stop_of(exc: BaseException) -> int | None:
+    """The stop signal that `exc` carries (Stopped; KeyboardInterrupt is Ctrl-C's SIGINT) or stands in
+    for (any error, once a stop was received: see stop_signal); None when the job was not stopped."""
+    if isinstance(exc, Stopped):
+        return exc.signum
+    if isinstance(exc, KeyboardInterrupt):
+        return stop_signal() or signal.SIGINT
+    return stop_signal()
+
+
+@contextlib.contextmanager
+def stops_on_signals() -> Iterator[None]:
+    """For the block: SIGTERM (a scheduler's stop) raises Stopped in the main thread, once (a second
+    signal must not cut the cleanup short), and SIGINT raises KeyboardInterrupt as Python's own handler
+    does; either is remembered (stop_signal) until the block ends. Off the main thread, where no signal
+    is delivered, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    # SIGINT only where Python's own handler has it: a process started with SIGINT ignored keeps ignoring it.
+    signals = (signal.SIGTERM,) + ((signal.SIGINT,) if signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                                   else ())
+    previous = {signum: signal.signal(signum, _stop) for signum in signals}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _received.clear()
+
+
+def _stop(signum: int, frame: object) -> None:
+    first = not _received
+    if first:
+        _received.append(signum)
+    _drop_interrupted_jvm_call()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    if first:
+        raise Stopped(signum)
+
+
+def _drop_interrupted_jvm_call() -> None:
+    """The signal may have landed in the middle of a JVM call (a Spark action): see
+    pipeline.session.drop_gateway_connection. A process that never built a Spark session has none."""
+    session = sys.modules.get("pipeline.session")
+    if session is None:
+        return
+    try:
+        session.drop_gateway_connection()
+    except Exception:  # noqa: BLE001 - raised here, it would replace the stop itself
+        pass
+
+
 # Where `freescale train` asks its ranks to leave their exit status (one file per rank).
 STATUS_DIR_ENV = "FREESCALE_STATUS_DIR"
 
@@ -49,7 +120,8 @@ STATUS_DIR_ENV = "FREESCALE_STATUS_DIR"
 # torch, torchrec or pyspark just to name a class.
 _BAD_INPUT = (("balancing.types", "InfeasibleError"), ("training.config", "ConfigError"),
               ("shards.manifest", "ShardError"), ("pyspark.errors", "PySparkException"))
-_ENVIRONMENT = (("comm.errors", "BackendUnavailable"), ("mlflow.exceptions", "MlflowException"))
+_ENVIRONMENT = (("comm.errors", "BackendUnavailable"), ("mlflow.exceptions", "MlflowException"),
+                ("pipeline.errors", "ServiceUnavailable"))
 # PySpark errors that mean Spark itself could not run here (no Java, the JVM died), not bad input.
 _SPARK_ENVIRONMENT_CLASSES = ("JAVA_GATEWAY_EXITED",)
 # Markers of an expected error raised inside a Spark task (a pandas UDF): the task's error text
@@ -91,7 +163,7 @@ def _loaded(pairs) -> tuple[type[BaseException], ...]:
 
 def exit_code(exc: BaseException) -> int:
     """The exit status for a job stopped by `exc`."""
-    if isinstance(exc, _loaded(_ENVIRONMENT)):
+    if isinstance(exc, _loaded(_ENVIRONMENT)) or environment_message(exc) is not None:
         return EXIT_ENVIRONMENT
     pyspark_error = _loaded((("pyspark.errors", "PySparkException"),))
     if pyspark_error and isinstance(exc, pyspark_error):
@@ -108,8 +180,10 @@ def exit_code(exc: BaseException) -> int:
 
 
 def first_line(exc: BaseException) -> str:
-    """The message's first line; for an error raised inside a Spark task, the original error's line."""
-    spark = spark_input_error(exc)
+    """The message's first line; for an error raised inside a Spark task, the original error's line;
+    for one the machine or cluster caused (a full disk, a file system or master Spark cannot reach),
+    what to do about it."""
+    spark = environment_message(exc) or spark_input_error(exc)
     if spark is not None:
         return spark
     text = str(exc).strip()
@@ -175,11 +249,16 @@ def run_job(job: str, body: Callable[[], int | None]) -> int:
     """Run `body`; any failure becomes one line and an exit status (see the module docstring).
 
     FREESCALE_DEBUG=1 re-raises expected failures (unexpected ones show their traceback, as
-    under --verbose).
+    under --verbose). An error that surfaces after a stop signal (stop_signal) is the stop: its trace
+    goes to the log and Stopped goes on, so the job ends as stopped, not failed.
     """
     try:
         return body() or EXIT_OK
     except Exception as exc:  # noqa: BLE001 - every failure ends as one line and a status
+        signum = stop_signal()
+        if signum is not None:
+            write_details(job, "after a stop signal: " + "".join(traceback.format_exception(exc)))
+            raise Stopped(signum) from exc
         if os.environ.get(logs.DEBUG_ENV) and exit_code(exc) != EXIT_FAILED:
             raise
         return report(job, exc)

@@ -83,10 +83,11 @@ def feature_columns(args: argparse.Namespace) -> list[str] | None:
 def check_inputs(args: argparse.Namespace) -> None:
     """What can be checked without Spark (local paths; remote ones are checked by Spark):
     the output is not an input, the inputs exist, Parquet footers are readable and have
-    the needed columns."""
+    the needed columns, a --master spark://... takes connections."""
     from jobs.atomic_output import check_local_output_free, check_no_overlap
     from pipeline import preflight
 
+    preflight.check_master(args.master)
     check_no_overlap(args.output, {"--input": args.input, "--user-features": args.user_features})
     check_local_output_free(args.output, args.overwrite)
     if args.input is not None:

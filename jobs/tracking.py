@@ -68,11 +68,13 @@ def run_tags(strategy: str | None = None, control: str | None = None, comparison
 
 
 def ended_status(exc: BaseException | None) -> str:
-    """How a run ends: FINISHED, KILLED (Ctrl-C, or a stop signal raised as an exception with a
-    ``signum``) or FAILED."""
+    """How a run ends: FINISHED, KILLED (Ctrl-C, a stop signal, or any error once the job received
+    one: jobs/job_errors.py, stop_of) or FAILED."""
+    from jobs.job_errors import stop_of
+
     if exc is None:
         return "FINISHED"
-    return "KILLED" if isinstance(exc, KeyboardInterrupt) or hasattr(exc, "signum") else "FAILED"
+    return "KILLED" if stop_of(exc) is not None else "FAILED"
 
 
 class JobRun:

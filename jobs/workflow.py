@@ -35,9 +35,7 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -227,8 +225,9 @@ class _ErrorLineTap:
 def run_stage(stage: Stage, work: Path) -> tuple[int, str, bool]:
     """The stage job's exit status, its error message (empty when it succeeded) and whether the log
     holds details. A stop signal ends the job as it would end it alone (its run KILLED, its staging
-    removed), then the stage's record says so and the stop goes on to end the pipeline."""
-    from jobs.job_errors import Stopped, report
+    removed), then the stage's record says so and the stop goes on to end the pipeline: whatever
+    error the job's cleanup raised in its place, and however the job ended after it (stop_of)."""
+    from jobs.job_errors import Stopped, report, stop_of, stop_signal
 
     tap, saved = _ErrorLineTap(sys.stderr), sys.stderr
     sys.stderr = tap
@@ -236,21 +235,39 @@ def run_stage(stage: Stage, work: Path) -> tuple[int, str, bool]:
         rc = stage.run(stage.argv)
     except SystemExit as exc:  # argparse inside the job
         rc = exc.code if isinstance(exc.code, int) else 2
-    except (Stopped, KeyboardInterrupt) as stopped:
-        record = read_record(work, stage.name) or {}
-        write_json(record_path(work, stage.name), {**record, "status": "killed",
-                                                   "why": f"stopped by signal {_signum(stopped)}"})
-        stopped.stage = stage.name  # for the pipeline's last line
-        raise
-    except Exception as exc:  # noqa: BLE001 - a job that does not end in run_job: one line, its status
-        rc = report(stage.name, exc)
+    except BaseException as exc:
+        signum = stop_of(exc)
+        if signum is None:
+            if not isinstance(exc, Exception):
+                raise
+            rc = report(stage.name, exc)  # a job that does not end in run_job: one line, its status
+        else:
+            _record_killed(stage, work, signum)
+            if isinstance(exc, (Stopped, KeyboardInterrupt)):
+                exc.stage = stage.name  # for the pipeline's last line
+                raise
+            raise _stop_in(stage, signum) from exc
     finally:
         sys.stderr = saved
+    signum = stop_signal()
+    if signum is not None:  # the job returned after the stop (with its own line, or even done)
+        _record_killed(stage, work, signum)
+        raise _stop_in(stage, signum)
     return rc, (tap.last if rc else ""), bool(rc) and tap.details
 
 
-def _signum(stopped: BaseException) -> int:
-    return getattr(stopped, "signum", signal.SIGINT)  # KeyboardInterrupt: Ctrl-C
+def _record_killed(stage: Stage, work: Path, signum: int) -> None:
+    record = read_record(work, stage.name) or {}
+    write_json(record_path(work, stage.name), {**record, "status": "killed", "why": f"stopped by signal {signum}"})
+
+
+def _stop_in(stage: Stage, signum: int) -> BaseException:
+    """The stop, naming the stage for the pipeline's last line."""
+    from jobs.job_errors import Stopped
+
+    stopped = Stopped(signum)
+    stopped.stage = stage.name
+    return stopped
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from jobs.job_errors import EXIT_ENVIRONMENT, Stopped, error_line
-    from jobs.tracking import PIPELINE_ENV, fail_orphaned_runs, resolve_tracking_uri
+    from jobs.job_errors import EXIT_ENVIRONMENT, error_line, stop_of, stops_on_signals
+    from jobs.tracking import PIPELINE_ENV
 
     args, overrides = build_parser().parse_known_args(argv)
     config = load_workflow_config(args.config, overrides)  # a bad key or value: one line, exit 2
@@ -282,47 +299,55 @@ def main(argv: list[str]) -> int:
                                                               if refused.reason == "other_host" else ""),
                    details=False)
         return EXIT_ENVIRONMENT
-    # SIGTERM (a scheduler's stop) raises in the main thread, as Ctrl-C does, so the running stage,
-    # the records and the lock are ended on the way out; once: a second signal must not cut that short.
-    stopping: list[int] = []
-
-    def stop(signum: int, frame: object) -> None:
-        if not stopping:
-            stopping.append(signum)
-            raise Stopped(signum)
-
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
     saved_env = os.environ.get(PIPELINE_ENV)
     os.environ[PIPELINE_ENV] = str(work.resolve())  # every stage's run names this workdir
     try:
-        try:
-            orphans = fail_orphaned_runs(resolve_tracking_uri(config.pipeline.tracking_uri or None),
-                                         os.environ[PIPELINE_ENV])
-        except Exception as exc:  # noqa: BLE001 - tracking never stops the pipeline
-            from jobs.tracking import failure
-
-            print(f"freescale pipeline: warning: could not end the MLflow runs a killed run left RUNNING "
-                  f"({failure(exc)})", file=sys.stderr, flush=True)
-        else:
-            if orphans:
-                print(f"freescale pipeline: note: {len(orphans)} MLflow run(s) of a killed run of this workdir "
-                      f"were still RUNNING: ended FAILED ({', '.join(orphans)})", file=sys.stderr, flush=True)
-        return run_pipeline(config, work, fresh=args.fresh)
-    except (Stopped, KeyboardInterrupt) as stopped:
-        stage = getattr(stopped, "stage", None)
-        error_line("pipeline", f"stopped by signal {_signum(stopped)}" + (
-            f" in stage {stage}: its MLflow run ended KILLED, its output left as it was, its record says killed"
-            if stage else ""), details=False)
-        return 128 + _signum(stopped)
+        # SIGTERM (a scheduler's stop) raises in the main thread, as Ctrl-C does, so the running stage,
+        # the records and the lock are ended on the way out (jobs/job_errors.py: stops_on_signals).
+        with stops_on_signals():
+            try:
+                _end_orphaned_runs(config, os.environ[PIPELINE_ENV])
+                return run_pipeline(config, work, fresh=args.fresh)
+            except BaseException as exc:
+                if stop_of(exc) is None:
+                    raise
+                return _stopped_status(exc)
     finally:
         locks.release(lock)
         if saved_env is None:
             os.environ.pop(PIPELINE_ENV, None)
         else:
             os.environ[PIPELINE_ENV] = saved_env
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+
+
+def _end_orphaned_runs(config: WorkflowConfig, workdir: str) -> None:
+    """End FAILED the MLflow runs a killed run of this workdir left RUNNING; one note line, or one
+    warning when that fails (tracking never stops the pipeline)."""
+    from jobs.tracking import fail_orphaned_runs, resolve_tracking_uri
+
+    try:
+        orphans = fail_orphaned_runs(resolve_tracking_uri(config.pipeline.tracking_uri or None), workdir)
+    except Exception as exc:  # noqa: BLE001 - tracking never stops the pipeline
+        from jobs.tracking import failure
+
+        print(f"freescale pipeline: warning: could not end the MLflow runs a killed run left RUNNING "
+              f"({failure(exc)})", file=sys.stderr, flush=True)
+        return
+    if orphans:
+        print(f"freescale pipeline: note: {len(orphans)} MLflow run(s) of a killed run of this workdir "
+              f"were still RUNNING: ended FAILED ({', '.join(orphans)})", file=sys.stderr, flush=True)
+
+
+def _stopped_status(exc: BaseException) -> int:
+    """The pipeline's last line and 128 + N for `exc`, which is (or surfaced after) stop signal N."""
+    from jobs.job_errors import error_line, stop_of
+
+    signum = stop_of(exc)
+    stage = getattr(exc, "stage", None)
+    error_line("pipeline", f"stopped by signal {signum}" + (
+        f" in stage {stage}: its MLflow run ended KILLED, its output left as it was, its record says killed"
+        if stage else ""), details=False)
+    return 128 + signum
 
 
 def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:

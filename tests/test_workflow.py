@@ -346,6 +346,44 @@ def test_a_stop_signal_ends_the_stage_killed_and_releases_the_lock(tmp_path, mon
     assert "FREESCALE_PIPELINE_WORKDIR" not in os.environ
 
 
+def _stop_replaced_by_a_cleanup_error() -> None:
+    """SIGTERM, then a cleanup on the way out raises its own error in place of the stop: what a
+    cleanup's JVM call did when the signal had landed inside a Spark action (KeyError: 'c' from the
+    call's unread answer)."""
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    finally:
+        raise KeyError("c")
+
+
+def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_path, monkeypatch, capsys):
+    """The job (in run_job, as every job is) sees a KeyError, not the stop: it must still end as the
+    stop (no error line of its own, its trace in the log), its run KILLED, the stage's record killed,
+    the pipeline's one line and 128 + 15."""
+    from jobs import prepare
+    from jobs.job_errors import run_job
+
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
+    monkeypatch.setattr(logs, "_log_file", None)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    work = tmp_path / "work"
+    fake = _fake_prepare(uri, _stop_replaced_by_a_cleanup_error)
+    monkeypatch.setattr(prepare, "main", lambda argv: run_job("prepare", lambda: fake(argv)))
+    assert run(write_config(tmp_path, work)) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line for line in err if ": error: " in line] == [
+        "freescale pipeline: error: stopped by signal 15 in stage prepare: its MLflow run ended KILLED, its output "
+        "left as it was, its record says killed"]
+    assert json.loads((work / "prepare.fingerprint.json").read_text())["status"] == "killed"
+    assert [r.info.status for r in _runs(uri)] == ["KILLED"]
+    assert "KeyError: 'c'" in logs.log_file("prepare").read_text()
+    assert not (work / workflow.LOCK).exists()
+    from jobs.job_errors import stop_signal
+
+    assert stop_signal() is None  # the stop is the pipeline's: forgotten when it ends
+
+
 def test_a_rerun_ends_the_runs_a_killed_run_left_running_failed(tmp_path, monkeypatch, capsys):
     """kill -9 leaves a stage's run RUNNING forever; the next run of the same workdir (which holds
     the lock, so none of its stages runs) ends it FAILED. Runs of other workdirs, and ended runs,
