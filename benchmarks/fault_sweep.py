@@ -68,6 +68,9 @@ class Sweep:
         self.stdout = ""  # the last command's
         self.orphans: list[str] = []  # RUNNING runs a kill -9 left (pipeline case)
         self.endpoint = ""  # the lone node's rendezvous endpoint (multi-node case)
+        self.prepare_stage_s: float | None = None  # an uninterrupted prepare stage (SIGTERM timings)
+        self.killed_before = self.failed_before = 0  # prepare runs KILLED / FAILED before a stop
+        self.left_on_disk: list[str] = []  # what balance left on the full disk
 
     def path(self, name: str) -> Path:
         return self.work / name
@@ -452,6 +455,188 @@ def prepared_meta(s: Sweep, name: str) -> dict:
     return json.loads((s.path(name) / "prepare.json").read_text())
 
 
+# ---------------------------------------------------------- issue 23: stops mid-action, cluster, storage
+
+# SIGTERMs spread across one prepare stage, from the JVM's start to its last writes: timed from the
+# stage's "prepare: running" line, as fractions of how long the stage ran uninterrupted.
+PREPARE_STOP_FRACTIONS = [round(0.03 + 0.095 * i, 3) for i in range(10)]
+
+
+def read_until(proc: subprocess.Popen, pattern: str) -> list[str]:
+    """The lines `proc` printed up to the first that matches `pattern` (all of them if none does)."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if re.match(pattern, line):
+            break
+    return seen
+
+
+PREPARE_RUNNING = r"freescale pipeline: prepare: running"
+NEXT_STAGE_RUNNING = r"freescale pipeline: (?!prepare)\w+: running"
+
+
+def prepare_stage_seconds(s: Sweep) -> float:
+    """How long the pipeline's prepare stage (its synthetic default: 20,000 users) runs uninterrupted,
+    measured once per sweep in a workdir of its own: from its "prepare: running" line to the next
+    stage's, when that pipeline is stopped."""
+    if s.prepare_stage_s is None:
+        toml = s.path("pipeline-timed.toml")
+        toml.write_text(s.path("pipeline.toml").read_text().replace(str(s.path("pipeline")),
+                                                                    str(s.path("pipeline-timed"))))
+        proc = subprocess.Popen([FREESCALE, "pipeline", "--config", str(toml)], cwd=s.work, env=ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        read_until(proc, PREPARE_RUNNING)
+        start = time.perf_counter()
+        seen = read_until(proc, NEXT_STAGE_RUNNING)
+        s.prepare_stage_s = time.perf_counter() - start
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=180)
+        assert seen and re.match(NEXT_STAGE_RUNNING, seen[-1]), seen[-3:]
+    return s.prepare_stage_s
+
+
+def sigterm_pipeline_into_prepare(fraction: float) -> Callable[[Sweep], Outcome]:
+    """SIGTERM to `freescale pipeline` (the process alone, as a scheduler sends it) `fraction` of the way
+    through its prepare stage: wherever it lands (Spark starting, a Spark action, the driver between
+    actions, the staging writes) the run must end as stopped."""
+    def run(s: Sweep) -> Outcome:
+        delay = fraction * prepare_stage_seconds(s)
+        s.killed_before = len(runs_of(s, "KILLED", "prepare"))
+        s.failed_before = len(runs_of(s, "FAILED", "prepare"))
+        start = time.perf_counter()
+        proc = start_pipeline(s, "--fresh")  # prepare runs even when a stop came too late for it last time
+        seen = read_until(proc, PREPARE_RUNNING)
+        if not seen or not re.match(PREPARE_RUNNING, seen[-1]):
+            proc.communicate(timeout=600)
+            return Outcome(proc.returncode, ["prepare did not run"], time.perf_counter() - start)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+        s.stdout = "".join(seen) + out
+        return Outcome(proc.returncode, err.strip().splitlines(), time.perf_counter() - start)
+    return run
+
+
+def stopped_in_prepare_ok(s: Sweep, o: Outcome) -> str:
+    """stopped_pipeline_ok's checks for one more stop of the same workdir: the line names prepare, one
+    more prepare run ended KILLED, none FAILED; the output is absent, or whole when the stop came
+    after it was renamed into place (the record says killed all the same: a rerun redoes it)."""
+    work = s.path("pipeline")
+    record = json.loads((work / "prepare.fingerprint.json").read_text())
+    prepared = work / "prepared"
+    problems = [what for what, bad in (
+        ("prepared left, not whole", prepared.exists() and not ((prepared / "sequences").is_dir()
+                                                               and (prepared / "prepare.json").is_file())),
+        ("the line does not name stage prepare", "stopped by signal 15 in stage prepare" not in o.stderr[-1]),
+        ("no line says synthetic data", "uses synthetic data ([prepare] has no input: 20000 users" not in s.stdout),
+        (f"the record says {record['status']}", record["status"] != "killed"),
+        ("LOCK left", (work / "LOCK").exists()),
+        ("staging left", bool(list(s.work.glob("pipeline/*.tmp-*")))),
+        ("prepare's run not KILLED", len(runs_of(s, "KILLED", "prepare")) != s.killed_before + 1),
+        ("a prepare run ended FAILED", len(runs_of(s, "FAILED", "prepare")) != s.failed_before)) if bad]
+    return "; ".join(problems)
+
+
+# What spark-submit prints before the job's Python starts, whatever the job does: the JVM's note on
+# its incubator modules, Spark's note on its default log4j profile (again when the SparkContext
+# starts) and the host name's loopback warning. A spark-submit case counts the other lines.
+LAUNCHER_LINES = ("WARNING: Using incubator modules", "Using Spark's default log4j profile",
+                  "resolves to a loopback address", "Set SPARK_LOCAL_IP if you need")
+
+
+def spark_submit(s: Sweep, script: str, *args: str, master: str = "local[2]", timeout: float = 300) -> Outcome:
+    """`spark-submit --master MASTER jobs/SCRIPT ARGS` with the venv's spark-submit (pyspark's own Spark).
+    spark-submit's Python runner sends the job's stderr to stdout, the JVM's log goes to stderr: the
+    Outcome's lines are the JVM's, then the job's (its last line last), less LAUNCHER_LINES."""
+    submit = str(Path(sys.executable).parent / "spark-submit")
+    env = {**ENV, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    start = time.perf_counter()
+    done = subprocess.run([submit, "--master", master, str(REPO / "jobs" / script), *args, "--tracking-uri",
+                           s.tracking], cwd=s.work, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in done.stderr.splitlines() + done.stdout.splitlines()
+             if line.strip() and not any(marker in line for marker in LAUNCHER_LINES)]
+    return Outcome(done.returncode, lines, time.perf_counter() - start)
+
+
+def quiet_spark_submit(s: Sweep, o: Outcome) -> str:
+    """Spark says nothing once its SparkContext runs (spark.log.level): the few lines it prints while
+    starting, its note of the setting, then only the job's own lines."""
+    setting = [i for i, line in enumerate(o.stderr) if line.startswith("Setting Spark log level")]
+    if not setting:
+        return "no spark.log.level note: Spark's own level"
+    spark = [line for line in o.stderr[setting[0] + 1:] if not line.startswith("freescale ")]
+    if spark:
+        return f"{len(spark)} Spark lines after its start, e.g. {spark[0][:80]}"
+    return "" if len(o.stderr) <= 8 else f"{len(o.stderr)} lines"
+
+
+FULL_DISK_SIZE = "128k"  # far less than the sweep's shards
+
+
+def full_disk_balance(s: Sweep) -> Outcome:
+    """balance --output on a tmpfs of FULL_DISK_SIZE, mounted for the case (needs root: otherwise the
+    case says so and misses). What the job left on that disk is kept for the check: the disk goes away
+    with the case."""
+    disk = s.path("full-disk")
+    disk.mkdir(exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FULL_DISK_SIZE}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        return Outcome(1, [f"no tmpfs for the case: {mounted.stderr.strip()}"], 0.0)
+    try:
+        outcome = s.freescale("balance", "--input", str(s.path("prepared")), "--output", str(disk / "shards"),
+                              "--world-size", "2", "--local-batch-size", "8")
+        s.left_on_disk = sorted(p.name for p in disk.iterdir())
+        return outcome
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def disk_full_named(s: Sweep, o: Outcome) -> str:
+    if s.left_on_disk:
+        return f"left {s.left_on_disk} on the full disk"
+    if "the disk is full" not in o.stderr[-1] or str(s.path("full-disk") / "shards") not in o.stderr[-1]:
+        return "the line does not say the disk under the output is full"
+    return "" if o.code == 3 else f"exit {o.code}, not 3"
+
+
+NO_MASTER = "spark://127.0.0.1:1"  # a port nothing listens on
+
+ISSUE_23_CASES = [
+    *[Case(f"pipeline without [prepare], SIGTERM {fraction:.3f} into prepare", "stopped",
+           sigterm_pipeline_into_prepare(fraction), check=stopped_in_prepare_ok)
+      for fraction in PREPARE_STOP_FRACTIONS],
+    Case("prepare --master spark://127.0.0.1:1 (no master there)", "fail",
+         lambda s: s.freescale("prepare", "--master", NO_MASTER, "--output", str(s.path("nomaster-out")),
+                               "--synthetic-users", "100"),
+         output=lambda s: s.path("nomaster-out"),
+         check=lambda s, o: within(10)(s, o) or one_line_naming(NO_MASTER)(s, o)),
+    Case("spark-submit --master spark://127.0.0.1:1 jobs/prepare.py (no master there)", "fail",
+         lambda s: spark_submit(s, "prepare.py", "--output", str(s.path("nomaster-submit")), "--synthetic-users",
+                                "100", master=NO_MASTER),
+         output=lambda s: s.path("nomaster-submit"),
+         check=lambda s, o: within(30)(s, o) or one_line_naming(NO_MASTER)(s, o)),
+    Case("balance --input s3a://bucket/prep without hadoop-aws", "fail",
+         lambda s: s.freescale("balance", "--input", "s3a://bucket/prep", "--output", str(s.path("s3a-out")),
+                               "--world-size", "2", "--local-batch-size", "8"),
+         output=lambda s: s.path("s3a-out"),
+         check=lambda s, o: "" if o.code == 3 and all(w in o.stderr[-1] for w in (
+             "s3a://", "org.apache.hadoop:hadoop-aws:", "spark-submit --packages")) else "scheme, package or flag not named"),
+    Case("balance --output on a full disk (tmpfs)", "fail", full_disk_balance,
+         output=lambda s: s.path("full-disk/shards"), check=disk_full_named),
+    Case("spark-submit jobs/prepare.py on local Spark, quiet", "ok",
+         lambda s: spark_submit(s, "prepare.py", "--output", str(s.path("submit-prep")), "--synthetic-users", "400",
+                                "--synthetic-items", "200", "--max-seq-len", "200"),
+         output=lambda s: s.path("submit-prep"), check=quiet_spark_submit),
+    Case("spark-submit jobs/balance.py on local Spark, quiet", "ok",
+         lambda s: spark_submit(s, "balance.py", "--input", str(s.path("prepared")), "--output",
+                                str(s.path("submit-shards")), "--world-size", "2", "--local-batch-size", "8"),
+         output=lambda s: s.path("submit-shards"),
+         check=lambda s, o: quiet_spark_submit(s, o) or manifest_ok(s, s.path("submit-shards"))),
+]
+
+
 CASES = [
     # 1. data loss: the output is the input folder
     Case("prepare --output = its --input folder, --overwrite", "fail",
@@ -600,6 +785,7 @@ CASES = [
     Case("train, attention_kernel triton on a CPU machine", "fail",
          lambda s: train(s, s.path("shards"), "--model.hstu.attention_kernel", "triton"),
          check=lambda s, o: within(2)(s, o) or one_line_naming("attention_kernel = 'triton' cannot run")(s, o)),
+    *ISSUE_23_CASES,
 ]
 
 
