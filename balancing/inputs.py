@@ -13,6 +13,9 @@ import numpy as np
 
 from balancing.types import InfeasibleError
 
+DEFAULT_FLOP_WIDTH = 64
+"""The d of strategy flops_kk's FLOP formula when none is given: the default HSTU ``embedding_dim``."""
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -26,6 +29,8 @@ class Problem:
     count_lo: int  # every rank takes between count_lo and count_hi samples
     count_hi: int
     equal_counts: bool
+    flop_width: int = DEFAULT_FLOP_WIDTH
+    """d of the FLOP formula L^2 + 2.5*d*L that strategy flops_kk balances (the model's width)."""
 
     @property
     def n(self) -> int:
@@ -119,10 +124,12 @@ def build_problem(
     token_cap: object = None,
     equal_counts: bool = False,
     capacities: object = None,
+    flop_width: object = DEFAULT_FLOP_WIDTH,
 ) -> Problem:
     """Validate inputs (ValueError) and reject provably infeasible token caps (InfeasibleError)."""
     c = check_costs(costs)
     k = check_positive_int(world_size, "world_size")
+    width = check_positive_int(flop_width, "flop_width")
     n = c.shape[0]
     lens = None if lengths is None else check_lengths(lengths, n)
     cap = check_capacities(capacities, k)
@@ -142,7 +149,7 @@ def build_problem(
         lo, hi = n // k, -(-n // k)
     else:
         lo, hi = 0, n
-    problem = Problem(c, lens, k, cap, tcap, lo, hi, bool(equal_counts))
+    problem = Problem(c, lens, k, cap, tcap, lo, hi, bool(equal_counts), width)
     if tcap is not None:
         _check_token_cap_feasible(problem)
     return problem

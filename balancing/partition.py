@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from balancing.inputs import build_problem, check_seed, check_time_limit
+from balancing.inputs import DEFAULT_FLOP_WIDTH, build_problem, check_seed, check_time_limit
 from balancing.metrics import check_assignment, summarise
 from balancing.strategies import SOLVERS, check_strategy
 from balancing.types import Partition
@@ -20,6 +20,7 @@ def partition(
     capacities: object = None,
     seed: int = 0,
     time_limit_s: float | None = None,
+    flop_width: int = DEFAULT_FLOP_WIDTH,
 ) -> Partition:
     """Assign every sample to a rank so that max_k load_k / cap_k is small.
 
@@ -34,6 +35,7 @@ def partition(
         capacities: relative rank speeds (> 0), normalised to mean 1.
         seed: makes "ortools" reproducible (the other strategies are deterministic anyway).
         time_limit_s: CP-SAT budget in deterministic seconds (default 2).
+        flop_width: the model width d in the FLOP formula L^2 + 2.5*d*L of "flops_kk" (needs lengths).
 
     Raises:
         ValueError: malformed input, naming the argument and value.
@@ -44,7 +46,8 @@ def partition(
     seed = check_seed(seed)
     time_limit_s = check_time_limit(time_limit_s)
     p = build_problem(
-        costs, world_size, lengths=lengths, token_cap=token_cap, equal_counts=equal_counts, capacities=capacities
+        costs, world_size, lengths=lengths, token_cap=token_cap, equal_counts=equal_counts, capacities=capacities,
+        flop_width=flop_width,
     )
     start = time.perf_counter()
     rank = SOLVERS[strategy](p, seed, time_limit_s)

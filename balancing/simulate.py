@@ -31,6 +31,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from balancing.metrics import bubble_of_totals
+from balancing.inputs import DEFAULT_FLOP_WIDTH
 from balancing.window import plan
 
 NoiseDist = Literal["empirical", "normal"]
@@ -265,7 +266,9 @@ def lognormal_lengths(mu: float, sigma: float, n: int, seed: int, min_len: int, 
 
 
 def plan_loads(costs: np.ndarray, world_size: int, local_batch_size: int, strategy: str,
-               window_steps: int, seed: int) -> np.ndarray:
-    """[steps, K] loads of the real planner's plan (``balancing.window.plan``)."""
+               window_steps: int, seed: int, lengths: np.ndarray | None = None,
+               flop_width: int = DEFAULT_FLOP_WIDTH) -> np.ndarray:
+    """[steps, K] loads of the real planner's plan (``balancing.window.plan``); flops_kk needs the
+    lengths."""
     return plan(costs, world_size, local_batch_size, window_steps=window_steps, strategy=strategy,
-                seed=seed).loads
+                lengths=lengths, seed=seed, flop_width=flop_width).loads

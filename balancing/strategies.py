@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from balancing.contiguous import contiguous_ranks
+from balancing.flops_kk import flops_kk_ranks
 from balancing.inputs import Problem
 from balancing.karmarkar_karp import kk_ranks
 from balancing.local_search import refine
@@ -57,6 +58,10 @@ def _kk(p: Problem, seed: int, time_limit_s: float | None) -> np.ndarray:
     return refine(p, start, descent_budget(p), "kk")
 
 
+def _flops_kk(p: Problem, seed: int, time_limit_s: float | None) -> np.ndarray:
+    return flops_kk_ranks(p)
+
+
 def _ortools(p: Problem, seed: int, time_limit_s: float | None) -> np.ndarray:
     """CP-SAT warm-started from kk, so never worse than kk."""
     warm: np.ndarray | None
@@ -72,7 +77,23 @@ SOLVERS: dict[str, Solver] = {
     "lpt": _lpt,  # greedy longest-first
     "kk": _kk,  # Karmarkar-Karp + local search (the default)
     "ortools": _ortools,  # CP-SAT from the kk start
+    "flops_kk": _flops_kk,  # the peer's online balancer: kk on FLOPs, equal counts, one batch at a time
 }
+
+PER_BATCH: frozenset[str] = frozenset({"flops_kk"})
+"""Strategies that balance each global batch alone: a plan with them takes no window (and flops_kk,
+like the balancer it reproduces, no token cap)."""
+
+
+def per_batch_conflict(strategy: str, window_steps: int, token_cap: object) -> str:
+    """What a per-batch strategy cannot take, for the jobs' one-line errors; "" when nothing."""
+    if strategy not in PER_BATCH:
+        return ""
+    if window_steps != 1:
+        return f"strategy {strategy} balances each global batch alone: --window-steps must be 1, got {window_steps}"
+    if token_cap is not None:
+        return f"strategy {strategy} takes no --token-cap: the online FLOP balancer it reproduces has none"
+    return ""
 
 STRATEGIES: tuple[str, ...] = tuple(SOLVERS)
 

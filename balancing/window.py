@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from balancing.inputs import (
+    DEFAULT_FLOP_WIDTH,
     check_capacities,
     check_costs,
     check_lengths,
@@ -21,7 +22,7 @@ from balancing.inputs import (
 )
 from balancing.metrics import bubble_of_totals
 from balancing.partition import partition
-from balancing.strategies import check_strategy
+from balancing.strategies import PER_BATCH, check_strategy
 from balancing.types import Plan
 
 # Swaps per window at most, per step in the window; the search usually stops far earlier, when no
@@ -42,6 +43,7 @@ def plan(
     capacities: object = None,
     seed: int = 0,
     time_limit_s: float | None = None,
+    flop_width: int = DEFAULT_FLOP_WIDTH,
 ) -> Plan:
     """Assign every sample a (step, rank).
 
@@ -50,7 +52,8 @@ def plan(
     window is planned on its own). Within a window, samples are swapped between steps only while
     that lowers the sum over steps of max(largest cost / max(cap), step total / sum(cap)), then each
     step is split over ranks by ``partition`` with the same options and a per-step seed.
-    window_steps=1 moves nothing.
+    window_steps=1 moves nothing; strategies that balance one global batch at a time (``PER_BATCH``)
+    take no other window.
 
     Raises ValueError on malformed input and InfeasibleError when a step's token cap cannot be met.
     """
@@ -59,6 +62,8 @@ def plan(
     b = check_positive_int(local_batch_size, "local_batch_size")
     w = check_positive_int(window_steps, "window_steps")
     strategy = check_strategy(strategy)
+    if strategy in PER_BATCH and w != 1:
+        raise ValueError(f"strategy {strategy!r} balances each global batch alone: window_steps must be 1, got {w}")
     seed = check_seed(seed)
     time_limit_s = check_time_limit(time_limit_s)
     n = c.shape[0]
@@ -107,6 +112,7 @@ def plan(
             capacities=capacities,
             seed=_step_seed(seed, s),
             time_limit_s=time_limit_s,
+            flop_width=flop_width,
         )
         rank[idx] = part.rank
         loads[s] = part.loads

@@ -23,7 +23,8 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the project
 
 import numpy as np  # noqa: E402
 
-from balancing.strategies import STRATEGIES  # noqa: E402  (numpy only; OR-Tools loads when used)
+from balancing.inputs import DEFAULT_FLOP_WIDTH  # noqa: E402
+from balancing.strategies import STRATEGIES, per_batch_conflict  # noqa: E402  (numpy only; OR-Tools loads when used)
 from balancing.types import LEFTOVER_POLICIES  # noqa: E402
 from jobs.job_errors import run_job  # noqa: E402
 from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--equal-counts", action="store_true", help="every rank gets B samples (+-1) per step")
     p.add_argument("--capacities", help="relative rank speeds, comma separated, one per rank, or @FILE: "
                                         "a rank-speeds JSON written by `freescale calibrate`")
+    p.add_argument("--flop-width", type=int, default=DEFAULT_FLOP_WIDTH,
+                   help="the model width d in flops_kk's FLOP formula L^2 + 2.5*d*L (default %(default)s, "
+                        "the HSTU embedding_dim)")
     p.add_argument("--seed", type=int, default=0, help="shuffle and tie-break seed (default 0)")
     p.add_argument("--time-limit", type=float, help="seconds per step for the ortools strategy")
     p.add_argument("--leftover", choices=LEFTOVER_POLICIES, default="drop",
@@ -87,9 +91,12 @@ def parse_capacities(text: str | None, world_size: int) -> tuple[float, ...] | N
 
 def validate_args(args: argparse.Namespace) -> None:
     for flag, value in (("--world-size", args.world_size), ("--local-batch-size", args.local_batch_size),
-                        ("--window-steps", args.window_steps)):
+                        ("--window-steps", args.window_steps), ("--flop-width", args.flop_width)):
         if value <= 0:
             raise InputError(f"{flag} must be a positive integer, got {value}")
+    conflict = per_batch_conflict(args.strategy, args.window_steps, args.token_cap)
+    if conflict:
+        raise InputError(conflict)
     if args.token_cap is not None and args.token_cap <= 0:
         raise InputError(f"--token-cap must be a positive integer, got {args.token_cap}")
     if args.time_limit is not None and args.time_limit <= 0:
@@ -316,7 +323,8 @@ def balance(args: argparse.Namespace) -> int:
         spec = spark_plan.PlanSpec(world_size=args.world_size, local_batch_size=args.local_batch_size,
                                    window_steps=args.window_steps, strategy=args.strategy, seed=args.seed,
                                    token_cap=args.token_cap, equal_counts=args.equal_counts,
-                                   capacities=capacities, time_limit_s=args.time_limit)
+                                   capacities=capacities, time_limit_s=args.time_limit,
+                                   flop_width=args.flop_width)
 
         costs = sequences.select("user_id", "length", cost_column(model, "length").alias("cost"))
         positioned = spark_plan.with_global_position(costs, args.seed)

@@ -146,11 +146,14 @@ def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
             raise InputError("--input needs --world-size and --local-batch-size")
         if not (Path(args.input) / "prepare.json").is_file():
             raise InputError(f"--input {args.input}: no prepare.json (not a `freescale prepare` output)")
-        from balancing.strategies import STRATEGIES
+        from balancing.strategies import STRATEGIES, per_batch_conflict
 
         if args.strategy not in STRATEGIES or args.strategy == "contiguous":
             raise InputError(f"--strategy {args.strategy!r}: choose one of "
                              f"{', '.join(s for s in STRATEGIES if s != 'contiguous')}")
+        conflict = per_batch_conflict(args.strategy, args.window_steps, None)
+        if conflict:
+            raise InputError(conflict)
     else:
         args.shard_sets = parse_shard_sets(args.shards, args.control)
         args.manifests = check_shard_sets(args.shard_sets, args.world_size, args.local_batch_size)

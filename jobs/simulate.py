@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 
 from balancing.simulate import (  # noqa: E402  (numpy only)
     NOISE_DISTS, PLAN_BYTES_PER_SAMPLE, Noise, TimeModel, plan_memory_bytes)
-from balancing.strategies import STRATEGIES  # noqa: E402
+from balancing.inputs import DEFAULT_FLOP_WIDTH  # noqa: E402
+from balancing.strategies import PER_BATCH, STRATEGIES, per_batch_conflict  # noqa: E402
 from balancing.time_model import (  # noqa: E402  (numpy only)
     check_same_cost_model, describe_cost_model, fit_time_model, mirror_noise, predict, read_run, reductions,
     runs_cost_model)
@@ -61,9 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"samples per rank per step B (default {DEFAULT_LOCAL_BATCH_SIZE}; "
                         "with --shards: the manifest's)")
     p.add_argument("--steps", type=int, default=16, help="steps planned per K (default 16)")
-    p.add_argument("--window-steps", type=int, help="the balanced plan's window (default: --steps)")
+    p.add_argument("--window-steps", type=int, help="the balanced plan's window (default: --steps; 1 for "
+                                                    "flops_kk, which balances each global batch alone)")
     p.add_argument("--strategy", choices=[s for s in STRATEGIES if s != "contiguous"], default="kk",
                    help="the balanced plan's strategy (default kk)")
+    p.add_argument("--flop-width", type=int, default=DEFAULT_FLOP_WIDTH,
+                   help="the model width d in flops_kk's FLOP formula L^2 + 2.5*d*L (default %(default)s)")
     p.add_argument("--cost-model", help="cost-model JSON (default: the --calibrate-from runs' shards' model, else "
                                         "the built-in analytic one; with --shards: the manifest's); runs given "
                                         "to --calibrate-from must use the same")
@@ -119,10 +123,14 @@ def parse_lengths(text: str) -> tuple[float, float]:
 
 def check_args(args: argparse.Namespace) -> None:
     positive = [("--steps", args.steps), ("--window-steps", args.window_steps), ("--local-batch-size",
-                args.local_batch_size), ("--min-seq-len", args.min_seq_len), ("--max-seq-len", args.max_seq_len)]
+                args.local_batch_size), ("--min-seq-len", args.min_seq_len), ("--max-seq-len", args.max_seq_len),
+                ("--flop-width", args.flop_width)]
     for flag, value in positive:
         if value is not None and value < 1:
             raise InputError(f"{flag} must be a positive integer, got {value}")
+    conflict = per_batch_conflict(args.strategy, args.window_steps or 1, None)
+    if conflict:
+        raise InputError(conflict)
     if args.min_seq_len > args.max_seq_len:
         raise InputError(f"--min-seq-len {args.min_seq_len} is above --max-seq-len {args.max_seq_len}")
     for flag, value in (("--noise-cv", args.noise_cv), ("--comm-latency-s", args.comm_latency_s),
@@ -291,7 +299,7 @@ def built_plans(args: argparse.Namespace, runs_model) -> tuple[dict, dict]:
 
     sizes = parse_world_sizes(args.world_sizes or DEFAULT_WORLD_SIZES)
     b = args.local_batch_size or DEFAULT_LOCAL_BATCH_SIZE
-    window = args.window_steps or args.steps
+    window = args.window_steps or (1 if args.strategy in PER_BATCH else args.steps)
     # Without --cost-model, the runs' own: the one their seconds per cost unit is for.
     model = load_cost_model(args.cost_model) if args.cost_model or runs_model is None else runs_model
     check_runs_cost_model(model, runs_model, args)
@@ -309,7 +317,7 @@ def built_plans(args: argparse.Namespace, runs_model) -> tuple[dict, dict]:
             lengths = lognormal_lengths(mu, sigma, n, args.seed, args.min_seq_len, args.max_seq_len)
         costs = model.predict(lengths)
         plans[k] = {"contiguous": plan_loads(costs, k, b, "contiguous", 1, args.seed),
-                    "balanced": plan_loads(costs, k, b, args.strategy, window, args.seed)}
+                    "balanced": plan_loads(costs, k, b, args.strategy, window, args.seed, lengths, args.flop_width)}
     what = {"source": "input" if args.input else "lengths", "lengths": args.input or args.lengths,
             "local_batch_size": b, "steps": args.steps, "balanced": f"{args.strategy}, window {window} steps",
             "cost_model": describe_cost_model(model)}

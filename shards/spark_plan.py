@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from balancing.inputs import DEFAULT_FLOP_WIDTH
+
 if TYPE_CHECKING:
     import pandas as pd
     from pyspark.sql import DataFrame
@@ -44,6 +46,7 @@ class PlanSpec:
     equal_counts: bool = False
     capacities: tuple[float, ...] | None = None
     time_limit_s: float | None = None
+    flop_width: int = DEFAULT_FLOP_WIDTH
 
     @property
     def global_batch_size(self) -> int:
@@ -124,7 +127,8 @@ def plan_windows(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
                       lengths=frame["length"].to_numpy(np.int64), token_cap=spec.token_cap,
                       equal_counts=spec.equal_counts,
                       capacities=None if spec.capacities is None else np.asarray(spec.capacities),
-                      seed=spec.seed * 1_000_003 + window, time_limit_s=spec.time_limit_s)
+                      seed=spec.seed * 1_000_003 + window, time_limit_s=spec.time_limit_s,
+                      flop_width=spec.flop_width)
         first_step = window * spec.window_steps
         local_index = np.arange(len(frame))
         out = pd.DataFrame({

@@ -171,6 +171,8 @@ ARGUMENT_ERRORS = {
     "shards lack balanced": (["--shards", "contiguous=A"], "--shards lacks balanced"),
     "contiguous strategy": (["--input", "IN", "--world-size", "2", "--local-batch-size", "16", "--strategy",
                              "contiguous"], "--strategy 'contiguous'"),
+    "flops_kk with a window": (["--input", "IN", "--world-size", "2", "--local-batch-size", "16", "--strategy",
+                                "flops_kk", "--window-steps", "8"], "--window-steps must be 1, got 8"),
     "bad config key": (["--input", "IN", "--world-size", "2", "--local-batch-size", "16", "--model.nope", "1"],
                        "model.nope"),
 }

@@ -121,6 +121,27 @@ def test_synthetic_equal_counts_and_token_cap(prepared_synthetic, tmp_path):
     assert rows["user_id"].is_unique and len(rows) == 3000 - 3000 % 32
 
 
+def test_balance_flops_kk_through_the_cli(prepared_ml, tmp_path, capsys):
+    """The peer's online FLOP balancer: equal counts per (step, rank) without --equal-counts, one step
+    per window; a window or a token cap is refused in one line before Spark starts."""
+    out = tmp_path / "shards"
+    assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
+                       "--strategy", "flops_kk", "--flop-width", "32") == 0
+    manifest = load_manifest(out)
+    assert manifest["strategy"] == "flops_kk"
+    rows = read_all(out)
+    assert (rows.groupby(["step", "rank"]).size() == 16).all()
+    assert manifest["moved_samples"] == 0
+    assert manifest["stats"]["bubble"] < manifest["stats"]["bubble_contiguous"]
+    capsys.readouterr()
+    for extra, fragment in ((["--window-steps", "4"], "--window-steps must be 1, got 4"),
+                            (["--token-cap", "5000"], "takes no --token-cap")):
+        rc = run_balance(prepared_ml, tmp_path / "refused", "--world-size", "4", "--local-batch-size", "16",
+                         "--strategy", "flops_kk", *extra)
+        assert_one_line_error(capsys, rc, fragment)
+        assert not (tmp_path / "refused").exists()
+
+
 def test_keep_leftover_loses_nothing(prepared_ml, tmp_path):
     out = tmp_path / "shards"
     assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
