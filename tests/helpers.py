@@ -1,6 +1,6 @@
 """Test helpers shared by the test modules (no test module imports another): starting trainings,
 reading their output and MLflow record, a real mlflow server, reading a balance job's output
-back, and counting the suite's multi-process launches.
+back, writing a shard set without Spark, and counting the suite's multi-process launches.
 
 Launch counting: ``count_launches()`` (installed by conftest.py) wraps ``subprocess.Popen`` and
 torch's ``mp.spawn`` in the test process. A launch is a process that starts several ranks: torch's
@@ -19,8 +19,9 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -396,6 +397,104 @@ def read_all(shards: Path):
 
     manifest = load_manifest(shards)
     return pd.concat([read_rank(shards, r) for r in range(manifest["world_size"])], ignore_index=True)
+
+
+# ------------------------------------------------------------------ a shard set, hand-written
+# With pyarrow in the balance job's layout (manifest.json + rank=<k>/part-*.parquet, rows in
+# (step, slot) order), without Spark: small row groups and several files per rank, so steps
+# straddle row-group and file boundaries.
+
+Row = dict[str, Any]
+"""One shard row, by column name."""
+
+
+def step_counts(world_size: int, local_batch: int, num_steps: int, rng: np.random.Generator,
+                empty_steps: dict[int, set[int]]) -> np.ndarray:
+    """[steps, ranks] sample counts: every step holds a full global batch, split unevenly over
+    the ranks as cost balancing does; a rank's empty steps give their share to the others."""
+    counts = np.zeros((num_steps, world_size), dtype=np.int64)
+    for step in range(num_steps):
+        busy = [r for r in range(world_size) if step not in empty_steps.get(r, set())]
+        if busy:
+            picks = rng.choice(busy, size=world_size * local_batch)
+            counts[step] = np.bincount(picks, minlength=world_size)
+    return counts
+
+
+def make_rows(rank: int, counts: np.ndarray, num_items: int, rng: np.random.Generator, max_len: int) -> list[Row]:
+    rows = []
+    for step, count in enumerate(counts[:, rank]):
+        for slot in range(int(count)):
+            n = int(rng.integers(1, max_len + 1))
+            ts = np.sort(rng.integers(1_000_000, 2_000_000, n)).tolist()
+            kind = rng.integers(0, 3)
+            if kind == 0:
+                ratings = [None] * n  # source without ratings
+            else:
+                ratings = [None if rng.random() < 0.2 else float(rng.choice([0.5, 1.0, 2.5, 3.0, 4.5, 5.0]))
+                           for _ in range(n)]
+            rows.append({
+                "step": step, "slot": slot, "user_id": f"u{rank}-{step}-{slot}",
+                "items": rng.integers(1, num_items + 1, n).tolist(), "timestamps": ts, "ratings": ratings,
+                "length": n, "cost": float(n * n), "valid_item": int(rng.integers(1, num_items + 1)),
+                "valid_timestamp": ts[-1] + 1, "valid_rating": None if kind == 0 else 4.5, "test_item": int(rng.integers(1, num_items + 1)),
+                "test_timestamp": ts[-1] + 2, "origin_step": step, "step_targets": 1000 + step,
+            })
+    return rows
+
+
+def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_steps: int = 7,
+                 num_items: int = 40, rows_per_file: int = 7, row_group_size: int = 3, max_len: int = 6,
+                 empty_steps: dict[int, set[int]] | None = None, seed: int = 0,
+                 alter: Callable[[int, list[Row]], None] | None = None,
+                 user_features: list[tuple[str, int]] | None = None) -> Path:
+    """Write a shard directory like the balance job's; returns it.
+
+    ``user_features`` (name, table size) adds a ``user_features`` column of random
+    ids and lists the features in the manifest, as a prepare run with a user table does.
+    """
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shards.manifest import seal
+    from shards.schema import MANIFEST_FORMAT, arrow_schema
+
+    rng = np.random.default_rng(seed)
+    schema = arrow_schema(user_features=bool(user_features))
+    root.mkdir(parents=True, exist_ok=True)
+    ranks = []
+    counts = step_counts(world_size, local_batch, num_steps, rng, empty_steps or {})
+    for rank in range(world_size):
+        rows = make_rows(rank, counts, num_items, rng, max_len)
+        for row in rows if user_features else ():
+            row["user_features"] = [int(rng.integers(0, size)) for _, size in user_features]
+        if alter is not None:
+            alter(rank, rows)
+        rank_dir = root / f"rank={rank}"
+        rank_dir.mkdir()
+        files = []
+        for part, start in enumerate(range(0, len(rows), rows_per_file)):
+            chunk = rows[start:start + rows_per_file]
+            rel = f"rank={rank}/part-{part:05d}-c000.snappy.parquet"
+            pq.write_table(pa.Table.from_pylist(chunk, schema=schema), root / rel,
+                           row_group_size=row_group_size, write_page_checksum=True)
+            data = (root / rel).read_bytes()
+            files.append({"path": rel, "rows": len(chunk), "bytes": len(data),
+                          "sha256": hashlib.sha256(data).hexdigest()})
+        ranks.append({"rank": rank, "rows": len(rows), "tokens": sum(r["length"] for r in rows),
+                      "cost": sum(r["cost"] for r in rows), "files": files})
+    manifest = {
+        "format": MANIFEST_FORMAT, "world_size": world_size, "local_batch_size": local_batch,
+        "global_batch_size": world_size * local_batch, "num_steps": num_steps, "window_steps": 1,
+        "strategy": "kk", "control": None, "seed": seed, "num_items": num_items,
+        "num_samples": sum(r["rows"] for r in ranks), "leftover": {"policy": "drop", "samples": 0},
+        "cost_model": {"kind": "quadratic"}, "stats": {}, "ranks": ranks,
+        "user_features": [{"name": name, "num_ids": size} for name, size in user_features or []],
+    }
+    (root / "manifest.json").write_text(json.dumps(seal(manifest), indent=2))
+    return root
 
 
 # ------------------------------------------------------------------ a Spark standalone cluster

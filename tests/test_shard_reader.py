@@ -1,13 +1,12 @@
 """ShardReader / collate / build_loader / manifest checks against hand-written shards.
 
-The shards are written here with pyarrow in the layout of the balance job
-(manifest.json + rank=<k>/part-*.parquet, rows in (step, slot) order), with
+The shards are written with pyarrow by ``tests.helpers.write_shards`` in the layout of the
+balance job (manifest.json + rank=<k>/part-*.parquet, rows in (step, slot) order), with
 small row groups and several files per rank so steps straddle row-group and
 file boundaries.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch
 
 from shards.manifest import ShardError, load_manifest, parse_manifest, seal, verify_checksums
 from shards.schema import COLUMNS, MANIFEST_FORMAT, READ_COLUMNS, arrow_schema
+from tests.helpers import Row, write_shards
 from training.batch import SequenceBatch
 from training.shard_reader import (
     NEXT_STEP_KEY,
@@ -38,93 +38,9 @@ def open_loader(root: Path, rank: int, world_size: int, **kwargs: Any):
     """What a trainer rank does: load the manifest once, then build the loader from it."""
     return build_loader(load_manifest(root, world_size, rank=rank), rank, **kwargs)
 
-Row = dict[str, Any]
 
 # Captured before any test patches it, for the tests' own look at the files.
 _READ_ROW_GROUP = pq.ParquetFile.read_row_group
-
-
-def step_counts(world_size: int, local_batch: int, num_steps: int, rng: np.random.Generator,
-                empty_steps: dict[int, set[int]]) -> np.ndarray:
-    """[steps, ranks] sample counts: every step holds a full global batch, split unevenly over
-    the ranks as cost balancing does; a rank's empty steps give their share to the others."""
-    counts = np.zeros((num_steps, world_size), dtype=np.int64)
-    for step in range(num_steps):
-        busy = [r for r in range(world_size) if step not in empty_steps.get(r, set())]
-        if busy:
-            picks = rng.choice(busy, size=world_size * local_batch)
-            counts[step] = np.bincount(picks, minlength=world_size)
-    return counts
-
-
-def make_rows(rank: int, counts: np.ndarray, num_items: int, rng: np.random.Generator, max_len: int) -> list[Row]:
-    rows = []
-    for step, count in enumerate(counts[:, rank]):
-        for slot in range(int(count)):
-            n = int(rng.integers(1, max_len + 1))
-            ts = np.sort(rng.integers(1_000_000, 2_000_000, n)).tolist()
-            kind = rng.integers(0, 3)
-            if kind == 0:
-                ratings = [None] * n  # source without ratings
-            else:
-                ratings = [None if rng.random() < 0.2 else float(rng.choice([0.5, 1.0, 2.5, 3.0, 4.5, 5.0]))
-                           for _ in range(n)]
-            rows.append({
-                "step": step, "slot": slot, "user_id": f"u{rank}-{step}-{slot}",
-                "items": rng.integers(1, num_items + 1, n).tolist(), "timestamps": ts, "ratings": ratings,
-                "length": n, "cost": float(n * n), "valid_item": int(rng.integers(1, num_items + 1)),
-                "valid_timestamp": ts[-1] + 1, "valid_rating": None if kind == 0 else 4.5, "test_item": int(rng.integers(1, num_items + 1)),
-                "test_timestamp": ts[-1] + 2, "origin_step": step, "step_targets": 1000 + step,
-            })
-    return rows
-
-
-def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_steps: int = 7,
-                 num_items: int = 40, rows_per_file: int = 7, row_group_size: int = 3, max_len: int = 6,
-                 empty_steps: dict[int, set[int]] | None = None, seed: int = 0,
-                 alter: Callable[[int, list[Row]], None] | None = None,
-                 user_features: list[tuple[str, int]] | None = None) -> Path:
-    """Write a shard directory like the balance job's; returns it.
-
-    ``user_features`` (name, table size) adds a ``user_features`` column of random
-    ids and lists the features in the manifest, as a prepare run with a user table does.
-    """
-    rng = np.random.default_rng(seed)
-    schema = SCHEMA
-    if user_features:
-        schema = arrow_schema(user_features=True)
-    root.mkdir(parents=True, exist_ok=True)
-    ranks = []
-    counts = step_counts(world_size, local_batch, num_steps, rng, empty_steps or {})
-    for rank in range(world_size):
-        rows = make_rows(rank, counts, num_items, rng, max_len)
-        for row in rows if user_features else ():
-            row["user_features"] = [int(rng.integers(0, size)) for _, size in user_features]
-        if alter is not None:
-            alter(rank, rows)
-        rank_dir = root / f"rank={rank}"
-        rank_dir.mkdir()
-        files = []
-        for part, start in enumerate(range(0, len(rows), rows_per_file)):
-            chunk = rows[start:start + rows_per_file]
-            rel = f"rank={rank}/part-{part:05d}-c000.snappy.parquet"
-            pq.write_table(pa.Table.from_pylist(chunk, schema=schema), root / rel,
-                           row_group_size=row_group_size, write_page_checksum=True)
-            data = (root / rel).read_bytes()
-            files.append({"path": rel, "rows": len(chunk), "bytes": len(data),
-                          "sha256": hashlib.sha256(data).hexdigest()})
-        ranks.append({"rank": rank, "rows": len(rows), "tokens": sum(r["length"] for r in rows),
-                      "cost": sum(r["cost"] for r in rows), "files": files})
-    manifest = {
-        "format": MANIFEST_FORMAT, "world_size": world_size, "local_batch_size": local_batch,
-        "global_batch_size": world_size * local_batch, "num_steps": num_steps, "window_steps": 1,
-        "strategy": "kk", "control": None, "seed": seed, "num_items": num_items,
-        "num_samples": sum(r["rows"] for r in ranks), "leftover": {"policy": "drop", "samples": 0},
-        "cost_model": {"kind": "quadratic"}, "stats": {}, "ranks": ranks,
-        "user_features": [{"name": name, "num_ids": size} for name, size in user_features or []],
-    }
-    (root / "manifest.json").write_text(json.dumps(seal(manifest), indent=2))
-    return root
 
 
 def whole_rank(root: Path, rank: int, columns: tuple[str, ...] = READ_COLUMNS) -> pa.Table:

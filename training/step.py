@@ -160,11 +160,10 @@ class BlockingStep(TrainStep):
         negatives = self.parts.negatives(current.step, batch)
         timer.carried(batch)
         if batch.batch_size:
-            timer.mark("forward")
-            loss = self._loss(batch, negatives, timer.timed(TableLookup(self.parts.model)), timer)
-            timer.mark("backward")
-            loss.backward()
-            timer.mark("backward_end")
+            with timer.model_pass("forward"):
+                loss = self._loss(batch, negatives, timer.timed(TableLookup(self.parts.model)), timer)
+            with timer.model_pass("backward"):
+                loss.backward()
         else:
             self._idle(negatives, timer)
         self._finish(timer)
@@ -209,11 +208,11 @@ class OverlappedStep(TrainStep):
             current.exchange.look_up()
         self._next = self._start_next(batches, timer)
         if current.batch.batch_size:
-            timer.mark("forward")
-            loss = self._loss(current.batch, current.negatives, timer.timed(current.exchange), timer)
+            with timer.model_pass("forward"):
+                loss = self._loss(current.batch, current.negatives, timer.timed(current.exchange), timer)
             self._send_next_ids()
-            loss.backward()
-            timer.mark("backward_end")
+            with timer.model_pass("backward"):
+                loss.backward()
         else:
             self._send_next_ids()
         with timer.phase("sparse_backward_s"):

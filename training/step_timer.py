@@ -4,14 +4,18 @@
     with timer.phase("data_wait_s"):
         batch = next(batches)
     timer.carried(batch)
-    timer.mark("forward")
-    loss, stats = model(batch, source=timer.timed(source))   # the dense span starts when the rows are in
-    loss.backward()
-    timer.mark("backward_end")
+    with timer.model_pass("forward"):
+        loss, stats = model(batch, source=timer.timed(source))   # the dense span starts when the rows are in
+    with timer.model_pass("backward"):
+        loss.backward()
     timer.loss(stats)
     timing = timer.close_blocking()          # or close_overlapped(clock)
 
 Reading the step's clocks is all here, so a step body holds the math and the named points.
+
+Under a ``torch.profiler`` the same names are the trace's ranges: ``step_s`` around the whole
+step, each phase's StepTiming field, and the ``forward`` and ``backward`` passes. With no
+profiler running no range is opened (one flag read per name).
 """
 from __future__ import annotations
 
@@ -20,11 +24,24 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+from torch.profiler import record_function
 
 from comm.clock import CommClock, overlap_length
 from training.batch import SequenceBatch
 from training.bubbles import DenseSpanProbe, StepTiming, TimedSource
 from training.model import EmbeddingSource
+
+
+def _open_range(name: str) -> record_function | None:
+    """A profiler range entered now; None when no profiler runs (nothing to record, nothing to pay)."""
+    if not torch.autograd._profiler_enabled():
+        return None
+    return record_function(name).__enter__()
+
+
+def _close_range(handle: record_function | None) -> None:
+    if handle is not None:
+        handle.__exit__(None, None, None)
 
 
 class StepTimer:
@@ -34,18 +51,34 @@ class StepTimer:
         self.started = time.perf_counter()
         self._marks: dict[str, tuple[float, float]] = {}
         self._stats: dict[str, torch.Tensor] | None = None
+        # Entered here and left in _close: a step's code creates its timer first and closes it
+        # last. Named after the field that clock fills.
+        self._step_range = _open_range("step_s")
 
     @contextmanager
     def phase(self, field: str) -> Iterator[None]:
-        """Adds the wall time spent inside to ``field`` of the StepTiming."""
+        """Adds the wall time spent inside to ``field`` of the StepTiming (a profiler range of that name)."""
         start = time.perf_counter()
+        handle = _open_range(field)
         try:
             yield
         finally:
+            _close_range(handle)
             setattr(self.timing, field, getattr(self.timing, field) + time.perf_counter() - start)
 
-    def mark(self, name: str) -> None:
-        """Wall and thread CPU time at a named point (``forward``, ``backward``, ``backward_end``)."""
+    @contextmanager
+    def model_pass(self, name: str) -> Iterator[None]:
+        """The model's ``forward`` or ``backward`` (a profiler range of that name): wall and thread
+        CPU time at its start (``name``) and end (``name_end``), which the close splits into phases."""
+        self._mark(name)
+        handle = _open_range(name)
+        try:
+            yield
+        finally:
+            _close_range(handle)
+        self._mark(f"{name}_end")
+
+    def _mark(self, name: str) -> None:
         self._marks[name] = (time.perf_counter(), time.thread_time())
 
     def timed(self, source: EmbeddingSource) -> TimedSource:
@@ -90,6 +123,8 @@ class StepTimer:
     def _close(self) -> StepTiming:
         t = self.timing
         t.step_s = time.perf_counter() - self.started
+        _close_range(self._step_range)
+        self._step_range = None
         if self.span.started:  # from the forward's call to its rows being in
             t.sparse_forward_s += self.span.start_wall - self._marks["forward"][0]
         if self._stats is not None:
