@@ -6,13 +6,15 @@ from typing import Literal, get_args
 
 import numpy as np
 
+from pipeline.errors import InputError
+
 LeftoverPolicy = Literal["drop", "keep"]
 """The samples of a last, partial global batch: ``drop`` leaves them out (counted and reported),
 ``keep`` makes them a short last step."""
 LEFTOVER_POLICIES: tuple[str, ...] = get_args(LeftoverPolicy)
 
 
-class InfeasibleError(ValueError):
+class InfeasibleError(InputError):
     """The constraints (token cap, equal counts) admit no assignment, or the strategy found none.
 
     The message is one line naming the violated constraint and the numbers involved.

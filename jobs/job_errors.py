@@ -2,8 +2,9 @@
 
     0  EXIT_OK           the job finished
     1  EXIT_FAILED       anything else (a bug, a crash, a killed rank): the traceback is in the log
-    2  EXIT_BAD_INPUT    bad input or arguments: InputError, ConfigError, ShardError, InfeasibleError,
-                         a missing or existing path, argparse's own errors
+    2  EXIT_BAD_INPUT    bad input or arguments: InputError and its subclasses (ShardError,
+                         InfeasibleError, ...), ConfigError, a missing or existing path, a file Spark
+                         cannot read, argparse's own errors
     3  EXIT_ENVIRONMENT  this machine or a service stopped the job: a comm/process-group backend that
                          cannot run here (CUDA absent), Java missing or Spark unable to start, a Spark
                          master that does not answer, a file system scheme Spark has no jar for, a full
@@ -115,11 +116,11 @@ def _drop_interrupted_jvm_call() -> None:
 # Where `freescale train` asks its ranks to leave their exit status (one file per rank).
 STATUS_DIR_ENV = "FREESCALE_STATUS_DIR"
 
-# Error classes by the module that defines them. A class can only have been raised if its
-# module is loaded, so only loaded modules are asked: reporting a bad argument never imports
-# torch, torchrec or pyspark just to name a class.
-_BAD_INPUT = (("balancing.types", "InfeasibleError"), ("training.config", "ConfigError"),
-              ("shards.manifest", "ShardError"), ("pyspark.errors", "PySparkException"))
+# Error classes outside InputError's family, by the module that defines them. A class can only
+# have been raised if its module is loaded, so only loaded modules are asked: reporting a bad
+# argument never imports torch, torchrec or pyspark just to name a class. ConfigError is here until
+# it derives from InputError too.
+_BAD_INPUT = (("training.config", "ConfigError"), ("pyspark.errors", "PySparkException"))
 _ENVIRONMENT = (("comm.errors", "BackendUnavailable"), ("mlflow.exceptions", "MlflowException"),
                 ("pipeline.errors", "ServiceUnavailable"))
 # PySpark errors that mean Spark itself could not run here (no Java, the JVM died), not bad input.

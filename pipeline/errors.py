@@ -1,9 +1,12 @@
 """The error types jobs raise on purpose (bad input, a service that does not answer): each is one
-line and an exit status (jobs/job_errors.py)."""
+line and an exit status (jobs/job_errors.py). Import-free, so every package downstream (balancing,
+shards, training, jobs) can derive its own errors from these."""
 
 
 class InputError(ValueError):
-    """Input that cannot be processed: the message names the file, column or value."""
+    """Input that cannot be processed: the message names the file, column or value. The base of the
+    packages' bad-input errors (a shard set, a plan the constraints admit none of), so a job ends on
+    any of them, or on a subclass it has never heard of, with exit 2."""
 
 
 class ServiceUnavailable(RuntimeError):

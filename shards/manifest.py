@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import one_line
+from pipeline.errors import InputError, one_line
 from shards.schema import MANIFEST_FORMAT, MANIFEST_NAME, rank_dir
 
 _CHUNK_BYTES = 1 << 22
@@ -34,7 +34,7 @@ CONTENT_DIGEST = "content_sha256"
 protects the manifest, so a hand edit (a batch size, a file's sha256) is refused, not trusted."""
 
 
-class ShardError(ValueError):
+class ShardError(InputError):
     """A shard directory that cannot be trusted; the message is one line naming the culprit."""
 
 

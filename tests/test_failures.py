@@ -74,6 +74,19 @@ def test_exit_codes_by_kind():
         assert job_errors.exit_code(other) == EXIT_FAILED, other
 
 
+def test_bad_input_errors_share_one_base_that_the_exit_code_reads():
+    from balancing.types import InfeasibleError
+    from pipeline.errors import InputError
+    from shards.manifest import ShardError
+
+    assert issubclass(InfeasibleError, InputError) and issubclass(ShardError, InputError)
+
+    class NewBadInput(InputError):  # a package's own error, named nowhere in job_errors
+        pass
+
+    assert job_errors.exit_code(NewBadInput("x")) == EXIT_BAD_INPUT
+
+
 def test_a_spark_read_error_is_bad_input_named_in_one_line():
     class Py4JJavaError(Exception):  # py4j's, as its text reads: the JVM's trace under one line
         pass
