@@ -24,8 +24,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q --durations=25 tests
 
+# The tier without Spark and without a second process (tests/conftest.py: --fast), which it checks.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q --fast tests
 
 bench: install
 	$(PY) benchmarks/balance_bench.py

@@ -1,12 +1,17 @@
 """Shared fixtures: one local SparkSession, one MovieLens prepare, one mlflow server per test run,
 and the session's end-to-end trainings (2 ranks under torchrun), each started once and read by the
-tests of several modules. The terminal summary counts the multi-process launches (tests/helpers.py)."""
+tests of several modules. The terminal summary counts the multi-process launches (tests/helpers.py).
+
+``pytest --fast`` (``make test-fast``) is the tier that needs no JVM and no second process: it
+leaves out the tests marked ``slow`` or ``spawns`` (a test using a fixture declared ``@spawns`` is
+marked here), and fails the run if a test it kept started a process or Spark anyway."""
 from __future__ import annotations
 
 import contextlib
 import io
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -37,8 +42,47 @@ MOVIELENS_DIR = (REPO_ROOT / ".." / "shared" / "data" / "movielens-100k").resolv
 os.environ.setdefault("FREESCALE_PROGRESS", "0")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier: leave out the tests marked slow or spawns; fail if a kept one starts a "
+                          "process or a JVM")
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "spawns: starts a JVM (Spark) or another process (by hand, or for a fixture "
+                                       "declared @spawns); --fast leaves it out")
     helpers.count_launches()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if helpers.SPAWNING_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.spawns)
+    if config.getoption("fast"):
+        kept = [item for item in items if not any(item.iter_markers("slow")) and not any(item.iter_markers("spawns"))]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
+def fast_tier_violations() -> list[str]:
+    """What a fast run started: recorded processes, a Spark JVM, and -- for any the wrappers missed
+    -- a child process this one has reaped or still has."""
+    found = list(helpers.PROCESSES)
+    pyspark = sys.modules.get("pyspark")
+    if pyspark is not None and pyspark.SparkContext._gateway is not None:
+        found.append("a Spark JVM (pyspark's gateway is up)")
+    if not found and resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss:
+        found.append("a child process, started by none of the wrapped calls, has run and exited")
+    live = " ".join(Path(task, "children").read_text() for task in Path("/proc/self/task").iterdir()).split()
+    if live:
+        found.append(f"child processes still running: {', '.join(live)}")
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if session.config.getoption("fast") and fast_tier_violations() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -47,11 +91,17 @@ def pytest_runtest_protocol(item, nextitem):
     yield
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     launches = helpers.LAUNCHES
     terminalreporter.write_line(f"multi-process launches: {len(launches)}")
     for launch in launches:
         terminalreporter.write_line(f"  {launch}")
+    if config.getoption("fast"):
+        violations = fast_tier_violations()
+        terminalreporter.write_line(f"fast tier: {len(violations)} processes or JVMs started (0 expected)",
+                                    red=bool(violations), bold=bool(violations))
+        for violation in violations:
+            terminalreporter.write_line(f"  {violation}  (mark the test spawns, or declare its fixture @spawns)")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +117,7 @@ def single_thread():
 
 
 @pytest.fixture(scope="session")
+@helpers.spawns
 def spark():
     from pipeline.session import build_spark_session
 
@@ -132,6 +183,7 @@ def movielens_comparison(spark, movielens_prepared, mlflow_server, tmp_path_fact
 
 
 @pytest.fixture
+@helpers.spawns
 def other_process():
     """A live process that is not this one (the holder of someone else's lock)."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
@@ -141,6 +193,7 @@ def other_process():
 
 
 @pytest.fixture(scope="session")
+@helpers.spawns
 def mlflow_server(tmp_path_factory):
     """One real `mlflow server` on a fresh sqlite store for the session; its address. Each user
     records into an experiment of its own."""
@@ -343,6 +396,7 @@ def failed_launches(tmp_path_factory, movielens_shards):
 
 
 @pytest.fixture(scope="session")
+@helpers.spawns
 def dist(tmp_path_factory):
     """`make dist` into a temporary folder, with this venv as it is (its install step not rerun):
     the wheel and sdist `python -m build` made, and the executors' zip. Attributes: wheel, sdist,
@@ -358,6 +412,7 @@ def dist(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+@helpers.spawns
 def spark_cluster(tmp_path_factory):
     """A Spark standalone cluster, a master and two workers of 1 core each (tests/helpers.py's
     SparkCluster), stopped with nothing of it left running. A worker a test kills is not replaced."""

@@ -2,11 +2,16 @@
 reading their output and MLflow record, a real mlflow server, reading a balance job's output
 back, writing a shard set without Spark, and counting the suite's multi-process launches.
 
-Launch counting: ``count_launches()`` (installed by conftest.py) wraps ``subprocess.Popen`` and
-torch's ``mp.spawn`` in the test process. A launch is a process that starts several ranks: torch's
-elastic launcher (``torch.distributed.run``), a ``freescale train`` / ``freescale pipeline``
-child (each starts torchrun itself), or ``mp.spawn`` of two or more processes. conftest prints
-the count in the terminal summary."""
+Launch counting: ``count_launches()`` (installed by conftest.py) wraps ``subprocess.Popen``,
+multiprocessing's process start and torch's ``mp.spawn`` in the test process. A launch is a
+process that starts several ranks: torch's elastic launcher (``torch.distributed.run``), a
+``freescale train`` / ``freescale pipeline`` child (each starts torchrun itself), or ``mp.spawn``
+of two or more processes. conftest prints the count in the terminal summary. Every other process
+a test starts is recorded too (``PROCESSES``): the fast tier (``pytest --fast``) starts none.
+
+The fast tier leaves out the tests marked ``slow`` or ``spawns``. A test is marked ``spawns`` by
+hand when its own body starts a process, and by conftest when it uses a fixture declared with
+``@spawns`` (directly or through other fixtures): Spark's session, an mlflow server, a launch."""
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +36,18 @@ TIMEOUT_S = 300
 
 LAUNCHES: list[str] = []
 """One entry per multi-process launch the suite started: the test's node id and the command's gist."""
+PROCESSES: list[str] = []
+"""One entry per process the suite started (launches and JVMs included): the test's node id and its gist."""
 CURRENT_TEST = [""]
+SPAWNING_FIXTURES: set[str] = set()
+"""The fixtures declared with ``@spawns``."""
+
+
+def spawns(fixture):
+    """Declares a fixture that starts a JVM or another process (under ``@pytest.fixture``): every
+    test that uses it is marked ``spawns``, and ``pytest --fast`` leaves it out."""
+    SPAWNING_FIXTURES.add(fixture.__name__)
+    return fixture
 
 
 def is_launch(cmd) -> bool:
@@ -48,20 +64,31 @@ def is_launch(cmd) -> bool:
 
 
 def count_launches() -> None:
-    """Wrap Popen (subprocess.run goes through it) and mp.spawn to record every launch."""
+    """Wrap Popen (subprocess.run goes through it), multiprocessing's start and mp.spawn to record
+    every launch and every process."""
     original = subprocess.Popen.__init__
     if getattr(original, "_counts_launches", False):
         return
 
     def init(self, args, *rest, **kwargs):
+        argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+        PROCESSES.append(f"{CURRENT_TEST[0]}: {' '.join(Path(a).name if i == 0 else a for i, a in enumerate(argv[:4]))}")
         if is_launch(args):
-            argv = [str(a) for a in args]
-            gist = " ".join(a for a in argv[1:4])
-            LAUNCHES.append(f"{CURRENT_TEST[0]}: {gist}")
+            LAUNCHES.append(f"{CURRENT_TEST[0]}: {' '.join(argv[1:4])}")
         return original(self, args, *rest, **kwargs)
 
     init._counts_launches = True
     subprocess.Popen.__init__ = init
+
+    import multiprocessing.process
+
+    start = multiprocessing.process.BaseProcess.start
+
+    def counted_start(self):
+        PROCESSES.append(f"{CURRENT_TEST[0]}: multiprocessing {self.name}")
+        return start(self)
+
+    multiprocessing.process.BaseProcess.start = counted_start
 
     import torch.multiprocessing as mp
 

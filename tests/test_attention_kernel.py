@@ -45,6 +45,7 @@ def test_the_limits_agree_with_the_thresholds_the_kernel_builds(num_buckets, dis
     assert kernel_limits._last_threshold_past(num_buckets, distance, fits) == exact
 
 
+@pytest.mark.spawns
 def test_the_limits_need_no_torch_far_from_them():
     code = ("import sys; from training.ops.kernel_limits import time_gaps_too_wide, position_table_too_long; "
             "assert time_gaps_too_wide(64, 3e9) and not time_gaps_too_wide(64, 1.3e8); "
@@ -110,6 +111,7 @@ def test_max_time_gap_must_be_a_positive_number(value):
         load_config(None, ["--model.hstu.max_time_gap_seconds", value])
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(any(os.path.exists(p) for p in attention_kernel.GPU_DRIVER_PATHS), reason="a GPU machine")
 def test_freescale_train_refuses_triton_on_a_cpu_machine_before_torchrun(tmp_path):
     """The launcher itself, in a fresh process whose subprocess.Popen (torchrun's start) fails the test."""

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = "{'pyspark', 'torch', 'pandas', 'pyarrow', 'ortools'}"
 
@@ -17,10 +19,12 @@ def heavy_modules_after(code: str) -> list[str]:
     return [m for m in out.stdout.strip().split(",") if m]
 
 
+@pytest.mark.spawns
 def test_import_pulls_in_only_numpy() -> None:
     assert heavy_modules_after("import balancing") == []
 
 
+@pytest.mark.spawns
 def test_strategy_registry_loads_ortools_only_when_that_strategy_runs() -> None:
     # The balance job imports the registry for its --strategy choices before any Spark work.
     assert heavy_modules_after("from balancing.strategies import STRATEGIES") == []

@@ -210,6 +210,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.spawns
 def test_fits_and_rank_speeds_reader_load_no_torch(tmp_path) -> None:
     """The pure half is usable where the cost model is: balance reads rank speeds without torch."""
     path = write_speeds(tmp_path / "speeds.json", [1.05, 0.95])
@@ -252,6 +253,7 @@ def test_balance_rejects_bad_rank_speeds_file_naming_it(tmp_path, content, words
     (["--model.hstu.num_layers", "0"], "command line: model.hstu: num_layers must be >= 1, got 0"),
     (["--world-size", "0"], "override '--world-size': expected --section.key VALUE"),
 ])
+@pytest.mark.spawns
 def test_bad_argument_is_reported_before_torch_is_loaded(tmp_path, extra, message) -> None:
     """Checked before the imports that load torch (seconds), as for balance."""
     argv = ["calibrate", "--output", str(tmp_path / "cm.json"), "--tracking-uri", "none", *extra]
@@ -286,6 +288,7 @@ def test_existing_output_needs_overwrite(tmp_path, capsys) -> None:
     assert out.read_text() == "{}"
 
 
+@pytest.mark.spawns  # in process, but its record runs git (code_version) and uname -p (platform.processor)
 def test_quick_calibration_end_to_end(tmp_path, capsys) -> None:
     """A real (tiny) calibration: a loadable model with provenance, and a held-out check that holds up."""
     out = tmp_path / "cost_model.json"

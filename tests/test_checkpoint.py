@@ -49,6 +49,7 @@ def test_a_holder_on_another_host_is_refused(tmp_path):
         Checkpointer(str(folder), rank=0).lock()
 
 
+@pytest.mark.spawns
 def test_a_stale_lock_is_taken_over_with_a_note(tmp_path, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -33,6 +33,7 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a m
 
 # ---- CPU: what a machine without CUDA sees ----------------------------------------------------
 
+@pytest.mark.spawns
 def test_import_makes_no_cuda_call():
     code = "import torch, comm.cuda; print(torch.cuda.is_initialized())"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -50,6 +51,7 @@ def test_build_backend_without_cuda_is_one_line_naming_cuda(name):
     assert message == f"comm.backend {name} needs CUDA: torch.cuda.is_available() is False on this machine"
 
 
+@pytest.mark.spawns
 @cpu_only
 @pytest.mark.parametrize("extra", [[], ["--multi"]])
 def test_bench_without_cuda_exits_with_one_line(extra):

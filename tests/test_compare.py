@@ -178,6 +178,7 @@ ARGUMENT_ERRORS = {
 }
 
 
+@pytest.mark.spawns
 def test_argument_errors_are_one_line_before_anything_heavy(tmp_path):
     """Each bad argument: exit 2, one `freescale compare: error:` line, and no torch, pyspark or
     mlflow loaded (all cases in one fresh interpreter, so the check covers every path)."""
@@ -247,6 +248,7 @@ def compare_refusal(*argv: str) -> list[str]:
     return run.stderr.splitlines()
 
 
+@pytest.mark.spawns
 def test_shard_sets_are_checked_against_their_labels_and_each_other(tmp_path):
     """The issue's command (the same folder twice) printed a -326% bubble reduction. Each set must
     be planned as its label says (its manifest's strategy and control) and no set may be given

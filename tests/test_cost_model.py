@@ -63,6 +63,7 @@ def test_cost_column_matches_predict(spark, model):
     np.testing.assert_allclose(got, model.predict(np.array(lengths)), rtol=1e-9, atol=0)
 
 
+@pytest.mark.spawns
 def test_module_import_does_not_load_pyspark():
     code = "import sys, pipeline.cost_model; sys.exit('pyspark' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0

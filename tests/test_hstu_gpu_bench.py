@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import spawns
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "hstu_gpu_bench.py"
 
 
 @pytest.fixture(scope="module")
+@spawns
 def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
     output = tmp_path_factory.mktemp("gpu_bench") / "hstu_gpu.md"
     # From another directory: the script finds the repository (and its data) by itself.
@@ -53,6 +56,7 @@ def test_smoke_numerics_agree(smoke) -> None:
     assert all(float(cells[4]) <= 1e-4 for cells in rows), rows
 
 
+@pytest.mark.spawns
 def test_without_a_gpu_the_real_check_refuses() -> None:
     import torch
 

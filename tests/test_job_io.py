@@ -277,6 +277,7 @@ def _bad_prepare_input(tmp_path: Path, case: str) -> tuple[list[str], tuple[str,
 @pytest.mark.parametrize("case", ["missing", "not_parquet", "missing_column", "named_column", "empty",
                                   "user_features", "item_spelt_two_ways", "csv_headers_differ", "csv_empty",
                                   "csv_header_only", "csv_wrong_columns", "csv_gz_truncated"])
+@pytest.mark.spawns
 def test_prepare_bad_input_fails_before_spark(tmp_path, case):
     """A bad local input took 16-30 s to report, because Spark started first."""
     args, fragments = _bad_prepare_input(tmp_path, case)
@@ -289,6 +290,7 @@ def test_prepare_bad_input_fails_before_spark(tmp_path, case):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("case", ["missing", "not_prepared", "missing_column", "empty_folder"])
 def test_balance_bad_input_fails_before_spark(tmp_path, case):
     """A folder that is not a prepared dataset gave 'An error occurred while calling o54.parquet'."""

@@ -322,11 +322,13 @@ def _loaded_after(code: str, timeout: float = 120) -> tuple[list[str], str]:
     return json.loads(run.stdout.strip().splitlines()[-1].replace("'", '"')), run.stderr
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("job", ["prepare", "balance", "calibrate", "cli"])
 def test_importing_a_job_loads_nothing_heavy(job):
     assert _loaded_after(f"import jobs.{job}")[0] == []
 
 
+@pytest.mark.spawns
 def test_balance_argument_error_is_one_line_before_any_heavy_import():
     """`freescale balance --world-size 0` is reported before any heavy import (the error handling
     once imported the trainer's config, and with it torch and torchrec): through the installed
@@ -346,6 +348,7 @@ def test_balance_argument_error_is_one_line_before_any_heavy_import():
     assert loaded == [], stderr
 
 
+@pytest.mark.spawns
 def test_prepare_argument_error_loads_nothing_heavy():
     loaded, stderr = _loaded_after("from jobs import prepare\n"
                                    "assert prepare.main(['--output', 'y', '--max-seq-len', '0']) == 2")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.spawns  # every test compiles in a subprocess
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """jobs/mlflow_sink.py's resume: a resumed training continues its run with every point once."""
 from __future__ import annotations
 
+import pytest
+
 from jobs.mlflow_sink import MLflowSink
 
 
@@ -8,6 +10,7 @@ def series(sink: MLflowSink, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in sink.client.get_metric_history(sink.run_id, key)]
 
 
+@pytest.mark.spawns  # in process, but MLflow's run context runs git (GitPython) and uname -p
 def test_a_resumed_run_logs_what_its_record_lacks_series_by_series(tmp_path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first = MLflowSink(uri, "sink", "train", {}, {})

@@ -104,6 +104,7 @@ def test_a_failed_rendezvous_says_what_torchrun_knew(said, gave_up, reason, code
 RDZV_TIMEOUT_S = 5  # short: the test takes about this and torchrun's start
 
 
+@pytest.mark.spawns
 def test_a_node_alone_gives_up_at_the_rdzv_timeout(tmp_path):
     """Node 0 of 2 with node 1 never started: a line when it starts waiting, and past --rdzv-timeout
     one error line naming the endpoint and the count torchrun gave, exit 3, nothing left running.

@@ -270,6 +270,7 @@ def test_every_encoder_trains_with_every_loss(encoder: str, loss_kind: str) -> N
 # ------------------------------------------------------------------------------ calibration
 
 
+@pytest.mark.spawns  # in process, but its record runs git (code_version)
 def test_calibrate_runs_with_sasrec_and_bce(tmp_path, capsys) -> None:
     out = tmp_path / "cost_model.json"
     rc = calibrate.main(["--output", str(out), "--lengths", "4,8,16", "--repeats", "1", "--warmup", "0",

@@ -141,6 +141,7 @@ def freescale(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.spawns
 def test_the_command_prints_the_table_and_writes_json(tmp_path):
     summary = mirror_summary(tmp_path / "control.json")
     out = tmp_path / "sim.json"
@@ -231,6 +232,7 @@ def test_a_shard_set_is_simulated_at_its_own_size_and_tracked(movielens_shards, 
     assert job.main(["--shards", str(movielens_shards), "--world-sizes", "8", "--tracking-uri", "none"]) == 2
 
 
+@pytest.mark.spawns
 def test_the_command_loads_nothing_heavy_before_its_work():
     """Argument checks and the model are NumPy only: no torch, torchrec, pyspark or mlflow on import."""
     probe = ("import sys, jobs.simulate, balancing.simulate; "
@@ -273,6 +275,7 @@ def test_the_runs_cost_model_costs_the_plans_and_another_is_refused(fresh_log, t
     assert f"warning: {old} does not name its shards' cost model" in capsys.readouterr().err
 
 
+@pytest.mark.spawns
 def test_a_k_too_large_for_memory_is_refused_up_front_in_one_line(tmp_path):
     """The issue's command: 10 million ranks died with MemoryError (exit 1) after allocating. The
     memory the plans need is known from K x B x steps before any is taken: exit 2, one line

@@ -108,6 +108,7 @@ with stops_on_signals():
 """
 
 
+@pytest.mark.spawns
 def test_a_stop_while_spark_starts_leaves_no_jvm_behind(tmp_path):
     """SIGTERM while PySpark waits for the JVM it started: the JVM used to outlive the job, holding
     its stdout and stderr open (the fault sweep waited on them for ever). Now the job exits at once

@@ -64,6 +64,7 @@ def test_an_unwritable_local_store_is_one_warning_line_within_seconds(capsys, tm
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.spawns
 def test_a_job_on_a_read_only_store_runs_untracked_with_one_line(tmp_path):
     """The issue's command: `freescale simulate` on sqlite:////sys/mlflow.db (a system folder no
     process can create files in) gives up on tracking at once, with one line."""

@@ -187,6 +187,7 @@ def test_a_second_run_on_the_same_workdir_is_refused_in_one_line(failing, other_
     assert sorted(p.name for p in work.iterdir()) == [workflow.LOCK]  # no record written
 
 
+@pytest.mark.spawns
 def test_a_stale_lock_is_taken_over_and_released(failing, capsys):
     import socket
 
@@ -317,6 +318,7 @@ def _runs(uri: str) -> list:
     return client.search_runs([client.get_experiment_by_name("pipeline-test").experiment_id])
 
 
+@pytest.mark.spawns  # in process, but its records run git (code_version)
 def test_a_stop_signal_ends_the_stage_killed_and_releases_the_lock(tmp_path, monkeypatch, capsys):
     """SIGTERM to `freescale pipeline` left its lock, a record saying running and a RUNNING run
     (and staging, which the jobs' own handling removes once the stop is an exception: see
@@ -357,6 +359,7 @@ def _stop_replaced_by_a_cleanup_error() -> None:
         raise KeyError("c")
 
 
+@pytest.mark.spawns  # in process, but its records run git (code_version)
 def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_path, monkeypatch, capsys):
     """The job (in run_job, as every job is) sees a KeyError, not the stop: it must still end as the
     stop (no error line of its own, its trace in the log), its run KILLED, the stage's record killed,
@@ -384,6 +387,7 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
     assert stop_signal() is None  # the stop is the pipeline's: forgotten when it ends
 
 
+@pytest.mark.spawns  # in process, but its records run git (code_version)
 def test_a_rerun_ends_the_runs_a_killed_run_left_running_failed(tmp_path, monkeypatch, capsys):
     """kill -9 leaves a stage's run RUNNING forever; the next run of the same workdir (which holds
     the lock, so none of its stages runs) ends it FAILED. Runs of other workdirs, and ended runs,
