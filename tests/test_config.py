@@ -66,6 +66,7 @@ def test_bad_override():
         load_config("/nonexistent.toml")
 
 
+@pytest.mark.spawns  # a fresh interpreter
 def test_config_module_loads_no_torch():
     # Jobs read the config (and report its errors) before any rank starts: that must stay cheap.
     code = ("import sys, training.config; "
@@ -85,6 +86,7 @@ CHOICES = [
     ("comm.backend", ("auto", "gloo", "nccl", "copy_engine"), "mpi"),
     ("model.encoder", ("hstu", "sasrec"), "gru"), ("loss.kind", ("sampled_softmax", "bce"), "softmax"),
     ("optimizer.decay", ("constant", "linear", "cosine"), "step"),
+    ("training.precision", ("fp32", "bf16"), "fp16"),
     ("evaluation.metric", ("valid_ndcg_at_10", "valid_hr_at_10", "valid_mrr", "valid_sampled_ndcg_at_10",
                            "valid_sampled_hr_at_10", "valid_sampled_mrr"), "ndcg"),
 ]
@@ -140,6 +142,14 @@ def test_loaded_encoder_shape_is_checked_like_a_constructed_one(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="command line: model.hstu: dropout must be in"):
         load_config(None, ["--model.hstu.dropout", "1.5"])
+
+
+def test_precision_defaults_to_fp32_and_a_constructed_one_is_checked():
+    from training.config import TrainingConfig
+
+    assert TrainConfig().training.precision == "fp32"
+    with pytest.raises(ValueError, match=r"precision must be one of \('fp32', 'bf16'\), got 'fp16'"):
+        TrainingConfig(precision="fp16")
 
 
 def test_implementations_are_keyed_by_the_choices():

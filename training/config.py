@@ -35,6 +35,7 @@ AttentionKernel = Literal["auto", AttentionKernelName]  # flattens to "auto" | "
 EncoderName = Literal["hstu", "sasrec"]
 LossKind = Literal["sampled_softmax", "bce"]
 LearningRateDecay = Literal["constant", "linear", "cosine"]
+Precision = Literal["fp32", "bf16"]
 # The validation metrics early stopping can follow: the summary's names of the validation item's
 # scores (``training.evaluator``); the sampled ones need ``evaluation.sampled_negatives > 0``.
 ValidationMetric = Literal["valid_ndcg_at_10", "valid_hr_at_10", "valid_mrr",
@@ -267,9 +268,19 @@ class TrainingConfig:
     """Evaluate at most this many samples per rank; 0 = all of the rank's shard."""
     threads: int = 0
     """torch intra-op threads per rank; 0 = cores / local ranks."""
+    precision: Precision = "fp32"
+    """Arithmetic of the encoder (HSTU or SASRec), in training and evaluation alike. ``"fp32"``:
+    fp32 throughout (the Triton attention kernel's dots in TF32). ``"bf16"``: the
+    encoder's forward runs under ``torch.autocast`` in bfloat16 (matmuls and attention in bf16,
+    the Triton kernel accumulating in fp32), on CUDA and CPU alike; parameters, gradients and
+    optimizer state stay fp32 (bf16 has fp32's range, so no loss scaling), and the embedding
+    tables, the inputs' sums and the loss stay fp32. ``freescale calibrate`` times the model at
+    this precision, and ``benchmarks/hstu_gpu_bench.py`` reads it (``--precision``)."""
 
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
+        if self.precision not in typing.get_args(Precision):
+            raise ValueError(f"precision must be one of {typing.get_args(Precision)}, got {self.precision!r}")
         if self.max_steps < 0:
             raise ValueError(f"max_steps must be >= 0 (0 = one pass over the shards), got {self.max_steps}")
         if self.max_epochs < 0:
@@ -377,7 +388,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """``[optimizer]``: dense and fused sparse optimizers."""
     training: TrainingConfig = field(default_factory=TrainingConfig)
-    """``[training]``: steps, seed, logging, evaluation."""
+    """``[training]``: steps, seed, logging, evaluation, precision."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """``[parallel]``: process group and table sharding."""
     comm: CommConfig = field(default_factory=CommConfig)

@@ -154,7 +154,9 @@ class GroupedPlan:
             # Multiplying by the mask (not adding -inf) because SiLU is not a softmax:
             # masked entries must contribute exactly 0, and SiLU(-inf) is NaN.
             weights = F.silu(scores) * block.causal_weight
-            blocks.append(weights @ values)  # [G, H, rows, linear_dim]
+            # Scores are fp32 (the bias is); the weights meet V in V's dtype, as in the Triton kernel,
+            # so bf16 q, k, v work with autocast (a no-op there) and without it.
+            blocks.append(weights.to(values.dtype) @ values)  # [G, H, rows, linear_dim]
         out = torch.cat(blocks, dim=2).transpose(1, 2)  # [G, L, H, linear_dim]
         return out.reshape(num_samples * length, -1)
 

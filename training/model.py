@@ -11,7 +11,8 @@ added to every input position of that user's history. Everything else (the
 encoder, rating embedding, the user projection) is dense and replicated with data
 parallelism. The encoder is ``model.encoder``'s (``ENCODERS``: ``training.hstu`` or
 ``training.sasrec``), the loss ``loss.kind``'s (``LOSSES``: sampled softmax or SASRec's
-binary cross-entropy); either encoder trains with either loss.
+binary cross-entropy); either encoder trains with either loss. The encoder computes at
+``training.precision`` (``"bf16"``: under autocast, from fp32 weights); the rest in fp32.
 
 Single-process use (tests, cost calibration)::
 
@@ -49,10 +50,11 @@ from training.batch import (
     item_features,
     user_feature_kjt,
 )
-from training.config import EncoderName, LossKind, ModelConfig, keyed_by
+from training.config import EncoderName, LossKind, ModelConfig, Precision, keyed_by
 from training.hstu import HSTUEncoder
 from training.jagged import jagged_concat_last, last_positions, next_item_positions
 from training.losses import binary_cross_entropy_loss, sampled_softmax_loss
+from training.precision import encoder_autocast
 from training.ranking_metrics import ExcludeIds, ProtocolMetrics, retrieval_metrics, sampled_retrieval_metrics
 from training.sasrec import SASRecEncoder
 
@@ -150,6 +152,9 @@ class SequentialRecommender(nn.Module):
             ``DistributedModelParallel`` will shard and materialise it.
         user_features: ``(name, table size)`` of each user feature, as listed in
             the shard manifest; empty for data without user features.
+        precision: the encoder's arithmetic (``training.precision``; ``"bf16"`` runs it under
+            autocast, ``training.precision.encoder_autocast``); every other part, the tables
+            and the loss included, computes in fp32.
     """
 
     def __init__(
@@ -159,12 +164,14 @@ class SequentialRecommender(nn.Module):
         device: torch.device | str = "cpu",
         embedding_device: torch.device | str | None = None,
         user_features: list[tuple[str, int]] | tuple = (),
+        precision: Precision = "fp32",
     ) -> None:
         super().__init__()
         if num_items < 1:
             raise ValueError(f"num_items must be >= 1, got {num_items}")
         self.num_items = num_items
         self.config = config
+        self.precision = precision
         dim = config.hstu.embedding_dim
         scale = config.embedding_init_scale
         self.embedding_collection = EmbeddingCollection(
@@ -286,8 +293,12 @@ class SequentialRecommender(nn.Module):
         user_vectors: torch.Tensor | None = None,
     ) -> torch.Tensor:
         lengths = offsets[1:] - offsets[:-1]
-        return self.encoder(self._input_embeddings(item_embeddings, ratings, user_vectors, lengths), offsets,
-                            timestamps)
+        values = self._input_embeddings(item_embeddings, ratings, user_vectors, lengths)
+        with encoder_autocast(self.precision, values.device):
+            hidden = self.encoder(values, offsets, timestamps)
+        # The loss's logits (cosines / temperature) and the rankings in fp32: in bf16 a logit of
+        # 20 would be off by up to 0.06, more than the gaps between close candidates.
+        return hidden.float()
 
     def encode(self, batch: SequenceBatch) -> torch.Tensor:
         """``[T, D]`` L2-normalised encoder output at every history position."""
@@ -512,7 +523,8 @@ NEGATIVE_COUNTS = keyed_by(LossKind, {"sampled_softmax": lambda num_negatives, n
 
 
 def build_model(num_items: int, config: ModelConfig, device: torch.device | str,
-                user_features: list[tuple[str, int]] | tuple = ()) -> SequentialRecommender:
+                user_features: list[tuple[str, int]] | tuple = (), precision: Precision = "fp32"
+                ) -> SequentialRecommender:
     """Model for ``DistributedModelParallel``: item table on ``meta``, dense part on ``device``.
 
     DMP shards the table and materialises its shards (initialised from the
@@ -520,13 +532,13 @@ def build_model(num_items: int, config: ModelConfig, device: torch.device | str,
     by itself; for single-process use call ``build_local_model``.
     """
     return SequentialRecommender(num_items, config, device=device, embedding_device=torch.device("meta"),
-                                 user_features=user_features)
+                                 user_features=user_features, precision=precision)
 
 
 def build_local_model(
     num_items: int, config: ModelConfig, device: torch.device | str = "cpu",
-    user_features: list[tuple[str, int]] | tuple = (),
+    user_features: list[tuple[str, int]] | tuple = (), precision: Precision = "fp32",
 ) -> SequentialRecommender:
     """Single-process model (tests, cost calibration): everything, tables included, on ``device``."""
     return SequentialRecommender(num_items, config, device=device, embedding_device=device,
-                                 user_features=user_features)
+                                 user_features=user_features, precision=precision)

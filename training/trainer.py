@@ -82,7 +82,8 @@ class Trainer:
             # inside it, whose tables DMP replaced by sharded ones (forward, lookups, evaluation).
             self.sharded_model = shard_model(
                 build_model(self.manifest.num_items, config.model, self.env.device,
-                            user_features=[(f.name, f.num_ids) for f in self.manifest.user_features]),
+                            user_features=[(f.name, f.num_ids) for f in self.manifest.user_features],
+                            precision=config.training.precision),
                 config.optimizer, config.parallel, self.env)
             self.model = self.sharded_model.module
             dense = dense_parameters(self.sharded_model)
