@@ -13,7 +13,9 @@ instructions among them.
 These are static counts, not times: a GPU run of ``benchmarks/hstu_gpu_bench.py`` is the
 measurement. They say whether a config compiles, spills or fits an SM, and how much work a
 tile entry costs, which is what a kernel change moves. The model's shapes: heads of 64, 64
-buckets, fp32 with TF32 dots.
+buckets, fp32 with TF32 dots; ``--dtype bf16`` compiles the kernels as ``training.precision =
+"bf16"`` launches them (q, k, v, the output and their gradients bf16; bias tables and their
+gradients fp32).
 """
 from __future__ import annotations
 
@@ -36,12 +38,17 @@ SHARED_PER_BLOCK = 227 * 1024
 """Most shared memory one block may use on sm_90."""
 
 DEFAULT_CONFIGS = "64/4/2,64/8/2,32/4/2,64/4/1,64/8/1,128/8/2"
+OPERAND_DTYPES = {"fp32": "*fp32", "bf16": "*bf16"}
+"""``--dtype`` -> the pointer type of q, k, v, the output and their gradients (the dots' operands)."""
+OPERANDS = ("Q", "K", "V", "OUT", "DOUT", "DQ_OUT", "DK_OUT", "DV_OUT")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK/num_warps/num_stages, comma-separated")
     parser.add_argument("--kernels", default="forward,backward")
+    parser.add_argument("--dtype", choices=sorted(OPERAND_DTYPES), default="fp32",
+                        help="q, k, v and what is computed in their dtype (default fp32)")
     parser.add_argument("--output", type=Path, help="also write the tables here")
     parser.add_argument("--json", type=Path, help="also write every row here, as a list of objects (tests read it)")
     args = parser.parse_args(argv)
@@ -57,9 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def compile_kernel(ops, name: str, block: int, warps: int, stages: int):
+def compile_kernel(ops, name: str, block: int, warps: int, stages: int, dtype: str = "fp32"):
     """``triton.compile`` of one kernel for sm_90, with the launch's specialisations (pointers and
-    row strides divisible by 16) and the model's constants."""
+    row strides divisible by 16), the model's constants and q, k, v in ``dtype`` (``OPERAND_DTYPES``)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -75,6 +82,8 @@ def compile_kernel(ops, name: str, block: int, warps: int, stages: int):
             signature[arg] = "constexpr"
         elif arg in pointers:
             signature[arg] = pointers[arg]
+        elif arg in OPERANDS:
+            signature[arg] = OPERAND_DTYPES[dtype]
         elif (arg.isupper() and arg != "H") or arg.endswith("_w"):  # tensors; H is the head count
             signature[arg] = "*fp32"
         elif arg.endswith("_scale"):
@@ -204,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     emit(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit: {commit}; "
          f"machine: {platform.machine()} CPU, triton {triton.__version__} (its ptxas and nvdisasm)")
     emit(f"- command: python benchmarks/kernel_static.py --configs "
-         f"{','.join('/'.join(map(str, c)) for c in args.configs)}")
+         f"{','.join('/'.join(map(str, c)) for c in args.configs)}" + (f" --dtype {args.dtype}" if args.dtype != "fp32"
+                                                                         else ""))
     emit("- loop rows: one iteration (one tile) along the cheapest path; `per entry` is instructions issued per "
          "tile entry by all threads (instructions x threads / BLOCK^2)")
     emit()
@@ -217,16 +227,17 @@ def main(argv: list[str] | None = None) -> int:
             for block, warps, stages in args.configs:
                 started = time.perf_counter()
                 try:
-                    compiled = compile_kernel(ops, name, block, warps, stages)
+                    compiled = compile_kernel(ops, name, block, warps, stages, args.dtype)
                 except Exception as err:  # a config the compiler rejects is a finding, not a crash
-                    rows.append({"kernel": name, "block": block, "warps": warps, "stages": stages,
-                                 "error": f"{type(err).__name__}: {err}"})
+                    rows.append({"kernel": name, "dtype": args.dtype, "block": block, "warps": warps,
+                                 "stages": stages, "error": f"{type(err).__name__}: {err}"})
                     emit(f"| {name} | {block}/{warps}/{stages} | compile failed: "
                          f"{type(err).__name__}: {str(err).splitlines()[0][:120]} ||||||||||||")
                     continue
                 registers, spills = resources(compiled, workdir)
                 shared = compiled.metadata.shared
-                config = {"kernel": name, "block": block, "warps": warps, "stages": stages, "registers": registers,
+                config = {"kernel": name, "dtype": args.dtype, "block": block, "warps": warps, "stages": stages,
+                          "registers": registers,
                           "spill bytes": spills, "shared": shared, "fits": shared <= SHARED_PER_BLOCK}
                 head = (f"| {name} | {block}/{warps}/{stages} | {registers} | {spills} | {shared / 1024:.0f} | "
                         f"{'yes' if shared <= SHARED_PER_BLOCK else '**no**'}")

@@ -33,6 +33,10 @@ already holds four tiles in registers). With ``w = SiLU(s) / n``::
     dK_j += dS_ij q_i        dQ_i += dS_ij k_j
     d pos_w[pb(i-j), h] += dS_ij             d time_w[tb(.), h] += dS_ij
 
+``q``, ``k`` and ``v`` come in fp32 or bf16 (``training.precision``; ``kernel_dtype``): the dots take
+them as they are and accumulate in fp32; scores, biases, SiLU and every accumulator are fp32, and
+``W`` and ``dS`` are rounded to the operands' dtype only to enter a dot.
+
 Per tile entry the bias is most of the work (the dots run on tensor cores), so it is
 kept cheap: the position bucket is read from a per-distance table, the time bucket
 is a float guess and one threshold load, gaps are 32-bit when a tile's timestamps
@@ -600,6 +604,8 @@ class _JaggedHSTUAttention(torch.autograd.Function):
         total, heads, dq = q.shape
         dv = v.shape[2]
         tables = kernel_tables(spec, q.device)
+        # tl.dot takes two operands of one dtype: dO meets V in dO V^T.
+        grad_out = grad_out.to(v.dtype)
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
         grad_q = torch.empty(total, heads, dq, dtype=q.dtype, device=q.device)
         grad_k = torch.empty(total, heads, dq, dtype=k.dtype, device=k.device)
@@ -624,6 +630,31 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 grad_bias[num_pos:].to(time_weight.dtype), None, None, None, None, None)
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""What ``q``, ``k`` and ``v`` may be computed in: the dots' operands (and ``A V``, ``dQ``, ``dK``,
+``dV``) in that dtype, every score, bias, weight and accumulator in fp32."""
+
+
+def kernel_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The dtype ``jagged_hstu_attention`` computes ``q``, ``k``, ``v`` in: under autocast on their
+    device, autocast's (as a matmul there would); else the three's common dtype. ``ValueError``
+    for a dtype the kernels do not take, and for bf16 under the Triton interpreter, whose ``tl.dot``
+    returns garbage for bf16 operands rather than failing (triton 3.6: a 16 x 16 product off by 1e10;
+    its loads, stores and casts of bf16 are right)."""
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the HSTU attention kernel takes q, k, v in {' or '.join(map(str, KERNEL_DTYPES))}, "
+                         f"not {dtype}")
+    if dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1":
+        raise ValueError(f"the Triton interpreter (TRITON_INTERPRET=1) cannot run the HSTU attention kernel in "
+                         f"{dtype}: its tl.dot gives wrong numbers for bf16 operands; use fp32 there, or a CUDA GPU")
+    return dtype
+
+
 def jagged_hstu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
     position_weight: torch.Tensor, time_weight: torch.Tensor, spec: BiasSpec,
@@ -636,12 +667,19 @@ def jagged_hstu_attention(
     ``timestamps`` ``[T]`` seconds; the bias tables ``[buckets, H]``; ``block``
     fixes the tile rows (tests) instead of autotuning them. fp32 dots run in TF32, as the
     trainer's matmuls do on GPUs; ``precise`` makes them full fp32 (slower; for checking).
+
+    Precision (``training.precision``): ``q``, ``k``, ``v`` are cast to ``kernel_dtype``'s dtype
+    here, outside the autograd function, so under bf16 autocast the kernels see bf16 operands
+    whatever dtypes the caller's tensors have (a cast's backward returns each gradient in its
+    tensor's dtype). The output is in that dtype, as autocast's matmuls are; the bias tables stay
+    as they are (fp32 parameters) and get fp32 gradients.
     """
     heads = position_weight.shape[1]
+    dtype = kernel_dtype(q, k, v)
     out = _JaggedHSTUAttention.apply(
-        _heads(q, heads), _heads(k, heads), _heads(v, heads),
+        *(_heads(t.to(dtype), heads) for t in (q, k, v)),
         position_weight.contiguous(), time_weight.contiguous(),
         offsets.to(torch.int64).contiguous(), timestamps.to(torch.int64).contiguous(),
-        spec, block, "ieee" if precise and q.dtype == torch.float32 else "tf32",
+        spec, block, "ieee" if precise and dtype == torch.float32 else "tf32",
     )
     return out.view(out.shape[0], -1)
