@@ -5,11 +5,12 @@
                         [--nproc-per-node 2] [--overwrite] [--tracking-uri URI] [--model.hstu.num_layers 1 ...]
     freescale balance ... --cost-model cost_model.json --capacities @rank_speeds.json
 
-1. Times the configured model's dense forward+backward on synthetic batches
-   (training/calibrate.py explains the design), fits ``cost = a L^2 + b L + c``
-   and a table of costs at the profiled lengths (pipeline/calibration.py), and
-   writes the form that predicts held-out lengths better as a cost-model JSON
-   whose ``provenance`` records the machine, config, fits, errors and the choice.
+1. Times the configured model's dense forward+backward on synthetic batches, the encoder
+   at the config's ``training.precision`` (training/calibrate.py explains the design), fits
+   ``cost = a L^2 + b L + c`` and a table of costs at the profiled lengths
+   (pipeline/calibration.py), and writes the form that predicts held-out lengths better
+   as a cost-model JSON whose ``provenance`` records the machine, config, fits, errors and
+   the choice.
 2. Checks the written model against held-out mixed batches of heavy-tailed lengths.
 3. With ``--rank-speeds-output``: starts ``--nproc-per-node`` gloo ranks (torch's
    launcher, as `freescale train` does) that time the same batches in lock-step;
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freescale calibrate", description=__doc__.split("\n\n")[0],
                                 epilog="Other --section.key VALUE arguments override the config, as for `freescale train`.")
     p.add_argument("--output", required=True, help="cost-model JSON to write (for `freescale balance --cost-model`)")
-    p.add_argument("--config", help="TOML config whose [model] and [loss] are calibrated (default: built-in defaults)")
+    p.add_argument("--config", help="TOML config whose [model], [loss] and training.precision are calibrated "
+                                     "(default: built-in defaults)")
     p.add_argument("--lengths", help="comma-separated history lengths to profile "
                                      "(default: 10 log-spaced from 16 to model.hstu.max_seq_len)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds over all batches; medians are used (default 7)")
@@ -154,7 +156,7 @@ def format_calibration_report(result: Any, output: str) -> str:
     table_form, quad_form = fit.final["table"].form, fit.final["quadratic"].form
     out = [(f"freescale calibrate: {m['host']} ({m['processor']}, {m['cpu_count']} cores), torch {m['torch']}, "
            f"1 thread; {len(result.batches)} calibration + {s.held_out_batches} held-out batches x "
-           f"{s.repeats} rounds in {result.seconds:.0f} s"),
+           f"{s.repeats} rounds in {result.seconds:.0f} s; encoder in {s.precision}"),
            "",
            ("Per-sample cost, thread CPU ms (forms fitted to all calibration batches; errors are of the batch "
            "times, mean over the batches probing the length; held-out: fitted on grid-length batches only)")]
@@ -250,7 +252,7 @@ def rank_speeds_worker(argv: list[str]) -> int:
     # Same seed on every rank: identical parameters, batches and negatives, so any
     # difference in time is the rank's, not its work's.
     torch.manual_seed(args.seed)
-    model = build_local_model(args.num_items, config.model)
+    model = build_local_model(args.num_items, config.model, precision=config.training.precision)
     model.train()
     max_length = config.model.max_seq_len
     mixes = heavy_tailed_batches(RANK_SPEED_BATCHES, min(16, max_length), max_length, args.seed + 7)
@@ -349,8 +351,9 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
             lengths=tuple(lengths), num_items=args.num_items, repeats=args.repeats, warmup=args.warmup,
             replicates=args.replicates, held_out_batches=args.held_out_batches,
             num_negatives=config.loss.num_negatives, full_softmax=config.loss.full_softmax,
-            loss_kind=config.loss.kind, seed=args.seed, device=device)
+            loss_kind=config.loss.kind, seed=args.seed, device=device, precision=config.training.precision)
         config_record = {"model": dataclasses.asdict(config.model), "loss": dataclasses.asdict(config.loss),
+                         "training": {"precision": config.training.precision},
                          "config_file": args.config, "overrides": overrides}
         def log(message: str) -> None:
             print(f"freescale calibrate: {message}", flush=True)
@@ -401,7 +404,9 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
             metrics.update({f"rank{r}_capacity": c for r, c in enumerate(speeds.capacities)})
 
         artifacts["calibration_report.txt"] = report + "\n"
-        params = {**{k: v for k, v in to_flat_dict(config).items() if k.startswith(("model.", "loss."))},
+        # What the timed model is: its shape, its loss and the encoder's arithmetic.
+        timed = ("model.", "loss.", "training.precision")
+        params = {**{k: v for k, v in to_flat_dict(config).items() if k.startswith(timed)},
                   "lengths": ",".join(map(str, result.grid)), "repeats": args.repeats, "warmup": args.warmup,
                   "replicates": args.replicates, "num_items": args.num_items, "held_out_batches": args.held_out_batches,
                   "seed": args.seed, "output": args.output, "config": args.config, "device": device,

@@ -77,7 +77,9 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
     sizes = {"world_size": p.world_size, "local_batch_size": p.local_batch_size}
     train_cfg = config.train.config
     train_inputs = {"train.config": file_identity(train_cfg)} if train_cfg else {}
-    model_overrides = {k: v for k, v in config.train.overrides.items() if k.startswith(("model.", "loss."))}
+    # What calibrate times is the trained model: its shape, its loss and the encoder's arithmetic.
+    model_overrides = {k: v for k, v in config.train.overrides.items()
+                       if k.startswith(("model.", "loss.", "training.precision"))}
 
     # prepare
     prep = asdict(config.prepare)

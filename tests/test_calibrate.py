@@ -304,6 +304,7 @@ def test_quick_calibration_end_to_end(tmp_path, capsys) -> None:
                 "validation", "settings"):
         assert key in prov, key
     assert prov["chosen"] == model.kind and prov["config"]["model"]["hstu"]["num_layers"] == 1
+    assert prov["precision"] == "fp32" and prov["config"]["training"] == {"precision": "fp32"}
     cpu = prov["fits"]["cpu"]
     for kind in ("quadratic", "table"):
         # How well the fits predict is a measurement (full repeats, quiet machine: README table and
@@ -320,8 +321,36 @@ def test_quick_calibration_end_to_end(tmp_path, capsys) -> None:
     runs = client.search_runs([client.get_experiment_by_name("freescale").experiment_id])
     assert len(runs) == 1 and runs[0].data.tags["freescale.job"] == "calibrate"
     assert "heldout_correlation" in runs[0].data.metrics
+    assert runs[0].data.params["training.precision"] == "fp32"
     artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id)}
     assert {"cost_model.json", "calibration_report.txt"} <= artifacts
+
+
+@pytest.mark.spawns  # in process, but its provenance runs uname -p (platform.processor)
+def test_calibration_times_the_configs_precision(tmp_path, capsys, monkeypatch) -> None:
+    """``training.precision`` reaches the timed model and is recorded (about a second)."""
+    import training.calibrate
+
+    built = []
+    build = training.calibrate.build_local_model
+
+    def spy(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(training.calibrate, "build_local_model", spy)
+    out = tmp_path / "cost_model.json"
+    # Lengths up to 256 and 3 rounds: with 4-16 and one round, the fit sometimes put every cost into the
+    # step constant (exit 2: a model of zero costs).
+    rc = calibrate.main(["--output", str(out), "--lengths", "16,64,256", "--repeats", "3", "--warmup", "1",
+                         "--replicates", "1", "--held-out-batches", "0", "--device", "cpu", "--tracking-uri", "none",
+                         "--training.precision", "bf16", *TINY_MODEL])
+    report = capsys.readouterr().out
+    assert rc == 0, report
+    assert [model.precision for model in built] == ["bf16"]
+    prov = CostModel.load(out).provenance
+    assert prov["precision"] == "bf16" and prov["config"]["training"] == {"precision": "bf16"}
+    assert "precision bf16" in report and "encoder in bf16" in report
 
 
 @pytest.mark.slow

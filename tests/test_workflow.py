@@ -279,7 +279,8 @@ def test_every_stage_argv_parses_with_its_job_parser(tmp_path):
     here: their argv is checked against their parsers instead)."""
     from jobs import balance, calibrate, compare, prepare
 
-    config = write_config(tmp_path, tmp_path / "work", extra='[train.overrides]\n"model.hstu.num_layers" = 1\n')
+    config = write_config(tmp_path, tmp_path / "work", extra='[train.overrides]\n"model.hstu.num_layers" = 1\n'
+                                                              '"training.precision" = "bf16"\n"training.seed" = 3\n')
     text = config.read_text().replace("[balance]", "[calibrate]\nenabled = true\nrank_speeds = true\n[balance]")
     config.write_text(text + "[compare]\nenabled = true\ncontrol = true\n")
     stages = {s.name: s for s in workflow.build_stages(workflow.load_workflow_config(str(config), []))}
@@ -289,12 +290,14 @@ def test_every_stage_argv_parses_with_its_job_parser(tmp_path):
     for name in ("prepare", "balance"):  # no config overrides: every argument is the job's own
         parsers[name].parse_args(stages[name].argv)
     cal = parsers["calibrate"].parse_known_args(stages["calibrate"].argv)
-    assert cal[1] == ["--model.hstu.num_layers", "1"] and cal[0].rank_speeds_output
+    # calibrate times the trained model (shape, loss, precision); the seed is the training's only.
+    assert cal[1] == ["--model.hstu.num_layers", "1", "--training.precision", "bf16"] and cal[0].rank_speeds_output
     bal = parsers["balance"].parse_args(stages["balance"].argv)
     assert bal.cost_model == cal[0].output and bal.capacities == f"@{cal[0].rank_speeds_output}"
     cmp_args, cmp_rest = parsers["compare"].parse_known_args(stages["compare"].argv)
     assert cmp_args.control and cmp_args.input == str(tmp_path / "work" / "prepared") and cmp_args.repeats == 1
-    assert cmp_args.cost_model == cal[0].output and cmp_rest == ["--model.hstu.num_layers", "1"]
+    assert cmp_args.cost_model == cal[0].output and cmp_rest == ["--model.hstu.num_layers", "1",
+                                                                 "--training.precision", "bf16", "--training.seed", "3"]
 
 
 # ------------------------------------------------------------------ stopped and killed runs

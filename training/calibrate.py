@@ -12,7 +12,8 @@ What is timed
     lookup's outputs. That is the span the trainer records as
     ``dense_compute_s`` and the work the balancer equalises; the lookup itself
     is an all-to-all in the sharded trainer, not per-rank compute, so it is left
-    out (the fitted model has ``per_id = 0``).
+    out (the fitted model has ``per_id = 0``). The encoder computes at ``training.precision``
+    (``CalibrationSettings.precision``), as the trainer's will: the costs depend on it.
 
 Which clock
     Both the calling thread's CPU clock and the wall clock, with one intra-op
@@ -85,7 +86,7 @@ from pipeline.calibration import (
 from pipeline.cost_model import KINDS, CostModel, default_cost_model
 from training.batch import SequenceBatch
 from training.bubbles import DenseSpanProbe
-from training.config import LossKind, ModelConfig
+from training.config import LossKind, ModelConfig, Precision
 from training.model import SequentialRecommender, TableLookup, build_local_model
 
 CLOCKS = ("cpu", "wall")
@@ -317,6 +318,8 @@ class CalibrationSettings:
     seed: int = 0
     device: str = "cpu"
     """Where the model runs: ``cpu`` (thread CPU clock, one thread) or ``cuda`` (CUDA events)."""
+    precision: Precision = "fp32"
+    """``training.precision``: the encoder's arithmetic in the timed steps, as the trainer will run it."""
 
 
 @dataclass
@@ -380,7 +383,8 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
     mixes = heavy_tailed_batches(settings.held_out_batches, lo, hi, settings.seed + 1)
 
     torch.manual_seed(settings.seed)
-    model = build_local_model(settings.num_items, model_config, device=settings.device)
+    model = build_local_model(settings.num_items, model_config, device=settings.device,
+                              precision=settings.precision)
     model.train()  # dropout on, as in training
 
     def step(lengths: Sequence[int], index: int) -> Callable[[], StepTime]:
@@ -393,7 +397,7 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
     log(f"timing {len(batches)} calibration batches ({len(grid)} grid + {len(held_out)} held-out lengths x "
         f"{settings.replicates}) and {len(mixes)} held-out mixed batches: {settings.warmup} warm-up + "
         f"{settings.repeats} rounds, {_clock_words(settings.device)}, attention kernel "
-        f"{model.attention_kernel}")
+        f"{model.attention_kernel}, precision {settings.precision}")
     with single_thread(), caching_malloc():
         samples = time_round_robin([step(b, i) for i, b in enumerate(all_batches)], settings.repeats,
                                    settings.warmup, progress=lambda r: log(f"  round {r}/{settings.repeats}"))
@@ -485,6 +489,7 @@ def build_provenance(result: CalibrationResult, config_record: dict) -> dict:
                   if torch.device(s.device).type == "cpu" else "CUDA events around forward+backward (both fits)"),
         "device": s.device,
         "attention_kernel": result.attention_kernel,
+        "precision": s.precision,
         "cv": "both forms fitted on the grid-length batches, scored on the held-out-length batches",
         "chosen": result.fits[FIT_CLOCK].choice.chosen,
         "reason": result.fits[FIT_CLOCK].choice.reason,
