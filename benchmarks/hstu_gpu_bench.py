@@ -20,8 +20,11 @@ d. Where a target batch's step goes: the host's time to issue it, the encoder's 
    attention op's forward and backward alone (times the layers), so a missed target says whether
    launches (host), attention or the rest of the layer is what to cut.
 
-The model is the issue's: D = 256, 4 layers, 4 heads of 64, fp32 parameters with TF32 matmuls.
-Times are medians of ``--repeats`` round-robin passes (every batch once per pass).
+The model is the issue's: D = 256, 4 layers, 4 heads of 64, fp32 parameters with TF32 matmuls;
+the encoder computes at ``training.precision`` (``--precision``, else ``--config``'s, else fp32:
+``bf16`` runs it under bf16 autocast as the trainer does) in sections b, c and d; section a
+checks both dtypes whatever it is. Times are medians of ``--repeats`` round-robin passes (every
+batch once per pass).
 
 ``--smoke`` runs every section at toy sizes on CPU through the Triton interpreter: it checks the
 script, not the GPU, and says so on every table (tests/test_hstu_gpu_bench.py runs it).
@@ -36,10 +39,15 @@ import platform
 import subprocess
 import sys
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from training.config import ConfigError, Precision, load_config  # noqa: E402  (the standard library only)
+
 LENGTHS_FILE = REPO / "benchmarks" / "data" / "movielens100k_history_lengths.json"
 HEAVY = ("torchrec", "fbgemm_gpu", "pyspark", "mlflow", "ortools", "pandas", "pyarrow", "torchdata")
 LOGNORMAL_MU, LOGNORMAL_SIGMA = 4.2, 0.9  # benchmarks/balance_bench.py's synthetic lengths
@@ -95,9 +103,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true",
                    help="toy sizes on CPU through the Triton interpreter: checks the script, measures nothing")
+    p.add_argument("--config", help="a trainer config (TOML): its training.precision is the encoder's; the model's "
+                                    "sizes are this check's own")
+    p.add_argument("--precision", choices=typing.get_args(Precision),
+                   help="training.precision for this run, over --config's (default: the config's, else fp32)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    # The trainer's key, through the trainer's loader: one name and one check for the choice.
+    overrides = ["--training.precision", args.precision] if args.precision else []
+    try:
+        args.precision = load_config(args.config, overrides).training.precision
+    except ConfigError as err:
+        p.error(str(err))
+    if args.smoke and args.precision != "fp32":
+        p.error(f"--smoke runs the Triton interpreter, whose dots cannot take {args.precision}: "
+                "rehearse with fp32")
     return args
 
 
@@ -105,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported
-    sys.path.insert(0, str(REPO))
     if args.output:  # written line by line: a run cut short still leaves its finished tables
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text("")
@@ -130,6 +150,9 @@ class Bench:
         self.device = torch.device("cpu" if self.smoke else "cuda")
         self.sizes = SMOKE if self.smoke else GPU
         self.repeats = 1 if self.smoke else args.repeats
+        from training.precision import encoder_autocast
+
+        self.precision, self.encoder_autocast = args.precision, encoder_autocast  # imported once, not per step
         torch.backends.cuda.matmul.allow_tf32 = True  # the trainer's fp32 setting on GPUs
         torch.backends.cudnn.allow_tf32 = True
         self.rng = np.random.default_rng(args.seed)
@@ -157,6 +180,10 @@ class Bench:
         return HSTUConfig(embedding_dim=s.embedding_dim, num_layers=s.num_layers, num_heads=s.num_heads,
                           attention_dim=s.head_dim, linear_dim=s.head_dim, dropout=0.0, max_seq_len=s.max_seq_len,
                           num_position_buckets=s.buckets, num_time_buckets=s.buckets, attention_kernel=kernel)
+
+    def autocast(self):
+        """The context the encoder and the attention op run in: ``training.precision``'s, as in the trainer."""
+        return self.encoder_autocast(self.precision, self.device)
 
     def encoders(self):
         """The same weights under both kernels."""
@@ -187,7 +214,8 @@ class Bench:
         values, offsets, timestamps, grad = self.batch(lengths)
 
         def step() -> None:
-            out = encoder(values, offsets, timestamps)
+            with self.autocast():
+                out = encoder(values, offsets, timestamps)
             out.backward(grad)
             values.grad = None
 
@@ -252,9 +280,12 @@ class Bench:
         self.emit(f"- versions: torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, "
                   f"python {platform.python_version()}")
         self.emit(f"- command: python benchmarks/hstu_gpu_bench.py {' '.join(sys.argv[1:])}".rstrip())
+        arithmetic = ("TF32 matmuls" if self.precision == "fp32"
+                      else f"the encoder under {self.precision} autocast")
         self.emit(f"- model: D={s.embedding_dim}, {s.num_layers} layers, {s.num_heads} heads of {s.head_dim}, "
-                  f"max_seq_len {s.max_seq_len}, fp32 parameters, TF32 matmuls; forward+backward of the encoder; "
-                  f"medians of {self.repeats} round-robin passes")
+                  f"max_seq_len {s.max_seq_len}, fp32 parameters, {arithmetic} (training.precision "
+                  f"{self.precision}; sections b-d); forward+backward of the encoder; medians of {self.repeats} "
+                  "round-robin passes")
         self.emit()
 
     def numerics(self) -> None:
@@ -372,11 +403,12 @@ class Bench:
 
             def attention():
                 q, k, v = qkv.split(heads * width, dim=1)
-                return ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
-                                                 bias.time_bias.weight, spec)
+                with self.autocast():  # the op casts q, k, v to autocast's dtype, as in the encoder
+                    return ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
+                                                     bias.time_bias.weight, spec)
 
             def forward_only():
-                with torch.no_grad():
+                with torch.no_grad(), self.autocast():
                     encoder(values, offsets, timestamps)
 
             def attention_both():

@@ -38,6 +38,7 @@ def test_smoke_run_prints_every_section_and_writes_them(smoke) -> None:
         assert heading in run.stdout
     assert written.strip() == run.stdout.strip()
     assert "SMOKE RUN on CPU" in written and "MovieLens-100K history lengths (943 users)" in written
+    assert "TF32 matmuls (training.precision fp32;" in written
 
 
 def test_smoke_run_claims_no_target(smoke) -> None:
@@ -54,6 +55,31 @@ def test_smoke_numerics_agree(smoke) -> None:
     rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| fp32")]
     assert len(rows) == 12  # six tensors, TF32 and full fp32 dots (the interpreter computes both in fp32)
     assert all(float(cells[4]) <= 1e-4 for cells in rows), rows
+
+
+def test_precision_is_the_trainers_key(tmp_path, capsys, monkeypatch) -> None:
+    """``--precision`` and a trainer config's ``training.precision`` choose the encoder's arithmetic,
+    through the trainer's loader and its check; the interpreter's rehearsal refuses bf16 (its dots
+    have none) before it runs anything. The script's argument parsing, in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hstu_gpu_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    bf16, bad = tmp_path / "bf16.toml", tmp_path / "bad.toml"
+    bf16.write_text('[training]\nprecision = "bf16"\n')
+    bad.write_text('[training]\nprecision = "fp8"\n')
+    assert bench.parse_args([]).precision == "fp32"
+    assert bench.parse_args(["--config", str(bf16)]).precision == "bf16"
+    assert bench.parse_args(["--config", str(bf16), "--precision", "fp32"]).precision == "fp32"
+    for argv, message in ((["--smoke", "--precision", "bf16"], "whose dots cannot take bf16"),
+                          (["--smoke", "--config", str(bf16)], "whose dots cannot take bf16"),
+                          (["--config", str(bad)], "training.precision must be one of 'fp32', 'bf16', got 'fp8'"),
+                          (["--precision", "fp16"], "invalid choice: 'fp16'")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_args(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
 
 
 @pytest.mark.spawns
