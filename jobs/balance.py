@@ -308,7 +308,7 @@ def balance(args: argparse.Namespace) -> int:
               if k not in ("overwrite", "tracking_uri", "experiment", "comparison")}
     tags = {**run_tags(args.strategy, args.control, args.comparison), "freescale.world_size": str(args.world_size)}
     with job_run("balance", tracking_uri=args.tracking_uri, experiment=args.experiment, params=params, tags=tags,
-                 run_name=f"balance-{args.control or args.strategy}-k{args.world_size}") as run, \
+                 run_name=f"balance-{args.control or args.strategy}-k{args.world_size}", output=args.output) as run, \
             checkpoints_removed("balance"):  # inside the run: removed before it ends, failed or not
         model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
         started = time.perf_counter()

@@ -124,7 +124,8 @@ def prepare(args: argparse.Namespace) -> int:
     # The run spans the job's work: opened before Spark starts, FAILED if the job fails.
     params = {k: v for k, v in vars(args).items() if k not in ("overwrite", "tracking_uri", "experiment")}
     # Inside the run: its checkpoints are removed before the run ends, failed or not.
-    with job_run("prepare", tracking_uri=args.tracking_uri, experiment=args.experiment, params=params) as run, \
+    with job_run("prepare", tracking_uri=args.tracking_uri, experiment=args.experiment, params=params,
+                 output=args.output) as run, \
             checkpoints_removed("prepare"):
         started = time.perf_counter()
         spark = build_spark_session(args.master, "freescale-prepare")

@@ -51,6 +51,9 @@ PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under that
 # PIPELINE_ENV for its stages (in-process jobs, and the ranks and trainings they start), and a
 # later run of that pipeline finds the runs a killed one left RUNNING by it.
 PIPELINE_TAG, PIPELINE_ENV = "freescale.pipeline", "FREESCALE_PIPELINE_WORKDIR"
+# The output a job writes: a later run of the same job to the same output ends the run a killed one
+# left RUNNING (one run per output at a time, the assumption its staging folder's removal makes).
+OUTPUT_TAG = "freescale.output"
 PARAMS_PER_REQUEST = 90  # under MLflow's cap of params per log_batch
 
 
@@ -149,6 +152,30 @@ class JobRun:
     def log_artifact(self, path: str | Path) -> None:
         self._guarded(f"logging {Path(path).name}", lambda: self.client.log_artifact(self.run_id, str(path)))
 
+    def end_orphans(self, output: str) -> list[str]:
+        """End FAILED the RUNNING runs of this job and ``output`` (OUTPUT_TAG) other than this one: a
+        kill -9 left them. One note line naming them; ``[]`` when none (or tracking is off)."""
+        ended: list[str] = []
+
+        def end_them():
+            from mlflow.entities import ViewType
+
+            for run in self.client.search_runs([self.experiment_id], "attributes.status = 'RUNNING' and "
+                                               f"tags.`freescale.job` = '{self.job}'",
+                                               run_view_type=ViewType.ALL, max_results=10_000):
+                if run.info.run_id != self.run_id and run.data.tags.get(OUTPUT_TAG) == output:
+                    self.client.set_tag(run.info.run_id, "freescale.ended_by",
+                                        f"a later {self.job} of its output: the run that made it was killed "
+                                        "before it could end it")
+                    self.client.set_terminated(run.info.run_id, "FAILED")
+                    ended.append(run.info.run_id)
+        self._guarded("ending the runs a killed job left RUNNING", end_them)
+        if ended:
+            sys.stderr.write(f"freescale {self.job}: note: {len(ended)} MLflow run(s) of a killed {self.job} of "
+                             f"{output} were still RUNNING: ended FAILED ({', '.join(ended)})\n")
+            sys.stderr.flush()
+        return ended
+
     def end(self, status: str) -> None:
         self._guarded(f"ending the run {status}", lambda: self.client.set_terminated(self.run_id, status))
         self.client = None
@@ -182,13 +209,17 @@ def find_or_create_experiment(client, name: str) -> str:
 @contextlib.contextmanager
 def job_run(job: str, *, tracking_uri: str, experiment: str, params: Mapping[str, Any] | None = None,
             tags: Mapping[str, str] | None = None, run_name: str | None = None,
-            parent_run_id: str | None = None) -> Iterator[JobRun]:
+            parent_run_id: str | None = None, output: str | None = None) -> Iterator[JobRun]:
     """The job's MLflow run for the length of the ``with`` block: opened on entry (after the
     job's argument checks), ended FINISHED when the block completes, KILLED on Ctrl-C or a stop
     signal, FAILED on any other exception (which still propagates). Tracking never fails the
-    job: see JobRun. ``tracking_uri`` DISABLED gives a run that records nothing."""
+    job: see JobRun. ``tracking_uri`` DISABLED gives a run that records nothing. With ``output``
+    (the folder the job writes), the runs of this job and output a kill -9 left RUNNING end FAILED."""
     run = JobRun(job, tracking_uri)
-    run.start(experiment, run_name or job, tags or {}, parent_run_id)
+    key = output_key(output) if output else None
+    run.start(experiment, run_name or job, {**(tags or {}), **({OUTPUT_TAG: key} if key else {})}, parent_run_id)
+    if key:
+        run.end_orphans(key)
     if params:
         run.log_params(params)
     try:
@@ -197,6 +228,15 @@ def job_run(job: str, *, tracking_uri: str, experiment: str, params: Mapping[str
         run.end(ended_status(exc))
         raise
     run.end("FINISHED")
+
+
+def output_key(output: str) -> str:
+    """How OUTPUT_TAG names an output: a local one by its absolute path (however it was spelled),
+    any other by its URI."""
+    from pipeline.paths import local_path
+
+    local = local_path(output)
+    return str(Path(local).resolve()) if local is not None else output.rstrip("/")
 
 
 def failure(exc: BaseException) -> str:

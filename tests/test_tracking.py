@@ -32,6 +32,37 @@ def test_an_unreachable_server_is_one_warning_line_within_seconds(capsys, monkey
     assert int(os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"]) <= 10
 
 
+@pytest.mark.spawns  # mlflow's run context asks git for the source version
+def test_a_rerun_to_the_same_output_ends_the_run_a_killed_job_left_running(tmp_path, capsys, monkeypatch):
+    """kill -9 leaves a job's run RUNNING; the next run of the same job to the same output (however
+    it is spelled) ends it FAILED with one note line. Other outputs, other jobs and ended runs are
+    left alone."""
+    from mlflow.tracking import MlflowClient
+
+    from jobs.tracking import job_run, output_key
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("orphans")
+    shards = output_key(str(tmp_path / "shards"))
+
+    def run(job: str, output: str) -> str:
+        return client.create_run(experiment, tags={"freescale.job": job, "freescale.output": output}).info.run_id
+
+    orphan, other_output, other_job = run("balance", shards), run("balance", shards + "-2"), run("prepare", shards)
+    finished = run("balance", shards)
+    client.set_terminated(finished, "FINISHED")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()  # mlflow's notes on creating the store
+    with job_run("balance", tracking_uri=uri, experiment="orphans", output="./shards/") as this:
+        pass
+    status = {r.info.run_id: r.info.status for r in client.search_runs([experiment])}
+    assert status == {orphan: "FAILED", other_output: "RUNNING", other_job: "RUNNING", finished: "FINISHED",
+                      this.run_id: "FINISHED"}
+    assert capsys.readouterr().err == (f"freescale balance: note: 1 MLflow run(s) of a killed balance of {shards} "
+                                       f"were still RUNNING: ended FAILED ({orphan})\n")
+
+
 def test_local_stores_and_disabled_tracking_are_not_checked(capsys, tmp_path):
     assert reachable_tracking_uri("train", f"sqlite:///{tmp_path}/x.db") == f"sqlite:///{tmp_path}/x.db"
     assert reachable_tracking_uri("train", "none") == DISABLED
