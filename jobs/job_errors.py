@@ -3,7 +3,7 @@
     0  EXIT_OK           the job finished
     1  EXIT_FAILED       anything else (a bug, a crash, a killed rank): the traceback is in the log
     2  EXIT_BAD_INPUT    bad input or arguments: InputError and its subclasses (ShardError,
-                         InfeasibleError, ...), ConfigError, a missing or existing path, a file Spark
+                         InfeasibleError, ConfigError, ...), a missing or existing path, a file Spark
                          cannot read, argparse's own errors
     3  EXIT_ENVIRONMENT  this machine or a service stopped the job: a comm/process-group backend that
                          cannot run here (CUDA absent), Java missing or Spark unable to start, a Spark
@@ -118,9 +118,8 @@ STATUS_DIR_ENV = "FREESCALE_STATUS_DIR"
 
 # Error classes outside InputError's family, by the module that defines them. A class can only
 # have been raised if its module is loaded, so only loaded modules are asked: reporting a bad
-# argument never imports torch, torchrec or pyspark just to name a class. ConfigError is here until
-# it derives from InputError too.
-_BAD_INPUT = (("training.config", "ConfigError"), ("pyspark.errors", "PySparkException"))
+# argument never imports torch, torchrec or pyspark just to name a class.
+_BAD_INPUT = (("pyspark.errors", "PySparkException"),)
 _ENVIRONMENT = (("comm.errors", "BackendUnavailable"), ("mlflow.exceptions", "MlflowException"),
                 ("pipeline.errors", "ServiceUnavailable"))
 # PySpark errors that mean Spark itself could not run here (no Java, the JVM died), not bad input.

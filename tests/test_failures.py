@@ -78,8 +78,10 @@ def test_bad_input_errors_share_one_base_that_the_exit_code_reads():
     from balancing.types import InfeasibleError
     from pipeline.errors import InputError
     from shards.manifest import ShardError
+    from training.config import ConfigError
 
-    assert issubclass(InfeasibleError, InputError) and issubclass(ShardError, InputError)
+    assert all(issubclass(error, InputError) for error in (InfeasibleError, ShardError, ConfigError))
+    assert job_errors.exit_code(ConfigError("training.precision: 'fp8' is not one of ...")) == EXIT_BAD_INPUT
 
     class NewBadInput(InputError):  # a package's own error, named nowhere in job_errors
         pass

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from comm.names import BackendName as CommBackendName
+from pipeline.errors import InputError
 
 ShardingName = Literal["row_wise", "table_wise"]
 ParallelBackendName = Literal["auto", "gloo", "nccl"]
@@ -401,8 +402,9 @@ class TrainConfig:
     """``[evaluation]``: the ranking protocol of validation and test."""
 
 
-class ConfigError(ValueError):
-    """A config file or override that does not fit the schema; the message names the key."""
+class ConfigError(InputError):
+    """A config file or override that does not fit the schema; the message names the key (bad input:
+    exit 2, as every InputError)."""
 
 
 def keyed_by(choice: Any, mapping: dict[str, Any]) -> dict[str, Any]:
