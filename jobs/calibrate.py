@@ -235,7 +235,7 @@ def rank_speeds_worker(argv: list[str]) -> int:
     )
     from training.config import ParallelConfig, load_config
     from training.distributed import init_distributed
-    from training.model import build_local_model
+    from training.model import build_dense_model
 
     parser = argparse.ArgumentParser(prog="jobs.calibrate " + WORKER_FLAG)
     parser.add_argument("--result", required=True)
@@ -252,7 +252,7 @@ def rank_speeds_worker(argv: list[str]) -> int:
     # Same seed on every rank: identical parameters, batches and negatives, so any
     # difference in time is the rank's, not its work's.
     torch.manual_seed(args.seed)
-    model = build_local_model(args.num_items, config.model, precision=config.training.precision)
+    model, table = build_dense_model(args.num_items, config.model, precision=config.training.precision)
     model.train()
     max_length = config.model.max_seq_len
     mixes = heavy_tailed_batches(RANK_SPEED_BATCHES, min(16, max_length), max_length, args.seed + 7)
@@ -261,7 +261,7 @@ def rank_speeds_worker(argv: list[str]) -> int:
     with caching_malloc():
         for repeat in range(args.warmup + args.repeats):
             dist.barrier()  # lock-step: every rank starts the repeat together, under the same machine load
-            times = [time_dense_step(model, b, config.loss.num_negatives, config.loss.full_softmax, seed=i,
+            times = [time_dense_step(model, table, b, config.loss.num_negatives, config.loss.full_softmax, seed=i,
                                      loss_kind=config.loss.kind)
                      for i, b in enumerate(batches)]
             local = torch.tensor([sum(t.wall_s for t in times), sum(t.cpu_s for t in times)], dtype=torch.float64)

@@ -332,13 +332,14 @@ def test_calibration_times_the_configs_precision(tmp_path, capsys, monkeypatch) 
     import training.calibrate
 
     built = []
-    build = training.calibrate.build_local_model
+    build = training.calibrate.build_dense_model
 
     def spy(*args, **kwargs):
-        built.append(build(*args, **kwargs))
-        return built[-1]
+        model, table = build(*args, **kwargs)
+        built.append(model)
+        return model, table
 
-    monkeypatch.setattr(training.calibrate, "build_local_model", spy)
+    monkeypatch.setattr(training.calibrate, "build_dense_model", spy)
     out = tmp_path / "cost_model.json"
     # Lengths up to 256 and 3 rounds: with 4-16 and one round, the fit sometimes put every cost into the
     # step constant (exit 2: a model of zero costs).
@@ -373,3 +374,36 @@ def test_rank_speeds_with_two_ranks(tmp_path, capsys) -> None:
     with pytest.raises(InputError, match="--world-size is 3"):
         balance.parse_capacities(f"@{speeds}", 3)
     assert "Rank speeds" in captured.out
+
+
+# What a bare GPU machine lacks (benchmarks/hstu_gpu_bench.py refuses to report if any got loaded).
+GPU_MACHINE_LACKS = ("torchrec", "fbgemm_gpu", "pyspark", "mlflow", "ortools", "pandas", "pyarrow", "torchdata")
+
+
+@pytest.mark.spawns
+def test_calibrate_times_the_model_with_torch_alone(tmp_path):
+    """`freescale calibrate` on a machine with only torch, triton and numpy: the timing path (model
+    without TorchRec tables, a plain item table) imports none of GPU_MACHINE_LACKS, which are made
+    unimportable here, and a missing mlflow is one warning. On CPU: the CUDA path differs only in
+    its clock (training/calibrate.py, _time_cuda_step), which needs a GPU to run."""
+    probe = (
+        "import importlib.abc, json, sys\n"
+        f"lacks = {GPU_MACHINE_LACKS!r}\n"
+        "class Absent(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in lacks:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "from jobs.cli import main\n"
+        f"rc = main(['calibrate', '--output', {str(tmp_path / 'cost.json')!r}, '--lengths', '16,64,256',\n"
+        "            '--repeats', '1', '--held-out-batches', '0', '--device', 'cpu',\n"
+        "            '--model.hstu.num_layers', '1'])\n"
+        "print(json.dumps([rc, sorted({m.split('.')[0] for m in sys.modules} & set(lacks))]))\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    rc, loaded = json.loads(run.stdout.strip().splitlines()[-1])
+    assert (rc, loaded) == (0, [])
+    assert CostModel.load(tmp_path / "cost.json").kind in ("quadratic", "table")
+    warnings = [line for line in run.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "No module named 'mlflow'" in warnings[0], run.stderr

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
-from torchrec import KeyedJaggedTensor
 
 from training.jagged import offsets_from_lengths
+
+if TYPE_CHECKING:  # TorchRec loads with the first lookup: a model without its tables never needs it
+    from torchrec import KeyedJaggedTensor
 
 ITEM_FEATURE = "item"
 NEGATIVE_FEATURE = "negative"
@@ -97,6 +100,8 @@ def user_feature_kjt(names: list[str], user_features: torch.Tensor) -> KeyedJagg
     """KJT with one id per sample for each user feature (keys ``names``), for the
     user ``EmbeddingBagCollection``. An empty batch keeps one empty slot, as in
     :func:`item_features`, so every rank still joins the sharded lookup."""
+    from torchrec import KeyedJaggedTensor
+
     batch_size, width = user_features.shape
     if width != len(names):
         raise ValueError(f"user_features has {width} columns for {len(names)} features {names}")
@@ -116,6 +121,8 @@ def item_features(lengths: torch.Tensor, item_ids: torch.Tensor, negatives: torc
     slots (which slot holds which negative does not matter to the loss), which
     keeps the per-slot lengths -- and row-wise all-to-all splits -- balanced.
     """
+    from torchrec import KeyedJaggedTensor
+
     batch_size = max(int(lengths.numel()), 1)
     if lengths.numel() == 0:
         lengths = torch.zeros(1, dtype=torch.int64, device=item_ids.device)

@@ -87,7 +87,7 @@ from pipeline.cost_model import KINDS, CostModel, default_cost_model
 from training.batch import SequenceBatch
 from training.bubbles import DenseSpanProbe
 from training.config import LossKind, ModelConfig, Precision
-from training.model import SequentialRecommender, TableLookup, build_local_model
+from training.model import LocalItemTable, SequentialRecommender, build_dense_model
 
 CLOCKS = ("cpu", "wall")
 FIT_CLOCK = "cpu"
@@ -168,38 +168,42 @@ def synthetic_batch(lengths: Sequence[int], num_items: int, seed: int) -> Sequen
     )
 
 
-def time_dense_step(model: SequentialRecommender, batch: SequenceBatch, num_negatives: int,
+def time_dense_step(model: SequentialRecommender, table: LocalItemTable, batch: SequenceBatch, num_negatives: int,
                     full_softmax: bool = False, seed: int = 0,
                     loss_kind: LossKind = "sampled_softmax") -> StepTime:
-    """Time one training forward+backward's dense span; the same ``seed`` gives the same negatives."""
+    """Time one training forward+backward's dense span, the rows from ``table`` (``build_dense_model``:
+    a plain table, so timing loads no TorchRec); the same ``seed`` gives the same negatives."""
     generator = torch.Generator().manual_seed(seed)
     if next(model.encoder.parameters()).device.type == "cuda":
-        return _time_cuda_step(model, batch, num_negatives, full_softmax, generator, loss_kind)
+        return _time_cuda_step(model, table, batch, num_negatives, full_softmax, generator, loss_kind)
     probe = DenseSpanProbe()
     loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator,
-                    source=probe.timed(TableLookup(model)), loss_kind=loss_kind)
+                    source=probe.timed(table.source()), loss_kind=loss_kind)
     loss.backward()
     end_cpu, end_wall = probe.end_cpu, probe.end_wall
     if end_cpu is None or end_wall is None:  # no gradient reached the lookup (frozen table)
         end_cpu, end_wall = time.thread_time(), time.perf_counter()
     model.zero_grad(set_to_none=True)
+    table.zero_grad(set_to_none=True)
     return StepTime(cpu_s=end_cpu - probe.start_cpu, wall_s=end_wall - probe.start_wall)
 
 
-def _time_cuda_step(model: SequentialRecommender, batch: SequenceBatch, num_negatives: int,
+def _time_cuda_step(model: SequentialRecommender, table: LocalItemTable, batch: SequenceBatch, num_negatives: int,
                     full_softmax: bool, generator: torch.Generator, loss_kind: LossKind) -> StepTime:
     """The whole forward+backward between two CUDA events: GPU time, both fields.
 
     Host clocks would time kernel launches, not kernels. The item lookup is a local
-    table here and costs microseconds next to the encoder, so the span includes it.
+    table here (sparse gradients) and costs microseconds next to the encoder, so the span includes it.
     """
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator, loss_kind=loss_kind)
+    loss, _ = model(batch, num_negatives, full_softmax=full_softmax, generator=generator, loss_kind=loss_kind,
+                    source=table.source())
     loss.backward()
     end.record()
     end.synchronize()
     model.zero_grad(set_to_none=True)
+    table.zero_grad(set_to_none=True)
     seconds = start.elapsed_time(end) / 1000.0
     return StepTime(cpu_s=seconds, wall_s=seconds)
 
@@ -383,14 +387,14 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
     mixes = heavy_tailed_batches(settings.held_out_batches, lo, hi, settings.seed + 1)
 
     torch.manual_seed(settings.seed)
-    model = build_local_model(settings.num_items, model_config, device=settings.device,
-                              precision=settings.precision)
+    model, table = build_dense_model(settings.num_items, model_config, device=settings.device,
+                                     precision=settings.precision)
     model.train()  # dropout on, as in training
 
     def step(lengths: Sequence[int], index: int) -> Callable[[], StepTime]:
         batch = synthetic_batch(lengths, settings.num_items, seed=settings.seed * 100_003 + index)
         batch = batch.to(settings.device)
-        return lambda: time_dense_step(model, batch, settings.num_negatives, settings.full_softmax, seed=index,
+        return lambda: time_dense_step(model, table, batch, settings.num_negatives, settings.full_softmax, seed=index,
                                        loss_kind=settings.loss_kind)
 
     all_batches = [b.lengths for b in batches] + list(mixes)

@@ -28,19 +28,11 @@ rank must call them, the same number of times.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-    KeyedJaggedTensor,
-    PoolingType,
-)
 
 from training.batch import (
     FEATURE_KEYS,
@@ -57,6 +49,9 @@ from training.losses import binary_cross_entropy_loss, sampled_softmax_loss
 from training.precision import encoder_autocast
 from training.ranking_metrics import ExcludeIds, ProtocolMetrics, retrieval_metrics, sampled_retrieval_metrics
 from training.sasrec import SASRecEncoder
+
+if TYPE_CHECKING:  # TorchRec loads when a model builds its tables (tables=False builds none)
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
 
 # Not "items": EmbeddingCollection keeps tables in a ModuleDict, whose .items() it would shadow.
 ITEM_TABLE = "item_embedding"
@@ -141,6 +136,42 @@ class TableLookup:
         return self._negatives
 
 
+class LocalItemTable(nn.Module):
+    """The item table as a plain ``nn.Embedding`` (sparse gradients, as TorchRec's fused update
+    touches only the looked-up rows), for one process without TorchRec: cost calibration on a bare
+    GPU machine, where only the dense span is timed. Initialised as the TorchRec table is
+    (uniform +-``embedding_init_scale``)."""
+
+    def __init__(self, num_items: int, config: ModelConfig, device: torch.device | str = "cpu"):
+        super().__init__()
+        scale = config.embedding_init_scale
+        self.table = nn.Embedding(num_items + 1, config.hstu.embedding_dim, sparse=True, device=device)
+        nn.init.uniform_(self.table.weight, -scale, scale)
+
+    def source(self) -> "EmbeddingSource":
+        """A forward's rows from this table (no user features: it holds none)."""
+        return _LocalLookup(self.table)
+
+
+class _LocalLookup:
+    def __init__(self, table: nn.Embedding):
+        self.table = table
+        self._negatives: torch.Tensor | None = None
+
+    def inputs(self, batch: SequenceBatch, negative_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if batch.user_features is not None:
+            raise ValueError("LocalItemTable holds no user feature tables; the batch has user features")
+        outputs = [self.table(batch.item_ids.to(torch.int64)), self.table(negative_ids.to(torch.int64))]
+        if torch.is_grad_enabled():
+            outputs = list(_SparseBoundary.apply(*outputs))
+        self._negatives = outputs[1]
+        return outputs[0], None
+
+    def negatives(self) -> torch.Tensor:
+        assert self._negatives is not None, "inputs() looks the negatives up"
+        return self._negatives
+
+
 class SequentialRecommender(nn.Module):
     """Next-item retrieval model: item table (TorchRec) -> encoder (HSTU or SASRec) -> loss.
 
@@ -155,6 +186,8 @@ class SequentialRecommender(nn.Module):
         precision: the encoder's arithmetic (``training.precision``; ``"bf16"`` runs it under
             autocast, ``training.precision.encoder_autocast``); every other part, the tables
             and the loss included, computes in fp32.
+        tables: False builds no TorchRec tables (and loads no TorchRec): every forward then
+            takes its rows from a ``source``, e.g. ``LocalItemTable``'s (``build_dense_model``).
     """
 
     def __init__(
@@ -165,6 +198,7 @@ class SequentialRecommender(nn.Module):
         embedding_device: torch.device | str | None = None,
         user_features: list[tuple[str, int]] | tuple = (),
         precision: Precision = "fp32",
+        tables: bool = True,
     ) -> None:
         super().__init__()
         if num_items < 1:
@@ -174,19 +208,17 @@ class SequentialRecommender(nn.Module):
         self.precision = precision
         dim = config.hstu.embedding_dim
         scale = config.embedding_init_scale
-        self.embedding_collection = EmbeddingCollection(
-            tables=[
-                EmbeddingConfig(
-                    name=ITEM_TABLE,
-                    num_embeddings=num_items + 1,
-                    embedding_dim=dim,
-                    feature_names=list(FEATURE_KEYS),
-                    weight_init_min=-scale,
-                    weight_init_max=scale,
-                )
-            ],
-            device=torch.device(embedding_device if embedding_device is not None else device),
-        )
+        table_device = torch.device(embedding_device if embedding_device is not None else device)
+        self.embedding_collection: EmbeddingCollection | None = None
+        if tables:
+            from torchrec import EmbeddingCollection, EmbeddingConfig
+
+            self.embedding_collection = EmbeddingCollection(
+                tables=[EmbeddingConfig(name=ITEM_TABLE, num_embeddings=num_items + 1, embedding_dim=dim,
+                                        feature_names=list(FEATURE_KEYS), weight_init_min=-scale,
+                                        weight_init_max=scale)],
+                device=table_device,
+            )
         self.rating_embedding: nn.Embedding | None = None
         if config.hstu.use_rating_feature:
             self.rating_embedding = nn.Embedding(NUM_RATINGS, dim, padding_idx=0, device=device)
@@ -200,12 +232,16 @@ class SequentialRecommender(nn.Module):
         self.user_embedding_collection: EmbeddingBagCollection | None = None
         self.user_projection: nn.Linear | None = None
         if user_features:
+            if not tables:
+                raise ValueError("user features need the model's tables (tables=True)")
+            from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
             self.user_embedding_collection = EmbeddingBagCollection(
                 tables=[EmbeddingBagConfig(name=USER_TABLE.format(index=i), num_embeddings=size,
                                            embedding_dim=dim, feature_names=[name], pooling=PoolingType.SUM,
                                            weight_init_min=-scale, weight_init_max=scale)
                         for i, (name, size) in enumerate(user_features)],
-                device=torch.device(embedding_device if embedding_device is not None else device),
+                device=table_device,
             )
             self.user_projection = nn.Linear(len(user_features) * dim, dim, device=device)
             # Zero at start: training begins from the item-only model and lets the
@@ -221,13 +257,15 @@ class SequentialRecommender(nn.Module):
     def fused_optimizers(self) -> list[Any]:
         """The tables' optimizers, fused into their backward (TorchRec's, once the model is
         sharded): the item table's, then the user feature tables' if any."""
-        collections = (self.embedding_collection, self.user_embedding_collection)
+        collections = (self.embedding_collection, self.user_embedding_collection)  # none without tables
         return [collection.fused_optimizer for collection in collections if collection is not None]
 
     def lookup(
         self, lengths: torch.Tensor, item_ids: torch.Tensor, negatives: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Item and negative embeddings, ``[T, D]`` and ``[M, D]``, through the (possibly sharded) table."""
+        if self.embedding_collection is None:
+            raise ValueError("this model was built without tables: give its forward a source of rows")
         embeddings = self.embedding_collection(item_features(lengths, item_ids, negatives))
         return embeddings[ITEM_FEATURE].values(), embeddings[NEGATIVE_FEATURE].values()
 
@@ -263,6 +301,8 @@ class SequentialRecommender(nn.Module):
         """
         if self.user_embedding_collection is None:
             return None
+        from torchrec import KeyedJaggedTensor
+
         device = self._dense_device()
         pieces: list[list[torch.Tensor]] = [[] for _ in self.user_feature_names]
         for start in range(0, max(self.user_feature_sizes), chunk_size):
@@ -542,3 +582,11 @@ def build_local_model(
     """Single-process model (tests, cost calibration): everything, tables included, on ``device``."""
     return SequentialRecommender(num_items, config, device=device, embedding_device=device,
                                  user_features=user_features, precision=precision)
+
+
+def build_dense_model(num_items: int, config: ModelConfig, device: torch.device | str = "cpu",
+                      precision: Precision = "fp32") -> tuple[SequentialRecommender, LocalItemTable]:
+    """The model without TorchRec tables, and a plain item table to feed its forwards
+    (``model(batch, source=table.source())``): what timing the dense span needs, with torch alone."""
+    table = LocalItemTable(num_items, config, device)
+    return SequentialRecommender(num_items, config, device=device, precision=precision, tables=False), table
