@@ -155,7 +155,9 @@ def _cancel_spark_jobs(group: str) -> None:
     """Cancel job group `group`'s running jobs and those it has yet to start (Spark's
     cancelJobGroupAndFutureJobs: an interrupted write may still be planning its next job, which a
     cancel of the running ones would miss), then every running job, and wait (CANCEL_WAIT_S at
-    most) until none runs."""
+    most) until none runs and no executor runs a task: a cancelled job ends before its tasks do,
+    and a task still writing would create the staging folder again after its removal (seen once
+    in 6 stops of a prepare on a loaded machine)."""
     import time
 
     from pyspark import SparkContext
@@ -167,7 +169,10 @@ def _cancel_spark_jobs(group: str) -> None:
         context._jsc.sc().cancelJobGroupAndFutureJobs(group)
         context.cancelAllJobs()
         deadline = time.monotonic() + CANCEL_WAIT_S
-        while context.statusTracker().getActiveJobsIds() and time.monotonic() < deadline:
+        tracker = context._jsc.sc().statusTracker()
+        while (context.statusTracker().getActiveJobsIds()
+               or any(info.numRunningTasks() for info in tracker.getExecutorInfos())) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
     except Exception:  # noqa: BLE001 - the JVM may be gone too (a signal to the process group)
         pass
