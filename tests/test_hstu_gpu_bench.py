@@ -33,11 +33,10 @@ def test_smoke_run_prints_every_section_and_writes_them(smoke) -> None:
     run, written = smoke
     assert run.returncode == 0, run.stderr[-2000:]
     for heading in ("## a. Numerics", "## b. Cost curve", "## d. Where a target batch's step goes",
-                    "### Cost model fitted", "## c. Virtual ranks",
-                    "## Targets (issue 14)"):
+                    "### Cost model fitted", "## Targets (issues 14 and 24"):
         assert heading in run.stdout
     assert written.strip() == run.stdout.strip()
-    assert "SMOKE RUN on CPU" in written and "MovieLens-100K history lengths (943 users)" in written
+    assert "SMOKE RUN on CPU" in written and "issue 24, 1 x U[17, 20]: attention op" in written
     assert "TF32 matmuls (training.precision fp32;" in written
 
 
