@@ -281,7 +281,7 @@ class Bench:
     def numerics(self) -> None:
         """Section a: the op's output and five gradients, triton vs grouped."""
         torch = self.torch
-        from training.hstu import GroupedPlan, RelativeAttentionBias
+        from training.hstu import GroupedAttentionPlan, RelativeAttentionBias
         from training.ops import hstu_attention as ops
 
         config = self.config("triton")
@@ -308,7 +308,7 @@ class Bench:
                 out = ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
                                                 bias.time_bias.weight, spec, precise=precise)
             else:
-                plan = GroupedPlan.build(offsets, timestamps, config)
+                plan = GroupedAttentionPlan.build(offsets, timestamps, config)
                 with torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32):
                     out = plan.leave(plan.attend(plan.enter(q), plan.enter(k), plan.enter(v), bias))
             out.backward(grad.to(out.dtype))

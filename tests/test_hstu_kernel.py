@@ -16,7 +16,7 @@ import torch
 from pipeline.errors import InputError
 from training.attention_kernel import resolve_attention_kernel
 from training.config import HSTUConfig
-from training.hstu import GroupedPlan, HSTUEncoder, RelativeAttentionBias, log_bucket
+from training.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias, log_bucket
 from training.jagged import offsets_from_lengths
 from training.ops.relative_buckets import bucket_by_thresholds
 
@@ -87,7 +87,7 @@ def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16, shu
             out = ops.jagged_hstu_attention(*inputs, offsets, timestamps, bias.position_bias.weight,
                                             bias.time_bias.weight, spec, block=block)
         else:
-            plan = GroupedPlan.build(offsets, timestamps, config)
+            plan = GroupedAttentionPlan.build(offsets, timestamps, config)
             out = plan.leave(plan.attend(*(plan.enter(t) for t in inputs), bias))
         out.backward(grad)
         results.append([out.detach(), *(t.grad for t in inputs),

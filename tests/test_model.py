@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from training.config import HSTUConfig, ModelConfig
-from training.hstu import GroupedPlan, HSTUEncoder, HSTULayer, log_bucket
+from training.hstu import GroupedAttentionPlan, HSTUEncoder, HSTULayer, log_bucket
 from training.jagged import (
+    GroupedPlan,
     check_jagged,
     group_by_length,
     jagged_concat_last,
@@ -103,6 +104,20 @@ def test_group_by_length_covers_every_row_once_without_padding() -> None:
     assert sorted((g.length, g.rows.shape[0]) for g in groups) == [(1, 1), (2, 1), (4, 2)]
     rows = torch.cat([g.rows.flatten() for g in groups])
     assert sorted(rows.tolist()) == list(range(11))
+
+
+def test_grouped_plan_makes_each_length_group_one_slice_and_leaves_as_it_entered() -> None:
+    lengths = [4, 2, 0, 4, 1]
+    offsets = offsets_from_lengths(torch.tensor(lengths))
+    values = torch.arange(11.0).unsqueeze(1)  # row r holds r
+    plan = GroupedPlan.build(offsets)
+    pieces = plan.split(plan.enter(values))
+    assert [p.shape[0] for p in pieces] == plan.sizes and sum(plan.sizes) == 11
+    for group, piece in zip(plan.groups, pieces):  # a group's slice is its samples' rows, in order
+        assert piece.view(group.rows.shape).tolist() == group.rows.float().tolist()
+    assert torch.equal(plan.leave(plan.enter(values)), values)
+    empty = GroupedPlan.build(offsets_from_lengths(torch.tensor([0, 0])))
+    assert empty.groups == [] and empty.order.numel() == 0 and empty.split(torch.zeros(0, 3)) == ()
 
 
 def test_jagged_concat_last_appends_one_row_per_sample() -> None:
@@ -199,8 +214,8 @@ def test_layer_matches_dense_reference_formula(block_size: int) -> None:
     lengths = [6, 3]
     values, offsets, timestamps = encoder_inputs(lengths, SMALL.embedding_dim)
     with torch.no_grad():
-        plan = GroupedPlan.build(offsets, timestamps, config)
-        out = layer(values[plan.order], plan)[plan.inverse]
+        plan = GroupedAttentionPlan.build(offsets, timestamps, config)
+        out = plan.leave(layer(plan.enter(values), plan))
         for i in range(len(lengths)):
             rows = slice(int(offsets[i]), int(offsets[i + 1]))
             expected = reference_hstu_layer(layer, values[rows], timestamps[rows], config)

@@ -14,7 +14,7 @@ import torch
 
 from tests import helpers
 from training.config import HSTUConfig, ModelConfig, SASRecConfig
-from training.hstu import GroupedPlan, HSTUEncoder, RelativeAttentionBias
+from training.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias
 from training.jagged import offsets_from_lengths
 from training.model import SequenceBatch, build_local_model
 from training.precision import encoder_autocast
@@ -100,7 +100,7 @@ def test_grouped_attention_takes_bf16_with_and_without_autocast() -> None:
     generator = torch.Generator().manual_seed(1)
     qkv = torch.randn(int(offsets[-1]), 3 * WIDTH, generator=generator)
     grad = torch.randn(int(offsets[-1]), WIDTH, generator=generator)
-    plan = GroupedPlan.build(offsets, timestamps, config)
+    plan = GroupedAttentionPlan.build(offsets, timestamps, config)
 
     def attend(dtype: torch.dtype, autocast: bool) -> list[torch.Tensor]:
         q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv.split(WIDTH, dim=1))

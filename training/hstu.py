@@ -37,7 +37,7 @@ from torch import nn
 
 from training.attention_kernel import attention_kernel_for
 from training.config import AttentionKernelName, HSTUConfig, keyed_by
-from training.jagged import LengthGroup, check_jagged, group_by_length, group_order
+from training.jagged import GroupedPlan, LengthGroup, check_jagged
 from training.ops.relative_buckets import log_bucket
 
 
@@ -88,53 +88,33 @@ class AttentionPlan(Protocol):
 
 
 @dataclass(frozen=True)
-class GroupedPlan:
-    """How a jagged batch splits into attention groups (the ``grouped`` kernel).
-
-    The encoder permutes the batch's rows into *group order* once
-    (``values[order]``), runs every layer in that order -- so each group is a
-    contiguous slice and per-group views need no gathers -- and restores
-    jagged order once at the end (``x[inverse]``). Per-group gathers inside
-    each layer would cost ``O(T)`` each in backward (the gradient of an index
-    is a scatter into a zero tensor of all ``T`` rows), i.e. ``O(T * groups)``
-    per step, which broke the per-sample additivity of the cost.
-    """
+class GroupedAttentionPlan:
+    """The ``grouped`` kernel's plan: the batch in group order (``training.jagged.GroupedPlan``:
+    every layer runs there, each group a contiguous slice) and each group's attention blocks."""
 
     config: HSTUConfig
+    grouped: GroupedPlan
     groups: list[AttentionGroup]
-    order: torch.Tensor
-    """``[T]`` jagged row at each group-order position."""
-    inverse: torch.Tensor
-    """``[T]`` group-order position of each jagged row."""
-    group_rows: list[int]
-    """Rows each group occupies in group order (``G * L``)."""
+    """One per ``grouped.groups`` entry, in the same order."""
 
     @classmethod
-    def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "GroupedPlan":
-        length_groups = group_by_length(offsets)
-        groups = [_attention_group(g, timestamps, config) for g in length_groups]
-        order, inverse = group_order(length_groups, offsets.device)
-        return cls(config=config, groups=groups, order=order, inverse=inverse,
-                   group_rows=[g.rows.numel() for g in groups])
+    def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "GroupedAttentionPlan":
+        grouped = GroupedPlan.build(offsets)
+        return cls(config=config, grouped=grouped,
+                   groups=[_attention_group(g, timestamps, config) for g in grouped.groups])
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.order]
+        return self.grouped.enter(x)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.inverse]
+        return self.grouped.leave(x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                bias: "RelativeAttentionBias") -> torch.Tensor:
         """``A V`` for every sample over its own positions only; ``[T, H * linear_dim]``."""
         if not self.groups:
             return v.new_zeros(0, self.config.num_heads * self.config.linear_dim)
-        # torch.split's backward is one concatenation, O(T) for all groups together.
-        pieces = zip(
-            self.groups,
-            torch.split(q, self.group_rows),
-            torch.split(k, self.group_rows),
-            torch.split(v, self.group_rows),
-        )
+        pieces = zip(self.groups, self.grouped.split(q), self.grouped.split(k), self.grouped.split(v))
         return torch.cat([self._group_attention(group, qg, kg, vg, bias) for group, qg, kg, vg in pieces])
 
     def _group_attention(self, group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -192,7 +172,7 @@ class JaggedPlan:
                                          bias.time_bias.weight, spec)
 
 
-PLANS = keyed_by(AttentionKernelName, {"grouped": GroupedPlan, "triton": JaggedPlan})
+PLANS = keyed_by(AttentionKernelName, {"grouped": GroupedAttentionPlan, "triton": JaggedPlan})
 
 
 @functools.cache

@@ -97,16 +97,54 @@ def group_by_length(offsets: torch.Tensor) -> list[LengthGroup]:
     return groups
 
 
-def group_order(groups: list[LengthGroup], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, inverse)``: the jagged row at each group-order position (groups back to back),
-    and the group-order position of each jagged row."""
-    if groups:
-        order = torch.cat([g.rows.reshape(-1) for g in groups])
-    else:
-        order = torch.zeros(0, dtype=torch.int64, device=device)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return order, inverse
+@dataclass(frozen=True)
+class GroupedPlan:
+    """A jagged batch in *group order*: its samples of one length next to each other, so each
+    group of ``G`` samples of length ``L`` is one contiguous ``[G * L]`` slice of rows.
+
+    An encoder permutes its rows into group order once (``enter``), runs every layer there, where
+    a group's rows are a slice (``split``) and need no gather, and restores jagged order once at
+    the end (``leave``). Per-group gathers inside each layer would cost ``O(T)`` each in backward
+    (the gradient of an index is a scatter into a zero tensor of all ``T`` rows), i.e.
+    ``O(T * groups)`` per step, which broke the per-sample additivity of the cost. Built once per
+    forward and shared by every layer; HSTU's grouped attention and SASRec's attention both run on it.
+    """
+
+    groups: list[LengthGroup]
+    """The batch's non-empty samples by length (``group_by_length``), in group order."""
+    order: torch.Tensor
+    """``[T]`` jagged row at each group-order position."""
+    inverse: torch.Tensor
+    """``[T]`` group-order position of each jagged row."""
+
+    @classmethod
+    def build(cls, offsets: torch.Tensor) -> "GroupedPlan":
+        groups = group_by_length(offsets)
+        if groups:
+            order = torch.cat([g.rows.reshape(-1) for g in groups])
+        else:
+            order = torch.zeros(0, dtype=torch.int64, device=offsets.device)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return cls(groups=groups, order=order, inverse=inverse)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Rows each group occupies in group order (``G * L``)."""
+        return [g.rows.numel() for g in self.groups]
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, ...]`` in jagged order -> group order."""
+        return x[self.order]
+
+    def leave(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, ...]`` in group order -> jagged order."""
+        return x[self.inverse]
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x`` in group order as one ``[G * L, ...]`` slice per group (``torch.split``, whose
+        backward is one concatenation: ``O(T)`` for all groups together)."""
+        return torch.split(x, self.sizes)
 
 
 def jagged_concat_last(

@@ -25,20 +25,18 @@ score (training logits and evaluation ranking) is a cosine similarity against
 L2-normalised item rows, whichever the encoder.
 
 Never padded: the linear parts (projections, norms, the feed-forward network) run on
-the ``[T, D]`` rows, and attention per group of equal-length samples (as HSTU's
-``grouped`` kernel, ``training.jagged``), so a batch costs ``sum_i (a L_i^2 + b L_i + c)``,
+the ``[T, D]`` rows, and attention per group of equal-length samples (``training.jagged.GroupedPlan``,
+as HSTU's ``grouped`` kernel), so a batch costs ``sum_i (a L_i^2 + b L_i + c)``,
 the balancer's cost model, and a sample's outputs never depend on its batch-mates.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from training.config import AttentionKernelName, SASRecConfig
-from training.jagged import check_jagged, group_by_length, group_order, lengths_from_offsets
+from training.jagged import GroupedPlan, check_jagged, lengths_from_offsets
 
 
 def jagged_positions(offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
@@ -61,46 +59,20 @@ def jagged_positions(offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     return (rows - starts).clamp(max=max_seq_len - 1)
 
 
-@dataclass(frozen=True)
-class SASRecPlan:
-    """The batch in *group order*: samples of one length next to each other, each group a
-    contiguous ``[G * L]`` slice. The encoder permutes its rows into that order once, runs
-    every block there and restores jagged order once at the end (per-block gathers would
-    cost ``O(T)`` per group in backward; see ``training.hstu.GroupedPlan``)."""
-
-    order: torch.Tensor
-    """``[T]`` jagged row at each group-order position."""
-    inverse: torch.Tensor
-    """``[T]`` group-order position of each jagged row."""
-    shapes: list[tuple[int, int]]
-    """``(samples G, length L)`` of each group, in group order."""
-
-    @classmethod
-    def build(cls, offsets: torch.Tensor) -> "SASRecPlan":
-        groups = group_by_length(offsets)
-        order, inverse = group_order(groups, offsets.device)
-        return cls(order=order, inverse=inverse, shapes=[tuple(g.rows.shape) for g in groups])
-
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.order]
-
-    def leave(self, x: torch.Tensor) -> torch.Tensor:
-        return x[self.inverse]
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
-               dropout: float) -> torch.Tensor:
-        """Causal softmax attention of every sample over its own positions; ``[T, D]`` in, ``[T, D]`` out."""
-        if not self.shapes:
-            return v.new_zeros(0, v.shape[1])
-        sizes = [g * length for g, length in self.shapes]
-        out = []
-        for (samples, length), qg, kg, vg in zip(self.shapes, torch.split(q, sizes), torch.split(k, sizes),
-                                                 torch.split(v, sizes)):
-            heads = [t.view(samples, length, num_heads, -1).transpose(1, 2) for t in (qg, kg, vg)]  # [G, H, L, D/H]
-            # Scaled by 1/sqrt(D / H); the causal mask leaves every row at least its diagonal.
-            attended = F.scaled_dot_product_attention(*heads, dropout_p=dropout, is_causal=True)
-            out.append(attended.transpose(1, 2).reshape(samples * length, -1))
-        return torch.cat(out)
+def causal_attention(plan: GroupedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+                     dropout: float) -> torch.Tensor:
+    """Causal softmax attention of every sample over its own positions, one batched call per group
+    of equal-length samples; ``q``, ``k``, ``v`` ``[T, D]`` in the plan's group order, out ``[T, D]``, same order."""
+    if not plan.groups:
+        return v.new_zeros(0, v.shape[1])
+    out = []
+    for group, qg, kg, vg in zip(plan.groups, plan.split(q), plan.split(k), plan.split(v)):
+        samples, length = group.rows.shape
+        heads = [t.view(samples, length, num_heads, -1).transpose(1, 2) for t in (qg, kg, vg)]  # [G, H, L, D/H]
+        # Scaled by 1/sqrt(D / H); the causal mask leaves every row at least its diagonal.
+        attended = F.scaled_dot_product_attention(*heads, dropout_p=dropout, is_causal=True)
+        out.append(attended.transpose(1, 2).reshape(samples * length, -1))
+    return torch.cat(out)
 
 
 class SASRecBlock(nn.Module):
@@ -121,11 +93,11 @@ class SASRecBlock(nn.Module):
                                           nn.Linear(hidden, width))
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, plan: SASRecPlan) -> torch.Tensor:
-        """``x`` ``[T, D]`` in group order -> ``[T, D]``, same order."""
+    def forward(self, x: torch.Tensor, plan: GroupedPlan) -> torch.Tensor:
+        """``x`` ``[T, D]`` in the plan's group order -> ``[T, D]``, same order."""
         q, k, v = self.qkv(self.attention_norm(x)).chunk(3, dim=-1)
         dropout = self.attention_dropout if self.training else 0.0
-        attended = plan.attend(q, k, v, self.num_heads, dropout)
+        attended = causal_attention(plan, q, k, v, self.num_heads, dropout)
         x = x + self.dropout(self.attention_output(attended))
         return x + self.dropout(self.feed_forward(self.feed_forward_norm(x)))
 
@@ -160,7 +132,7 @@ class SASRecEncoder(nn.Module):
         check_jagged(values, offsets, timestamps)
         positions = jagged_positions(offsets, self.config.max_seq_len)
         x = self.input_dropout(values + self.position_embedding(positions))
-        plan = SASRecPlan.build(offsets)
+        plan = GroupedPlan.build(offsets)
         x = plan.enter(x)
         for block in self.blocks:
             x = block(x, plan)
