@@ -22,6 +22,7 @@ from training.jagged import (
     next_item_positions,
     offsets_from_lengths,
 )
+from training.evaluator import evaluate_batch, score_queries
 from training.losses import sampled_softmax_loss
 from training.ranking_metrics import (
     RetrievalMetrics,
@@ -355,13 +356,13 @@ def test_test_queries_encode_history_followed_by_valid_item() -> None:
     extended.timestamps, _ = jagged_concat_last(batch.timestamps, batch.offsets, batch.valid_timestamp)
     extended.ratings, _ = jagged_concat_last(batch.ratings, batch.offsets, torch.zeros(2, dtype=torch.int64))
     with torch.no_grad():
-        torch.testing.assert_close(model.score_queries(batch, "test"), model.score_queries(extended, "valid"))
+        torch.testing.assert_close(score_queries(model, batch, "test"), score_queries(model, extended, "valid"))
 
 
 def test_evaluate_returns_sums_over_the_batch() -> None:
     model = small_model().eval()
     batch = random_batch([4, 2, 6])
-    result = model.evaluate(batch, model.all_item_embeddings(), use="valid", exclude_history=True).full
+    result = evaluate_batch(model, batch, model.all_item_embeddings(), use="valid", exclude_history=True).full
     assert result.count == 3
     assert 0 <= result.hit_sum <= 3 and 0 < result.reciprocal_rank_sum <= 3
 
@@ -583,9 +584,9 @@ def _sharded_check(rank: int, world_size: int, store_path: str, sharding_type: s
         sharded.module.eval()
         with torch.no_grad():
             tables = sharded.module.all_user_feature_tables()
-            result = sharded.module.evaluate(batch, sharded.module.all_item_embeddings(), use="test").full
+            result = evaluate_batch(sharded.module, batch, sharded.module.all_item_embeddings(), use="test").full
             # Scoring from the gathered tables (no collective) gives the same metrics.
-            local_result = sharded.module.evaluate(batch, sharded.module.all_item_embeddings(), use="test",
+            local_result = evaluate_batch(sharded.module, batch, sharded.module.all_item_embeddings(), use="test",
                                                    item_table=sharded.module.all_item_embeddings(normalize=False),
                                                    user_tables=tables).full
             torch.testing.assert_close(result.to_tensor(), local_result.to_tensor())
@@ -647,16 +648,16 @@ def test_user_features_reach_every_position_and_their_tables() -> None:
     other = replace(batch, user_features=batch.user_features.roll(1, dims=0))
     with torch.no_grad():
         # The projection starts at zero: features have no effect until training moves it.
-        torch.testing.assert_close(model.score_queries(other), model.score_queries(batch))
+        torch.testing.assert_close(score_queries(model, other), score_queries(model, batch))
         torch.nn.init.normal_(model.user_projection.weight, std=0.1)
-        query = model.score_queries(batch)
+        query = score_queries(model, batch)
         # Other users' features give other queries for the same histories.
-        moved = model.score_queries(other)
+        moved = score_queries(model, other)
         assert not torch.allclose(query, moved, atol=1e-4)
         # Reading rows from the gathered tables equals the bag-collection lookup.
         tables = model.all_user_feature_tables(chunk_size=4)
         assert [tuple(t.shape) for t in tables] == [(size, 16) for _, size in USER_FEATURES]
-        torch.testing.assert_close(model.score_queries(batch, user_tables=tables), query)
+        torch.testing.assert_close(score_queries(model, batch, user_tables=tables), query)
     model.train()
     loss, _ = model(batch, num_negatives=8)
     loss.backward()

@@ -18,6 +18,8 @@ can be ranked against its own validation item.) Items older than the history the
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,9 +27,17 @@ import torch.nn.functional as F
 from shards.manifest import Manifest
 from training.batch import SequenceBatch
 from training.config import ConfigError, EvaluationConfig
-from training.jagged import jagged_concat_last
+from training.jagged import jagged_concat_last, last_positions
 from training.model import SequentialRecommender
-from training.ranking_metrics import ProtocolMetrics, RetrievalMetrics, most_popular_baseline, unseen_negatives
+from training.ranking_metrics import (
+    ExcludeIds,
+    ProtocolMetrics,
+    RetrievalMetrics,
+    most_popular_baseline,
+    retrieval_metrics,
+    sampled_retrieval_metrics,
+    unseen_negatives,
+)
 from training.shard_reader import build_loader
 
 K = 10
@@ -51,6 +61,68 @@ def batch_negatives(batch: SequenceBatch, num_items: int, count: int, seed: int)
     ids, offsets = jagged_concat_last(batch.item_ids, batch.offsets, batch.valid_item)
     ids, _ = jagged_concat_last(ids, offsets, batch.test_item)
     return unseen_negatives(batch.user_ids, (batch.lengths + 2, ids), num_items, count, seed)
+
+
+def score_queries(model: SequentialRecommender, batch: SequenceBatch, use: Literal["valid", "test"] = "test",
+                  item_table: torch.Tensor | None = None,
+                  user_tables: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """``[B, D]`` query embedding per sample: the encoder's output at its last position.
+
+    ``"valid"`` encodes the history; ``"test"`` encodes the history followed by the validation
+    item (leave-one-out: the test history includes it), whose rating is ``batch.valid_rating`` or
+    unknown. Call under ``torch.no_grad()`` and ``eval()``. With ``item_table`` (the raw rows from
+    ``model.all_item_embeddings(normalize=False)``) history items are read from it instead of the
+    table, and with ``user_tables`` (``model.all_user_feature_tables()``) user features likewise: no
+    collective, so ranks may score different counts.
+    """
+    if use not in ("valid", "test"):
+        raise ValueError(f"use must be 'valid' or 'test', got {use!r}")
+    lengths, item_ids, timestamps, ratings = batch.lengths, batch.item_ids, batch.timestamps, batch.ratings
+    offsets = batch.offsets
+    if use == "test":
+        valid_rating = batch.valid_rating if batch.valid_rating is not None else torch.zeros_like(batch.valid_item)
+        item_ids, new_offsets = jagged_concat_last(item_ids, offsets, batch.valid_item)
+        timestamps, _ = jagged_concat_last(timestamps, offsets, batch.valid_timestamp)
+        ratings, _ = jagged_concat_last(ratings, offsets, valid_rating)
+        offsets, lengths = new_offsets, lengths + 1
+    if bool((lengths == 0).any()):
+        raise ValueError("score_queries needs every sample to have at least one position")
+    if item_table is None:
+        empty = torch.zeros(0, dtype=torch.int64, device=item_ids.device)
+        item_embeddings, _ = model.lookup(lengths, item_ids, empty)
+    else:
+        item_embeddings = item_table[item_ids]
+    user_vectors = model.user_vectors(model.lookup_users(batch.user_features, user_tables))
+    hidden = model.encode_rows(item_embeddings, offsets, timestamps, ratings, user_vectors)
+    return hidden[last_positions(offsets)]
+
+
+@torch.no_grad()
+def evaluate_batch(model: SequentialRecommender, batch: SequenceBatch, all_item_embeddings: torch.Tensor,
+                   use: Literal["valid", "test"] = "test", k: int = K, exclude_history: bool = False,
+                   item_table: torch.Tensor | None = None, user_tables: list[torch.Tensor] | None = None,
+                   negative_ids: torch.Tensor | None = None) -> ProtocolMetrics:
+    """HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets, per protocol.
+
+    ``all_item_embeddings`` comes from ``model.all_item_embeddings()`` (computed once per
+    evaluation, not per batch). ``full``: ranked against the whole catalog; ``exclude_history``
+    removes items the user already interacted with (for "test", including the validation item)
+    from that ranking. ``sampled`` (only with ``negative_ids``, ``[B, N]`` from
+    ``batch_negatives``): ranked against each sample's own negatives, from the same query embeddings.
+    """
+    query = score_queries(model, batch, use, item_table, user_tables)
+    targets = batch.valid_item if use == "valid" else batch.test_item
+    exclude: ExcludeIds | None = None
+    if exclude_history:
+        if use == "test":
+            ids, _ = jagged_concat_last(batch.item_ids, batch.offsets, batch.valid_item)
+            exclude = (batch.lengths + 1, ids)
+        else:
+            exclude = (batch.lengths, batch.item_ids)
+    full = retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=exclude)
+    if negative_ids is None:
+        return ProtocolMetrics(full)
+    return ProtocolMetrics(full, sampled_retrieval_metrics(query, all_item_embeddings, targets, negative_ids, k))
 
 
 @torch.no_grad()
@@ -88,7 +160,8 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
         drawn = batch_negatives(batch, manifest.num_items, sampled, seed) if sampled else None
         batch = batch.to(device)
         for use in uses:  # one draw of negatives for both: none is either target
-            sums[use] = sums[use] + model.evaluate(batch, table, use=use, item_table=raw, user_tables=user_tables,
+            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, item_table=raw,
+                                                   user_tables=user_tables,
                                                    negative_ids=None if drawn is None else drawn.to(device))
         targets.append(batch.test_item.cpu())
         if drawn is not None:

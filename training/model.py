@@ -22,13 +22,14 @@ Single-process use (tests, cost calibration)::
 
 Distributed use: ``build_model(num_items, config, device)`` puts the table on the
 ``meta`` device for ``DistributedModelParallel`` to shard and materialise. Under
-DMP, ``all_item_embeddings`` and ``score_queries`` do collective lookups: every
-rank must call them, the same number of times.
+DMP, ``all_item_embeddings`` and the lookups of ``encode`` (and of the evaluator's
+``score_queries`` without local tables) are collectives: every rank must call them, the same
+number of times. Scoring held-out items is the evaluator's (``training.evaluator``).
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +45,9 @@ from training.batch import (
 )
 from training.config import EncoderName, LossKind, ModelConfig, Precision, keyed_by
 from training.hstu import HSTUEncoder
-from training.jagged import jagged_concat_last, last_positions, next_item_positions
-from training.losses import binary_cross_entropy_loss, sampled_softmax_loss
+from training.jagged import next_item_positions
+from training.losses import LOSSES
 from training.precision import encoder_autocast
-from training.ranking_metrics import ExcludeIds, ProtocolMetrics, retrieval_metrics, sampled_retrieval_metrics
 from training.sasrec import SASRecEncoder
 
 if TYPE_CHECKING:  # TorchRec loads when a model builds its tables (tables=False builds none)
@@ -104,14 +104,6 @@ class _SparseBoundary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return grads
-
-
-def _unique_with_first_index(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique ids and, for each, the index of one occurrence in ``ids``."""
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    positions = torch.arange(ids.numel(), device=ids.device)
-    first = torch.full_like(unique, ids.numel()).scatter_reduce(0, inverse, positions, reduce="amin")
-    return unique, first
 
 
 class TableLookup:
@@ -328,10 +320,13 @@ class SequentialRecommender(nn.Module):
         # scale on the residual stream whatever the init scale of the table.
         return x * math.sqrt(self.config.hstu.embedding_dim)
 
-    def _encode(
+    def encode_rows(
         self, item_embeddings: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, ratings: torch.Tensor,
         user_vectors: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``[T, D]`` L2-normalised encoder output at every position of the jagged rows
+        ``item_embeddings`` ``[T, D]`` (the item table's rows of the positions, however looked up),
+        in fp32 whatever ``precision``."""
         lengths = offsets[1:] - offsets[:-1]
         values = self._input_embeddings(item_embeddings, ratings, user_vectors, lengths)
         with encoder_autocast(self.precision, values.device):
@@ -344,8 +339,8 @@ class SequentialRecommender(nn.Module):
         """``[T, D]`` L2-normalised encoder output at every history position."""
         empty = torch.zeros(0, dtype=torch.int64, device=batch.item_ids.device)
         item_embeddings, _ = self.lookup(batch.lengths, batch.item_ids, empty)
-        return self._encode(item_embeddings, batch.offsets, batch.timestamps, batch.ratings,
-                            self.user_vectors(self.lookup_users(batch.user_features)))
+        return self.encode_rows(item_embeddings, batch.offsets, batch.timestamps, batch.ratings,
+                                self.user_vectors(self.lookup_users(batch.user_features)))
 
     def sample_negatives(
         self, num_negatives: int, device: torch.device, generator: torch.Generator | None = None
@@ -394,18 +389,16 @@ class SequentialRecommender(nn.Module):
         """Next-item loss over every position of every history, mean over the targets.
 
         Positions ``0..L-2`` of a sample predict positions ``1..L-1``. ``loss_kind``
-        (``loss.kind``) chooses the loss:
+        (``loss.kind``) chooses the head (``training.losses.LOSSES``):
 
-        * ``"sampled_softmax"``: negatives are ``num_negatives`` uniform ids plus
-          (``config.in_batch_negatives``) the batch's unique targets, shared by all
+        * ``"sampled_softmax"`` (``SampledSoftmax``): negatives are ``num_negatives`` uniform ids
+          plus (``config.in_batch_negatives``) the batch's unique targets, shared by all
           queries; a negative equal to a query's target is masked. With
           ``full_softmax=True`` the negatives are instead the whole catalog (looked up
           through the table every step -- only for small catalogs), which makes the loss
           the exact full softmax.
-        * ``"bce"``: one uniform negative per position (``negative_count``: ``T`` ids,
-          row ``r``'s negative is ``negative_ids[r]``; the last position of a sample has
-          no target and its negative goes unused), binary cross-entropy of the target
-          against it (``training.losses.binary_cross_entropy_loss``).
+        * ``"bce"`` (``BinaryCrossEntropy``): one uniform negative per position (``T`` ids, row
+          ``r``'s negative is ``negative_ids[r]``), binary cross-entropy of the target against it.
 
         ``negative_ids`` (default: sampled here) are the uniform negatives. ``source``
         supplies the rows (default: ``TableLookup(self)``, the model's own tables); the
@@ -416,12 +409,11 @@ class SequentialRecommender(nn.Module):
         sync), so the trainer decides when to read or all-reduce them.
         """
         device = batch.item_ids.device
+        head = LOSSES[loss_kind].from_config(self.config, full_softmax)
         if full_softmax:
-            if loss_kind != "sampled_softmax":
-                raise ValueError(f"full_softmax applies to the sampled softmax, not to loss kind {loss_kind!r}")
             negative_ids = torch.arange(1, self.num_items + 1, device=device)
         elif negative_ids is None:
-            count = self.negative_count(loss_kind, num_negatives, batch.num_tokens)
+            count = head.negative_count(num_negatives, batch.num_tokens)
             negative_ids = self.sample_negatives(count, device, generator)
         if source is None:
             source = TableLookup(self)
@@ -429,12 +421,13 @@ class SequentialRecommender(nn.Module):
         user_vectors = self.user_vectors(user_embeddings)
 
         offsets = batch.offsets
-        hidden = self._encode(item_embeddings, offsets, batch.timestamps, batch.ratings, user_vectors)
+        hidden = self.encode_rows(item_embeddings, offsets, batch.timestamps, batch.ratings, user_vectors)
         query_rows, target_rows = next_item_positions(offsets)
         target_ids = batch.item_ids[target_rows]
         positive = F.normalize(item_embeddings[target_rows], dim=-1)
-        loss, used_negatives, stats = LOSSES[loss_kind](self, hidden, query_rows, positive, target_ids, source,
-                                                        negative_ids, full_softmax, generator)
+        # Asked for only now: a source may still be receiving the negatives while the encoder runs.
+        loss, used_negatives, stats = head(hidden, query_rows, positive, target_ids, source.negatives(),
+                                           negative_ids, generator)
         stats = {
             "loss": loss.detach(),
             "num_targets": torch.tensor(float(target_ids.numel()), device=device),
@@ -445,121 +438,8 @@ class SequentialRecommender(nn.Module):
 
     @staticmethod
     def negative_count(loss_kind: LossKind, num_negatives: int, num_tokens: int) -> int:
-        """Uniform negatives one forward draws: ``num_negatives`` shared ones for the sampled
-        softmax, one per position (``num_tokens``, a batch's ``T``) for bce. Per sample, so a
-        rank's work stays the sum of its samples' (the balancer's cost model)."""
-        return NEGATIVE_COUNTS[loss_kind](num_negatives, num_tokens)
-
-    def _sampled_softmax(self, hidden: torch.Tensor, query_rows: torch.Tensor, positive: torch.Tensor,
-                         target_ids: torch.Tensor, source: EmbeddingSource, negative_ids: torch.Tensor,
-                         full_softmax: bool, generator: torch.Generator | None
-                         ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
-        """``(loss, negatives per query, stats)`` of the sampled (or full) softmax."""
-        negatives = F.normalize(source.negatives(), dim=-1)
-        if self.config.in_batch_negatives and not full_softmax:
-            # Unique, so a popular item is not counted several times in each partition function.
-            unique_ids, first = _unique_with_first_index(target_ids)
-            cap = self.config.max_in_batch_negatives
-            if cap and unique_ids.numel() > cap:
-                keep = torch.randperm(unique_ids.numel(), generator=generator)[:cap].to(target_ids.device)
-                unique_ids, first = unique_ids[keep], first[keep]
-            negatives = torch.cat([negatives, positive[first]])
-            negative_ids = torch.cat([negative_ids, unique_ids])
-        loss, stats = sampled_softmax_loss(
-            hidden[query_rows], positive, negatives, target_ids, negative_ids, self.config.temperature
-        )
-        return loss, negative_ids.numel(), stats
-
-    def _binary_cross_entropy(self, hidden: torch.Tensor, query_rows: torch.Tensor, positive: torch.Tensor,
-                              target_ids: torch.Tensor, source: EmbeddingSource, negative_ids: torch.Tensor,
-                              full_softmax: bool, generator: torch.Generator | None
-                              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
-        """``(loss, negatives used, stats)`` of SASRec's binary cross-entropy, one negative per query."""
-        if negative_ids.numel() != hidden.shape[0]:
-            raise ValueError(f"loss kind 'bce' takes one negative per position: got {negative_ids.numel()} "
-                             f"negatives for {hidden.shape[0]} positions")
-        negatives = F.normalize(source.negatives()[query_rows], dim=-1)
-        loss, stats = binary_cross_entropy_loss(hidden[query_rows], positive, negatives, target_ids,
-                                                negative_ids[query_rows], self.config.temperature)
-        return loss, query_rows.numel(), stats
-
-    # --------------------------------------------------------------- evaluation
-
-    def score_queries(self, batch: SequenceBatch, use: Literal["valid", "test"] = "test",
-                      item_table: torch.Tensor | None = None,
-                      user_tables: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """``[B, D]`` query embedding per sample: the encoder's last position.
-
-        ``"valid"`` encodes the history; ``"test"`` encodes the history followed
-        by the validation item (leave-one-out: the test history includes it),
-        whose rating is ``batch.valid_rating`` or unknown. Call under
-        ``torch.no_grad()`` and ``eval()``. With ``item_table`` (the raw rows from
-        ``all_item_embeddings(normalize=False)``) history items are read from it
-        instead of the table, and with ``user_tables`` (``all_user_feature_tables()``)
-        user features likewise: no collective, so ranks may score different counts.
-        """
-        if use not in ("valid", "test"):
-            raise ValueError(f"use must be 'valid' or 'test', got {use!r}")
-        lengths, item_ids, timestamps, ratings = batch.lengths, batch.item_ids, batch.timestamps, batch.ratings
-        offsets = batch.offsets
-        if use == "test":
-            valid_rating = batch.valid_rating if batch.valid_rating is not None else torch.zeros_like(batch.valid_item)
-            item_ids, new_offsets = jagged_concat_last(item_ids, offsets, batch.valid_item)
-            timestamps, _ = jagged_concat_last(timestamps, offsets, batch.valid_timestamp)
-            ratings, _ = jagged_concat_last(ratings, offsets, valid_rating)
-            offsets, lengths = new_offsets, lengths + 1
-        if bool((lengths == 0).any()):
-            raise ValueError("score_queries needs every sample to have at least one position")
-        if item_table is None:
-            empty = torch.zeros(0, dtype=torch.int64, device=item_ids.device)
-            item_embeddings, _ = self.lookup(lengths, item_ids, empty)
-        else:
-            item_embeddings = item_table[item_ids]
-        user_vectors = self.user_vectors(self.lookup_users(batch.user_features, user_tables))
-        hidden = self._encode(item_embeddings, offsets, timestamps, ratings, user_vectors)
-        return hidden[last_positions(offsets)]
-
-    @torch.no_grad()
-    def evaluate(
-        self,
-        batch: SequenceBatch,
-        all_item_embeddings: torch.Tensor,
-        use: Literal["valid", "test"] = "test",
-        k: int = 10,
-        exclude_history: bool = False,
-        item_table: torch.Tensor | None = None,
-        user_tables: list[torch.Tensor] | None = None,
-        negative_ids: torch.Tensor | None = None,
-    ) -> ProtocolMetrics:
-        """HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets, per protocol.
-
-        ``all_item_embeddings`` comes from ``all_item_embeddings()`` (computed
-        once per evaluation, not per batch). ``full``: ranked against the whole
-        catalog; ``exclude_history`` removes items the user already interacted with
-        (for "test", including the validation item) from that ranking. ``sampled``
-        (only with ``negative_ids``, ``[B, N]`` from ``metrics.unseen_negatives``):
-        ranked against each sample's own negatives, from the same query embeddings.
-        """
-        query = self.score_queries(batch, use, item_table, user_tables)
-        targets = batch.valid_item if use == "valid" else batch.test_item
-        exclude: ExcludeIds | None = None
-        if exclude_history:
-            if use == "test":
-                ids, _ = jagged_concat_last(batch.item_ids, batch.offsets, batch.valid_item)
-                exclude = (batch.lengths + 1, ids)
-            else:
-                exclude = (batch.lengths, batch.item_ids)
-        full = retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=exclude)
-        if negative_ids is None:
-            return ProtocolMetrics(full)
-        return ProtocolMetrics(full, sampled_retrieval_metrics(query, all_item_embeddings, targets, negative_ids, k))
-
-
-# loss.kind -> the loss head forward() runs, and the uniform negatives a forward draws.
-LOSSES = keyed_by(LossKind, {"sampled_softmax": SequentialRecommender._sampled_softmax,
-                             "bce": SequentialRecommender._binary_cross_entropy})
-NEGATIVE_COUNTS = keyed_by(LossKind, {"sampled_softmax": lambda num_negatives, num_tokens: num_negatives,
-                                      "bce": lambda num_negatives, num_tokens: num_tokens})
+        """Uniform negatives one forward draws under ``loss_kind`` (``training.losses.LossHead``)."""
+        return LOSSES[loss_kind].negative_count(num_negatives, num_tokens)
 
 
 def build_model(num_items: int, config: ModelConfig, device: torch.device | str,
