@@ -168,7 +168,7 @@ class Bench:
         from training.config import HSTUConfig
 
         s = self.sizes
-        return HSTUConfig(embedding_dim=s.embedding_dim, num_layers=s.num_layers, num_heads=s.num_heads,
+        return HSTUConfig(num_layers=s.num_layers, num_heads=s.num_heads,
                           attention_dim=s.head_dim, linear_dim=s.head_dim, dropout=0.0, max_seq_len=s.max_seq_len,
                           num_position_buckets=s.buckets, num_time_buckets=s.buckets, attention_kernel=kernel)
 
@@ -184,7 +184,7 @@ class Bench:
         out = {}
         for kernel in ("triton", "grouped"):
             torch.manual_seed(self.args.seed)
-            out[kernel] = HSTUEncoder(self.config(kernel)).to(self.device)
+            out[kernel] = HSTUEncoder(self.config(kernel), self.sizes.embedding_dim).to(self.device)
         return out
 
     def batch(self, lengths, requires_grad: bool = True):

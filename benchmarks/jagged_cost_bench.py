@@ -50,10 +50,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cost_model import CostModel, default_cost_model
-from training.config import HSTUConfig
+from training.config import HSTUConfig, ModelConfig
 from training.hstu import HSTUEncoder
 from training.jagged import offsets_from_lengths
 
+WIDTH = ModelConfig().embedding_dim  # the model's default width (model.embedding_dim)
 CALIBRATION: dict[str, list[int]] = {
     "1x32": [32],
     "1x128": [128],
@@ -142,7 +143,7 @@ def _make_step(encoder: HSTUEncoder, lengths: list[int], seed: int):
     g = torch.Generator().manual_seed(seed)
     offsets = offsets_from_lengths(torch.tensor(lengths))
     total = int(offsets[-1])
-    dim = encoder.config.embedding_dim
+    dim = WIDTH
     values = torch.randn(total, dim, generator=g)
     timestamps = torch.cumsum(torch.randint(1, 100_000, (total,), generator=g), 0)
     # A random projection as the "loss", so backward is a full dense backward.
@@ -160,7 +161,7 @@ def _make_step(encoder: HSTUEncoder, lengths: list[int], seed: int):
 def measure(repeats: int = REPEATS) -> dict[str, float]:
     """Median thread-CPU seconds of forward+backward per batch (calibration batches and the mixes)."""
     torch.manual_seed(0)
-    encoder = HSTUEncoder(HSTUConfig(dropout=0.0))  # default shape: D=64, 2 layers, 2 heads
+    encoder = HSTUEncoder(HSTUConfig(dropout=0.0), WIDTH)  # default shape: D=64, 2 layers, 2 heads
     batches = {**CALIBRATION, "mix_short": MIX_SHORT, "mix_long": MIX_LONG}
     steps = {name: _make_step(encoder, lengths, seed) for seed, (name, lengths) in enumerate(batches.items())}
     for step in steps.values():

@@ -159,7 +159,8 @@ class Bench:
         self.emit(f"- machine: {platform.node()}, GPU: {gpu}")
         self.emit(f"- versions: torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}")
         self.emit(f"- command: python benchmarks/virtual_ranks_gpu.py {' '.join(sys.argv[1:])}".rstrip())
-        self.emit(f"- model: {self.config.model.encoder}, D={hstu.embedding_dim}, {hstu.num_layers} layers, "
+        self.emit(f"- model: {self.config.model.encoder}, D={self.config.model.embedding_dim}, "
+                  f"{hstu.num_layers} layers, "
                   f"{hstu.num_heads} heads of {hstu.attention_dim}, {training.precision}; dense forward+backward "
                   f"with {self.config.loss.kind} ({self.config.loss.num_negatives} negatives), as calibrate times it")
         model = self.cost_model
@@ -190,7 +191,7 @@ class Bench:
         b, steps = self.sizes.batch_size, self.sizes.steps[k]
         lengths = sampler(k * b * steps)
         costs = self.cost_model.predict(lengths)
-        width = self.config.model.hstu.embedding_dim
+        width = self.config.model.embedding_dim
         plans = {"contiguous": plan(costs, k, b, strategy="contiguous"),
                  "flops_kk": plan(costs, k, b, strategy="flops_kk", lengths=lengths, flop_width=width),
                  "kk": plan(costs, k, b, strategy="kk", lengths=lengths, window_steps=steps)}

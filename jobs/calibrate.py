@@ -306,18 +306,15 @@ def measure_rank_speeds(args: argparse.Namespace, overrides: list[str]) -> dict:
 
 
 def calibration_device(choice: str, model: Any) -> str:
-    """The device ``--device`` means here, checked with the HSTU attention kernel (when the model's
-    encoder is HSTU) before any run or output exists: a missing GPU, a kernel that cannot run or
-    one that cannot take the config is one line (``training.attention_kernel``, the ranks' check)."""
+    """The device ``--device`` means here, checked with the model's encoder before any run or output
+    exists: a missing GPU, or what the encoder cannot run there (HSTU: a kernel that cannot run or
+    cannot take the config, the ranks' check) is one line (``ModelConfig.check_device``)."""
     import torch
-
-    from training.attention_kernel import attention_kernel_for
 
     if choice == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available to this process")
     device = choice if choice != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if model.encoder == "hstu":
-        attention_kernel_for(model.hstu, device)
+    model.check_device(device)
     return device
 
 

@@ -89,7 +89,7 @@ def test_triton_refuses_values_past_its_limits_naming_the_key(monkeypatch, overr
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     config = load_config(None, ["--model.hstu.attention_kernel", "triton", *overrides])
     for refuse in (lambda: attention_kernel_for(config.model.hstu, "cpu"),
-                   lambda: HSTUEncoder(config.model.hstu).kernel("cpu"),
+                   lambda: HSTUEncoder(config.model.hstu, config.model.embedding_dim).kernel("cpu"),
                    lambda: calibration_device("cpu", config.model)):
         with pytest.raises(ConfigError, match=key.replace("+", r"\+")):
             refuse()

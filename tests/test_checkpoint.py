@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from training.checkpoint import CONFIG, LOCK, SHAPE_KEYS, Checkpointer
-from training.config import ConfigError, TrainConfig, to_flat_dict
+from training.checkpoint import CONFIG, LOCK, Checkpointer
+from training.config import ConfigError, TrainConfig, shape_keys, to_flat_dict
 from tests.helpers import in_process_args, train_in_process
 
 
@@ -81,19 +81,39 @@ def saved_config(tmp_path: Path, **changes) -> tuple[Checkpointer, dict]:
     return checkpointer, {**flat, **changes}
 
 
-def test_every_shape_key_is_a_config_key():
-    assert set(SHAPE_KEYS) <= set(to_flat_dict(TrainConfig()))
+def test_shape_keys_are_the_marked_fields_of_every_encoder_and_the_model():
+    keys = shape_keys()
+    assert set(keys) <= set(to_flat_dict(TrainConfig()))
+    # The keys the hand-kept list had (width and rating input now the model's own).
+    assert set(keys) == {"model.encoder", "model.embedding_dim", "model.use_rating_feature",
+                         "model.hstu.num_layers", "model.hstu.num_heads", "model.hstu.attention_dim",
+                         "model.hstu.linear_dim", "model.hstu.num_position_buckets", "model.hstu.num_time_buckets",
+                         "model.sasrec.num_layers", "model.sasrec.feed_forward_dim", "model.sasrec.max_seq_len",
+                         "optimizer.sparse_optimizer"}
 
 
 def test_another_model_shape_is_refused_naming_the_keys(tmp_path):
-    checkpointer, config = saved_config(tmp_path, **{"model.hstu.embedding_dim": 32, "model.hstu.num_heads": 4,
+    checkpointer, config = saved_config(tmp_path, **{"model.embedding_dim": 32, "model.hstu.num_heads": 4,
                                                      "optimizer.dense_lr": 0.5})
     with pytest.raises(ConfigError) as refused:
         checkpointer.check_config(1, config)
     message = str(refused.value)
     assert "\n" not in message
-    assert "model.hstu.embedding_dim 64 -> 32" in message and "model.hstu.num_heads 2 -> 4" in message
+    assert "model.embedding_dim 64 -> 32" in message and "model.hstu.num_heads 2 -> 4" in message
     assert "dense_lr" not in message
+
+
+def test_a_checkpoint_recording_the_width_under_its_old_key_is_compared_under_the_new_one(tmp_path):
+    """Checkpoints written before the width moved to [model] record model.hstu.embedding_dim."""
+    checkpointer, config = saved_config(tmp_path)
+    recorded = checkpointer.step_dir(1) / CONFIG
+    old = json.loads(recorded.read_text())
+    old["model.hstu.embedding_dim"] = old.pop("model.embedding_dim")
+    old["model.hstu.use_rating_feature"] = old.pop("model.use_rating_feature")
+    recorded.write_text(json.dumps(old))
+    assert checkpointer.check_config(1, config) == []  # the same model: no change named
+    with pytest.raises(ConfigError, match=r"another model shape \(model.embedding_dim 64 -> 32\)"):
+        checkpointer.check_config(1, {**config, "model.embedding_dim": 32})
 
 
 def test_changed_hyperparameters_are_named_and_other_keys_ignored(tmp_path):
@@ -157,9 +177,9 @@ def test_resume_refuses_another_shape_and_warns_about_changed_hyperparameters(mo
 
     rc, err = train("--training.max_steps", "2")
     assert rc == 0, err[-20:]
-    rc, err = train("--training.max_steps", "4", "--model.hstu.embedding_dim", "32")
+    rc, err = train("--training.max_steps", "4", "--model.hstu.embedding_dim", "32")  # the old spelling
     errors = [line for line in err if "error:" in line]
-    assert rc == 2 and len(errors) == 1 and "model.hstu.embedding_dim 64 -> 32" in errors[0], err[-20:]
+    assert rc == 2 and len(errors) == 1 and "model.embedding_dim 64 -> 32" in errors[0], err[-20:]
     assert not any("Traceback" in line for line in err)
     # Another table placement: the per-rank sparse optimizer state cannot follow (it failed
     # inside TorchRec with "Parameter embedding_bags.user_feature_0.weight not found").

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from training.config import ConfigError, TrainConfig, load_config, to_flat_dict
+from training.config import ConfigError, OneOf, TrainConfig, load_config, to_flat_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def test_shipped_configs_load():
             assert workflow.train.config and (REPO / workflow.train.config).exists()
             kinds.add("pipeline")
         else:
-            assert load_config(path).model.hstu.embedding_dim > 0
+            assert load_config(path).model.embedding_dim > 0
             kinds.add("training")
     assert kinds == {"pipeline", "training"}
 
@@ -43,6 +43,25 @@ def test_toml_then_overrides(tmp_path):
     assert config.loss.full_softmax is True and config.model.hstu.dropout == 0.25
     flat = to_flat_dict(config)
     assert flat["training.max_steps"] == 9 and flat["model.hstu.num_layers"] == 3 and flat["data.shards"] == "x"
+
+
+def test_the_width_and_rating_input_load_under_their_old_hstu_spelling(tmp_path):
+    """model.embedding_dim and model.use_rating_feature were [model.hstu] keys: files, overrides
+    (benchmarks/fault_sweep.py's, users' scripts) and the pipeline's [train] overrides still say so."""
+    path = tmp_path / "c.toml"
+    path.write_text("[model.hstu]\nembedding_dim = 32\nuse_rating_feature = false\nnum_layers = 3\n")
+    config = load_config(path)
+    assert (config.model.embedding_dim, config.model.use_rating_feature, config.model.hstu.num_layers) == (32, False, 3)
+    config = load_config(path, ["--model.hstu.embedding_dim", "16", "--model.use_rating_feature", "true"])
+    assert (config.model.embedding_dim, config.model.use_rating_feature) == (16, True)
+    flat = to_flat_dict(config)
+    assert flat["model.embedding_dim"] == 16 and not any(key.startswith("model.hstu.embedding") for key in flat)
+    path.write_text("[model]\nembedding_dim = 32\n[model.hstu]\nembedding_dim = 16\n")
+    with pytest.raises(ConfigError, match=r"c\.toml: model\.hstu\.embedding_dim \(the old spelling of "
+                                          r"model\.embedding_dim\) is 16 and model\.embedding_dim is 32"):
+        load_config(path)
+    path.write_text("[model]\nembedding_dim = 32\n[model.hstu]\nembedding_dim = 32\n")  # the same value twice
+    assert load_config(path).model.embedding_dim == 32
 
 
 @pytest.mark.parametrize("text,fragment", [
@@ -98,9 +117,14 @@ def _toml(key: str, value: object) -> str:
 
 
 def _leaf_types(cls: type, prefix: str = "") -> dict[str, object]:
-    """`section.key -> annotated type` for every leaf of the config schema."""
+    """`section.key -> annotated type` for every leaf of the config schema; a choice among registered
+    names (``Annotated[str, OneOf(...)]``, the encoder) as the Literal of the names registered now."""
     leaves: dict[str, object] = {}
-    for name, hint in typing.get_type_hints(cls).items():
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        if typing.get_origin(hint) is typing.Annotated:
+            base, *marks = typing.get_args(hint)
+            choices = [mark for mark in marks if isinstance(mark, OneOf)]
+            hint = Literal[choices[0].values()] if choices else base
         if dataclasses.is_dataclass(hint):
             leaves.update(_leaf_types(hint, f"{prefix}{name}."))
         else:

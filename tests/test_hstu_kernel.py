@@ -40,7 +40,8 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 TOLERANCE = 1e-4
 """Largest difference allowed, relative to the largest entry of the reference tensor."""
 
-CONFIG = HSTUConfig(embedding_dim=32, num_layers=2, num_heads=2, attention_dim=16, linear_dim=16, dropout=0.0,
+WIDTH = 32  # the encoder's width, the model's embedding_dim
+CONFIG = HSTUConfig(num_layers=2, num_heads=2, attention_dim=16, linear_dim=16, dropout=0.0,
                     max_seq_len=40, num_position_buckets=16, num_time_buckets=16, max_time_gap_seconds=10**7)
 
 
@@ -187,12 +188,12 @@ def test_encoder_with_triton_kernel_equals_grouped_encoder(monkeypatch: pytest.M
     """The whole encoder (every parameter's gradient) through the selection key."""
     lengths = [5, 18, 1]
     offsets = offsets_from_lengths(torch.tensor(lengths))
-    values = torch.randn(int(offsets[-1]), CONFIG.embedding_dim)
+    values = torch.randn(int(offsets[-1]), WIDTH)
     timestamps = torch.cumsum(torch.randint(0, 10**5, (int(offsets[-1]),)), 0)
     encoders = {}
     for kernel in ("triton", "grouped"):
         torch.manual_seed(0)
-        encoders[kernel] = HSTUEncoder(HSTUConfig(**{**CONFIG.__dict__, "attention_kernel": kernel}))
+        encoders[kernel] = HSTUEncoder(HSTUConfig(**{**CONFIG.__dict__, "attention_kernel": kernel}), WIDTH)
         assert encoders[kernel].kernel("cpu") == kernel
         out = encoders[kernel](values, offsets, timestamps)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()

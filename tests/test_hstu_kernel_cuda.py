@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     from training.ops import hstu_attention as ops
 
-CONFIG = HSTUConfig(embedding_dim=256, num_layers=2, num_heads=4, attention_dim=64, linear_dim=64, dropout=0.0,
+WIDTH = 256  # the encoder's width, the model's embedding_dim
+CONFIG = HSTUConfig(num_layers=2, num_heads=4, attention_dim=64, linear_dim=64, dropout=0.0,
                     max_seq_len=1024)
 LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129, 300, 1024, 7, 7, 7]
 NAMES = ("output", "grad q", "grad k", "grad v", "grad position table", "grad time table")
@@ -113,13 +114,13 @@ def test_encoder_under_bf16_autocast_runs_the_kernel_in_bf16(monkeypatch: pytest
     offsets = offsets_from_lengths(torch.tensor(LENGTHS)).cuda()
     total = int(offsets[-1])
     generator = torch.Generator().manual_seed(0)
-    values = torch.randn(total, CONFIG.embedding_dim, generator=generator).cuda()
+    values = torch.randn(total, WIDTH, generator=generator).cuda()
     timestamps = torch.cumsum(torch.randint(0, 10**6, (total,), generator=generator), 0).cuda()
-    grad = torch.randn(total, CONFIG.embedding_dim, generator=generator).cuda()
+    grad = torch.randn(total, WIDTH, generator=generator).cuda()
 
     def run(kernel: str, precision: str):
         torch.manual_seed(0)
-        encoder = HSTUEncoder(HSTUConfig(**{**CONFIG.__dict__, "attention_kernel": kernel})).cuda()
+        encoder = HSTUEncoder(HSTUConfig(**{**CONFIG.__dict__, "attention_kernel": kernel}), WIDTH).cuda()
         previous = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference in full fp32
         try:
@@ -145,10 +146,10 @@ def test_encoder_under_bf16_autocast_runs_the_kernel_in_bf16(monkeypatch: pytest
 
 
 def test_auto_runs_the_kernel_in_the_encoder() -> None:
-    encoder = HSTUEncoder(HSTUConfig(**{**CONFIG.__dict__, "attention_kernel": "auto"})).cuda()
+    encoder = HSTUEncoder(HSTUConfig(**{**CONFIG.__dict__, "attention_kernel": "auto"}), WIDTH).cuda()
     assert encoder.kernel("cuda") == "triton"
     offsets = offsets_from_lengths(torch.tensor([5, 700, 1])).cuda()
-    values = torch.randn(int(offsets[-1]), CONFIG.embedding_dim, device="cuda", requires_grad=True)
+    values = torch.randn(int(offsets[-1]), WIDTH, device="cuda", requires_grad=True)
     timestamps = torch.arange(int(offsets[-1]), device="cuda") * 1000
     out = encoder(values, offsets, timestamps)
     out.square().sum().backward()

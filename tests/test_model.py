@@ -41,8 +41,9 @@ from training.model import (
 )
 
 NUM_ITEMS = 40
+WIDTH = 16  # the model's embedding_dim in these tests
 SMALL = HSTUConfig(
-    embedding_dim=16, num_layers=2, num_heads=2, attention_dim=8, linear_dim=8, dropout=0.0, max_seq_len=64
+    num_layers=2, num_heads=2, attention_dim=8, linear_dim=8, dropout=0.0, max_seq_len=64
 )
 
 
@@ -86,7 +87,7 @@ def encoder_inputs(lengths: list[int], dim: int, seed: int = 0) -> tuple[torch.T
 
 def small_model(**overrides) -> torch.nn.Module:
     torch.manual_seed(0)
-    return build_local_model(NUM_ITEMS, ModelConfig(hstu=SMALL, **overrides))
+    return build_local_model(NUM_ITEMS, ModelConfig(embedding_dim=WIDTH, hstu=SMALL, **overrides))
 
 
 # ---------------------------------------------------------------- jagged utils
@@ -143,16 +144,16 @@ def test_log_bucket_is_monotone_and_bounded() -> None:
 
 def test_encoder_output_shape_and_unit_norm() -> None:
     torch.manual_seed(0)
-    encoder = HSTUEncoder(SMALL).eval()
-    values, offsets, timestamps = encoder_inputs([5, 1, 7], SMALL.embedding_dim)
+    encoder = HSTUEncoder(SMALL, WIDTH).eval()
+    values, offsets, timestamps = encoder_inputs([5, 1, 7], WIDTH)
     out = encoder(values, offsets, timestamps)
     assert out.shape == values.shape
     torch.testing.assert_close(out.norm(dim=-1), torch.ones(13))
 
 
 def test_encoder_rejects_mismatched_jagged_shapes() -> None:
-    encoder = HSTUEncoder(SMALL)
-    values, offsets, timestamps = encoder_inputs([3, 2], SMALL.embedding_dim)
+    encoder = HSTUEncoder(SMALL, WIDTH)
+    values, offsets, timestamps = encoder_inputs([3, 2], WIDTH)
     with pytest.raises(ValueError, match="jagged shapes"):
         encoder(values[:-1], offsets, timestamps[:-1])
 
@@ -160,7 +161,7 @@ def test_encoder_rejects_mismatched_jagged_shapes() -> None:
 def test_jagged_check_reads_offsets_only_on_the_host() -> None:
     """On a GPU, reading offsets[-1] would wait for the GPU once per forward; a device tensor
     (meta here, which cannot be read at all) is left unread, the other lengths still checked."""
-    values, offsets, timestamps = encoder_inputs([3, 2], SMALL.embedding_dim)
+    values, offsets, timestamps = encoder_inputs([3, 2], WIDTH)
     check_jagged(values, offsets.to("meta"), timestamps)
     with pytest.raises(ValueError, match="not read on meta"):
         check_jagged(values, offsets.to("meta"), timestamps[:-1])
@@ -170,9 +171,9 @@ def test_jagged_check_reads_offsets_only_on_the_host() -> None:
 def test_jagged_batch_equals_each_sample_alone(block_size: int) -> None:
     """No padding leakage: a sample's outputs do not depend on its batch-mates."""
     torch.manual_seed(0)
-    encoder = HSTUEncoder(HSTUConfig(**{**SMALL.__dict__, "attention_block_size": block_size})).eval()
+    encoder = HSTUEncoder(HSTUConfig(**{**SMALL.__dict__, "attention_block_size": block_size}), WIDTH).eval()
     lengths = [5, 1, 9, 5, 12, 3]  # a repeated length exercises the grouped path
-    values, offsets, timestamps = encoder_inputs(lengths, SMALL.embedding_dim)
+    values, offsets, timestamps = encoder_inputs(lengths, WIDTH)
     with torch.no_grad():
         batched = encoder(values, offsets, timestamps)
         for i, length in enumerate(lengths):
@@ -207,13 +208,13 @@ def reference_hstu_layer(layer: HSTULayer, x: torch.Tensor, t: torch.Tensor, con
 def test_layer_matches_dense_reference_formula(block_size: int) -> None:
     config = HSTUConfig(**{**SMALL.__dict__, "attention_block_size": block_size})
     torch.manual_seed(0)
-    layer = HSTULayer(config).eval()
+    layer = HSTULayer(config, WIDTH).eval()
     with torch.no_grad():
         # Make the relative bias large enough that a wrong bucket would show.
         layer.relative_bias.position_bias.weight.normal_(std=1.0)
         layer.relative_bias.time_bias.weight.normal_(std=1.0)
     lengths = [6, 3]
-    values, offsets, timestamps = encoder_inputs(lengths, SMALL.embedding_dim)
+    values, offsets, timestamps = encoder_inputs(lengths, WIDTH)
     with torch.no_grad():
         plan = GroupedAttentionPlan.build(offsets, timestamps, config)
         out = plan.leave(layer(plan.enter(values), plan))
@@ -226,11 +227,11 @@ def test_layer_matches_dense_reference_formula(block_size: int) -> None:
 def test_encoder_is_causal() -> None:
     """Changing positions after t (items, times) leaves outputs at <= t unchanged."""
     torch.manual_seed(0)
-    encoder = HSTUEncoder(SMALL).eval()
-    values, offsets, timestamps = encoder_inputs([10, 6], SMALL.embedding_dim)
+    encoder = HSTUEncoder(SMALL, WIDTH).eval()
+    values, offsets, timestamps = encoder_inputs([10, 6], WIDTH)
     changed_values, changed_times = values.clone(), timestamps.clone()
     cut = 6  # first sample: positions 0..5 kept, 6..9 changed
-    changed_values[cut:10] = torch.randn(10 - cut, SMALL.embedding_dim)
+    changed_values[cut:10] = torch.randn(10 - cut, WIDTH)
     changed_times[cut:10] += 12345
     with torch.no_grad():
         before = encoder(values, offsets, timestamps)
@@ -259,8 +260,8 @@ def test_max_seq_len_normalisation_makes_prefix_outputs_exact() -> None:
     """With a constant divisor, position t of a long sequence equals the last output of its prefix."""
     config = HSTUConfig(**{**SMALL.__dict__, "attention_normalization": "max_seq_len"})
     torch.manual_seed(0)
-    encoder = HSTUEncoder(config).eval()
-    values, offsets, timestamps = encoder_inputs([9], config.embedding_dim)
+    encoder = HSTUEncoder(config, WIDTH).eval()
+    values, offsets, timestamps = encoder_inputs([9], WIDTH)
     with torch.no_grad():
         full = encoder(values, offsets, timestamps)
         prefix = encoder(values[:4], torch.tensor([0, 4]), timestamps[:4])
@@ -276,10 +277,10 @@ def test_config_rejects_unknown_normalisation() -> None:
 
 
 def test_build_model_leaves_table_on_meta_for_sharding() -> None:
-    model = build_model(NUM_ITEMS, ModelConfig(hstu=SMALL), device="cpu")
+    model = build_model(NUM_ITEMS, ModelConfig(embedding_dim=WIDTH, hstu=SMALL), device="cpu")
     table = model.embedding_collection.embeddings[ITEM_TABLE]
     assert table.weight.device.type == "meta"
-    assert table.weight.shape == (NUM_ITEMS + 1, SMALL.embedding_dim)
+    assert table.weight.shape == (NUM_ITEMS + 1, WIDTH)
     assert next(model.encoder.parameters()).device.type == "cpu"
 
 
@@ -343,7 +344,7 @@ def test_all_item_embeddings_match_table_in_any_chunking() -> None:
     table = model.embedding_collection.embeddings[ITEM_TABLE].weight.detach()
     for chunk_size in (7, 1000):
         embeddings = model.all_item_embeddings(chunk_size=chunk_size)
-        assert embeddings.shape == (NUM_ITEMS + 1, SMALL.embedding_dim)
+        assert embeddings.shape == (NUM_ITEMS + 1, WIDTH)
         torch.testing.assert_close(embeddings[1:], F.normalize(table[1:], dim=-1))
         assert embeddings[0].abs().sum() == 0
 
@@ -547,7 +548,7 @@ def _sharded_check(rank: int, world_size: int, store_path: str, sharding_type: s
     try:
         torch.set_num_threads(1)
         torch.manual_seed(0)
-        config = ModelConfig(hstu=SMALL)
+        config = ModelConfig(embedding_dim=WIDTH, hstu=SMALL)
         model = build_model(NUM_ITEMS, config, device="cpu", user_features=USER_FEATURES)
         env = DistEnv(rank, world_size, rank, world_size, torch.device("cpu"), "gloo")
         sharded = shard_model(model, OptimizerConfig(sparse_optimizer="sgd", sparse_lr=0.1),
@@ -642,7 +643,7 @@ def test_sharded_model_matches_local_model(sharded_outcomes, sharding_type: str)
 
 def test_user_features_reach_every_position_and_their_tables() -> None:
     torch.manual_seed(0)
-    model = build_local_model(NUM_ITEMS, ModelConfig(hstu=SMALL), user_features=USER_FEATURES)
+    model = build_local_model(NUM_ITEMS, ModelConfig(embedding_dim=WIDTH, hstu=SMALL), user_features=USER_FEATURES)
     model.eval()
     batch = random_batch([4, 6, 3], seed=2, user_features=USER_FEATURES)
     other = replace(batch, user_features=batch.user_features.roll(1, dims=0))
@@ -675,7 +676,7 @@ def test_dense_span_ends_before_any_table_backward() -> None:
     from training.bubbles import DenseSpanProbe
 
     torch.manual_seed(0)
-    model = build_local_model(NUM_ITEMS, ModelConfig(hstu=SMALL), user_features=USER_FEATURES)
+    model = build_local_model(NUM_ITEMS, ModelConfig(embedding_dim=WIDTH, hstu=SMALL), user_features=USER_FEATURES)
     torch.nn.init.normal_(model.user_projection.weight, std=0.1)
     events: list[str] = []
     model.embedding_collection.embeddings[ITEM_TABLE].weight.register_hook(

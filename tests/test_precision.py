@@ -25,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-
 WIDTH = 32
 LENGTHS = [1, 7, 30, 64, 5, 5, 129]  # past the grouped kernel's 32-row blocks below, lengths shared and not
 ENCODERS = {
-    "hstu": lambda: HSTUEncoder(HSTUConfig(embedding_dim=WIDTH, num_layers=2, num_heads=2, attention_dim=16,
-                                           linear_dim=16, dropout=0.0, max_seq_len=200, attention_block_size=32)),
+    "hstu": lambda: HSTUEncoder(HSTUConfig(num_layers=2, num_heads=2, attention_dim=16, linear_dim=16, dropout=0.0,
+                                           max_seq_len=200, attention_block_size=32), WIDTH),
     "sasrec": lambda: SASRecEncoder(SASRecConfig(num_layers=2, num_heads=2, dropout=0.0, max_seq_len=200), WIDTH),
 }
 
@@ -89,7 +89,7 @@ def test_grouped_attention_takes_bf16_with_and_without_autocast() -> None:
     Triton kernel takes them: fp32 scores and biases, the weights rounded to bf16 to meet V.
     Measured against fp32 (relative L2, 3 seeds, all three ways alike): output 3.3-4.3e-3, q/k/v
     gradients 3.5-5.1e-3, bias-table gradients 2.5-4.8e-3."""
-    config = HSTUConfig(embedding_dim=WIDTH, num_heads=2, attention_dim=16, linear_dim=16, max_seq_len=200,
+    config = HSTUConfig(num_heads=2, attention_dim=16, linear_dim=16, max_seq_len=200,
                         num_position_buckets=16, num_time_buckets=16, attention_block_size=32)
     torch.manual_seed(0)
     bias = RelativeAttentionBias(config)
@@ -139,8 +139,8 @@ def test_model_in_bf16_trains_fp32_weights_to_fp32_s_loss(encoder: str) -> None:
     """The model's precision reaches its encoder only: the loss and every gradient (tables included)
     are fp32, and the loss is fp32's within 1e-2 relative (measured over 3 seeds: 1.2e-5 to 4.4e-4
     for HSTU, 1.7e-4 to 3.3e-4 for SASRec)."""
-    config = ModelConfig(encoder=encoder, hstu=HSTUConfig(embedding_dim=16, num_layers=1, num_heads=2,
-                                                          attention_dim=8, linear_dim=8, dropout=0.0),
+    config = ModelConfig(encoder=encoder, embedding_dim=16,
+                         hstu=HSTUConfig(num_layers=1, num_heads=2, attention_dim=8, linear_dim=8, dropout=0.0),
                          sasrec=SASRecConfig(num_layers=1, dropout=0.0))
     batch, losses = _batch(40), {}
     for precision in ("fp32", "bf16"):

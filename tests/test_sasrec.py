@@ -31,9 +31,9 @@ SMALL = SASRecConfig(num_layers=2, num_heads=2, dropout=0.0, max_seq_len=32)
 
 
 def model_config(encoder: str = "sasrec", dropout: float = 0.0) -> ModelConfig:
-    config = ModelConfig(encoder=encoder, sasrec=SASRecConfig(num_layers=2, num_heads=2, dropout=dropout,
-                                                              max_seq_len=32))
-    config.hstu.embedding_dim, config.hstu.num_layers, config.hstu.num_heads = WIDTH, 1, 2
+    config = ModelConfig(encoder=encoder, embedding_dim=WIDTH,
+                         sasrec=SASRecConfig(num_layers=2, num_heads=2, dropout=dropout, max_seq_len=32))
+    config.hstu.num_layers, config.hstu.num_heads = 1, 2
     config.hstu.attention_dim = config.hstu.linear_dim = 8
     config.hstu.dropout, config.hstu.max_seq_len = dropout, 64
     return config
@@ -171,7 +171,7 @@ def test_encoder_and_loss_choices() -> None:
     config = load_config(None, ["--model.encoder", "sasrec", "--loss.kind", "bce", "--model.sasrec.max_seq_len", "50"])
     assert (config.model.encoder, config.loss.kind, config.model.max_seq_len) == ("sasrec", "bce", 50)
     assert load_config(None, []).model.max_seq_len == 1024  # hstu's
-    with pytest.raises(ConfigError, match="sasrec.num_heads 3 must divide the model width hstu.embedding_dim 64"):
+    with pytest.raises(ConfigError, match="sasrec.num_heads 3 must divide the model width embedding_dim 64"):
         load_config(None, ["--model.encoder", "sasrec", "--model.sasrec.num_heads", "3"])
     with pytest.raises(ConfigError, match="full_softmax applies to kind 'sampled_softmax' only"):
         load_config(None, ["--loss.kind", "bce", "--loss.full_softmax", "true"])

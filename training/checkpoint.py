@@ -14,7 +14,7 @@ is read by an unpickler that could run code from it (``training.safe_load``).
 One job at a time: rank 0 holds `<folder>/LOCK` (host, PID) while it trains, so a
 second job on the same folder is refused instead of overwriting the first one's
 checkpoints. A resume into another model shape is refused; one with changed
-hyperparameters continues with a warning (SHAPE_KEYS, HYPERPARAMETER_KEYS).
+hyperparameters continues with a warning (``shape_keys``, HYPERPARAMETER_KEYS).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from pipeline import locks
 from pipeline.errors import InputError
 from shards.manifest import ShardError
-from training.config import ConfigError
+from training.config import ConfigError, moved_flat, shape_keys
 from training.distributed import all_ranks_ok
 from training.safe_load import SafePlanner, SafeReader, check_plain, read_own_state
 
@@ -42,16 +42,9 @@ SHARDS = "SHARDS"
 CONFIG = "CONFIG"
 LOCK = "LOCK"
 
-# Config keys the saved tensors' shapes depend on: a checkpoint cannot be loaded into a
-# model or optimizer built with other values, so a resume with any of them changed is
-# refused. HSTU's max_seq_len is not one (it changes the position bucketing, not a shape);
-# SASRec's is (it sizes the position table).
-SHAPE_KEYS = ("model.encoder",
-              "model.hstu.embedding_dim", "model.hstu.num_layers", "model.hstu.num_heads",
-              "model.hstu.attention_dim", "model.hstu.linear_dim", "model.hstu.num_position_buckets",
-              "model.hstu.num_time_buckets", "model.hstu.use_rating_feature",
-              "model.sasrec.num_layers", "model.sasrec.feed_forward_dim", "model.sasrec.max_seq_len",
-              "optimizer.sparse_optimizer")  # adagrad, sgd and adam keep differently shaped state
+# Config keys the saved tensors' shapes depend on (a checkpoint cannot be loaded into a model or
+# optimizer built with other values, so a resume with any of them changed is refused) are the
+# fields marked ``shape`` in training/config.py: training.config.shape_keys().
 # Keys (prefixes) that change what the saved numbers mean without changing their shapes:
 # a resume with any of them changed continues, with a warning naming them. Everything
 # else (steps, logging, comm mode, tracking, paths) may change freely.
@@ -122,10 +115,10 @@ class Checkpointer:
         recorded = self.step_dir(step) / CONFIG
         if not recorded.exists():
             return []
-        saved = json.loads(recorded.read_text())
+        saved = moved_flat(json.loads(recorded.read_text()))  # an older checkpoint may record moved keys
         changed = {key: f"{key} {saved[key]} -> {config.get(key)}" for key in saved
                    if key.startswith(HYPERPARAMETER_KEYS) and saved[key] != config.get(key)}
-        shapes = [changed.pop(key) for key in SHAPE_KEYS if key in changed]
+        shapes = [changed.pop(key) for key in shape_keys() if key in changed]
         if shapes:
             raise ConfigError(f"checkpoint {self.step_dir(step)} holds another model shape ({', '.join(shapes)}): "
                               "use another checkpoint.folder, or the checkpoint's values")

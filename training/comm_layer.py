@@ -71,7 +71,7 @@ class CommLayer:
                                            bucket_bytes=config.bucket_kb * 1024, hold_last=prioritized)
         self.exchange = EmbeddingExchange(
             features, lookups, groups, self.backend, self.embedding_group, self.clock, env.rank, env.world_size,
-            dim=module.config.hstu.embedding_dim, device=env.device,
+            dim=module.config.embedding_dim, device=env.device,
             gradient_divisor=env.world_size if get_gradient_division() else 1,
             on_gradients_issued=self.dense_sync.release if prioritized else None)
 

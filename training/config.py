@@ -19,9 +19,10 @@ import dataclasses
 import math
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from comm.names import BackendName as CommBackendName
 from pipeline.errors import InputError
@@ -33,7 +34,6 @@ AttentionNormalization = Literal["sample_length", "max_seq_len"]
 CommMode = Literal["plain", "overlap", "prioritized"]
 AttentionKernelName = Literal["triton", "grouped"]
 AttentionKernel = Literal["auto", AttentionKernelName]  # flattens to "auto" | "triton" | "grouped"
-EncoderName = Literal["hstu", "sasrec"]
 LossKind = Literal["sampled_softmax", "bce"]
 LearningRateDecay = Literal["constant", "linear", "cosine"]
 Precision = Literal["fp32", "bf16"]
@@ -43,30 +43,47 @@ ValidationMetric = Literal["valid_ndcg_at_10", "valid_hr_at_10", "valid_mrr",
                            "valid_sampled_ndcg_at_10", "valid_sampled_hr_at_10", "valid_sampled_mrr"]
 
 
+@dataclass(frozen=True)
+class OneOf:
+    """A choice whose values are known only at run time, in ``Annotated[str, OneOf(values)]``: checked
+    at load like a ``Literal`` (the same one line), against ``values()`` as it is then."""
+
+    values: Callable[[], tuple[str, ...]]
+
+
+# Field metadata key: the field's value sizes saved tensors (``shape``).
+SHAPE = "shape"
+
+
+def shape(default: Any) -> Any:
+    """A config field whose value sizes parameters or optimizer state: a checkpoint cannot be loaded
+    into a model built with another value, so a resume that changes it is refused (``shape_keys``).
+    Everything else about an encoder (dropout, bucketing, kernels) may change across a resume."""
+    return field(default=default, metadata={SHAPE: True})
+
+
 @dataclass
 class HSTUConfig:
-    """Shape and regularisation of the HSTU encoder (``training.hstu``)."""
+    """Shape and regularisation of the HSTU encoder (``training.hstu``; ``[model.hstu]``). Its width
+    is the model's, ``model.embedding_dim``."""
 
-    embedding_dim: int = 64
-    """Width ``D`` of the residual stream; also the item embedding width."""
-    num_layers: int = 2
+    num_layers: int = shape(2)
     """Number of stacked HSTU layers."""
-    num_heads: int = 2
+    num_heads: int = shape(2)
     """Attention heads per layer."""
-    attention_dim: int = 32
+    attention_dim: int = shape(32)
     """Per-head width of Q and K."""
-    linear_dim: int = 32
+    linear_dim: int = shape(32)
     """Per-head width of V and of the gate U."""
     dropout: float = 0.1
     """Dropout on the input embeddings and on each layer's gated attention output."""
     max_seq_len: int = 1024
-    """Longest history the model is trained on; the position buckets span ``0..max_seq_len``."""
-    num_position_buckets: int = 64
+    """Longest history the model is trained on; the position buckets span ``0..max_seq_len``
+    (it changes the bucketing, not a shape)."""
+    num_position_buckets: int = shape(64)
     """Buckets for relative positions ``i - j``; log-spaced so nearby positions stay distinct."""
-    num_time_buckets: int = 64
+    num_time_buckets: int = shape(64)
     """Buckets for time gaps ``|t_i - t_j|`` in seconds; log-spaced from 1 s to ``max_time_gap_seconds``."""
-    use_rating_feature: bool = True
-    """Add a learned embedding of the rating (1..5; 0 = unknown contributes nothing) to each input position."""
     max_time_gap_seconds: float = 4 * 365 * 86400.0
     """Time gap that maps to the last time bucket; longer gaps share it."""
     attention_normalization: AttentionNormalization = "sample_length"
@@ -95,7 +112,7 @@ class HSTUConfig:
             allowed = typing.get_args(choice)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("embedding_dim", "num_layers", "num_heads", "attention_dim", "linear_dim",
+        for name in ("num_layers", "num_heads", "attention_dim", "linear_dim",
                      "max_seq_len", "num_position_buckets", "num_time_buckets", "attention_block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -109,24 +126,23 @@ class HSTUConfig:
 
 @dataclass
 class SASRecConfig:
-    """Shape and regularisation of the SASRec encoder (``training.sasrec``; Kang & McAuley,
-    "Self-Attentive Sequential Recommendation", ICDM 2018).
+    """Shape and regularisation of the SASRec encoder (``training.sasrec``; ``[model.sasrec]``; Kang &
+    McAuley, "Self-Attentive Sequential Recommendation", ICDM 2018).
 
-    Its width is the model's one width, ``model.hstu.embedding_dim`` (the item table's, which
-    SASRec shares between its input and its output); the rating input
-    (``model.hstu.use_rating_feature``) is the model's too: set it false for the paper's
-    item-only inputs."""
+    Its width is the model's, ``model.embedding_dim`` (the item table's, which SASRec shares between
+    its input and its output); so is the rating input (``model.use_rating_feature``): set it false
+    for the paper's item-only inputs."""
 
-    num_layers: int = 2
+    num_layers: int = shape(2)
     """Self-attention blocks (attention + point-wise feed-forward); the paper uses 2."""
     num_heads: int = 1
     """Attention heads per block; must divide the width. The paper found one head enough."""
-    feed_forward_dim: int = 0
+    feed_forward_dim: int = shape(0)
     """Hidden width of the point-wise feed-forward network; 0 = the model width, as in the paper."""
     dropout: float = 0.2
     """Dropout on the input embeddings, the attention weights and each block's two outputs
     (the paper: 0.2 on MovieLens-1M, 0.5 on sparser data)."""
-    max_seq_len: int = 200
+    max_seq_len: int = shape(200)
     """Learned absolute position embeddings ``0..max_seq_len-1``, counted from a history's
     oldest item; positions past the last share its embedding (the paper's window: 200 on
     MovieLens-1M, 50 on sparser data)."""
@@ -141,24 +157,37 @@ class SASRecConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    def check_with(self, model: "ModelConfig") -> None:
+        """Checks against the model's own keys, when SASRec is the model's encoder."""
+        if model.embedding_dim % self.num_heads:
+            raise ValueError(f"sasrec.num_heads {self.num_heads} must divide the model width embedding_dim "
+                             f"{model.embedding_dim}")
+
 
 @dataclass
 class ModelConfig:
-    """Everything about the model that is not the encoder's shape (``training.model``)."""
+    """The recommender (``training.model``): its width, inputs, scores and negatives, and its encoder,
+    ``encoder``, shaped by its own section ``[model.<encoder>]``."""
 
-    encoder: EncoderName = "hstu"
-    """Sequence encoder: ``"hstu"`` (``training.hstu``, shaped by ``model.hstu``) or
-    ``"sasrec"`` (``training.sasrec``, the SASRec baseline, shaped by ``model.sasrec``).
-    Either way the item tables, user features, loss, comm modes, checkpoints and
-    evaluation are the same."""
+    encoder: EncoderName = shape("hstu")
+    """Sequence encoder, a name in ``ENCODERS``: ``"hstu"`` (``training.hstu``, shaped by
+    ``model.hstu``) or ``"sasrec"`` (``training.sasrec``, the SASRec baseline, shaped by
+    ``model.sasrec``), or one registered with ``register_encoder``. Whichever it is, the item tables,
+    user features, loss, comm modes, checkpoints and evaluation are the same."""
+    embedding_dim: int = shape(64)
+    """Width ``D`` of the model: the item and user feature tables' rows, the rating embedding, and
+    the encoder's input and output (its residual stream). Was ``model.hstu.embedding_dim``, which
+    still loads (``MOVED_KEYS``)."""
+    use_rating_feature: bool = shape(True)
+    """Add a learned embedding of the rating (1..5; 0 = unknown contributes nothing) to each input
+    position, whichever the encoder. Was ``model.hstu.use_rating_feature``, which still loads."""
     hstu: HSTUConfig = field(default_factory=HSTUConfig)
-    """HSTU encoder configuration; ``hstu.embedding_dim`` is the model's width (the item table's,
-    for either encoder) and ``hstu.use_rating_feature`` its rating input."""
+    """HSTU encoder configuration (used when ``encoder = "hstu"``)."""
     sasrec: SASRecConfig = field(default_factory=SASRecConfig)
     """SASRec encoder configuration (used when ``encoder = "sasrec"``)."""
     temperature: float = 0.05
     """Logits are cosine similarities (both sides are L2-normalised) divided by this, for
-    either ``loss.kind`` and either encoder."""
+    either ``loss.kind`` and any encoder."""
     in_batch_negatives: bool = True
     """Also use the batch's (unique) target items as negatives for every query."""
     max_in_batch_negatives: int = 128
@@ -171,16 +200,112 @@ class ModelConfig:
     TorchRec's default, ``sqrt(1 / num_embeddings)``, shrinks with the catalog and
     would let the rating embedding swamp item identity in large catalogs."""
 
+    def extra_sections(self) -> dict[str, Any]:
+        """The sections of encoders registered beyond the fields above (``register_encoder``), by name:
+        ``[model.<name>]`` loads, overrides and records like ``[model.hstu]``."""
+        declared = {f.name for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name in ENCODERS if name not in declared}
+
+    @property
+    def encoder_config(self) -> Any:
+        """The chosen encoder's section, ``[model.<encoder>]``."""
+        return getattr(self, self.encoder)
+
     @property
     def max_seq_len(self) -> int:
         """The chosen encoder's ``max_seq_len``: the longest history it is shaped for."""
-        return getattr(self, self.encoder).max_seq_len
+        return self.encoder_config.max_seq_len
+
+    @property
+    def input_spread(self) -> float:
+        """Per-coordinate std of an encoder's input row at initialisation (an item row, uniform
+        ``+-embedding_init_scale``, times ``sqrt(embedding_dim)``): what an encoder's own input
+        embeddings (SASRec's positions) start at, so they neither swamp item identity nor vanish."""
+        return self.embedding_init_scale / math.sqrt(3.0) * math.sqrt(self.embedding_dim)
+
+    def check_device(self, device_type: str) -> None:
+        """Refuse what the chosen encoder cannot run on ``device_type`` (``"cpu"``, ``"cuda"``), before
+        any model or output exists: one line (its ``EncoderSpec.check``)."""
+        ENCODERS[self.encoder].check(self, device_type)
 
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
-        width, heads = self.hstu.embedding_dim, self.sasrec.num_heads
-        if self.encoder == "sasrec" and width % heads:
-            raise ValueError(f"sasrec.num_heads {heads} must divide the model width hstu.embedding_dim {width}")
+        if self.encoder not in ENCODERS:  # a file or override was checked already; a constructor was not
+            raise ValueError(f"encoder must be one of {tuple(ENCODERS)}, got {self.encoder!r}")
+        for name, spec in ENCODERS.items():  # encoders registered after this class: a section each
+            if not hasattr(self, name):
+                setattr(self, name, spec.config())
+        if self.embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be >= 1, got {self.embedding_dim}")
+        check_with = getattr(self.encoder_config, "check_with", None)
+        if check_with is not None:
+            check_with(self)
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """One sequence encoder the model can be built with: the registry entry of ``model.encoder``'s
+    value (``ENCODERS``). ``docs/extending.md`` says how to add one."""
+
+    config: type
+    """Dataclass of its section ``[model.<name>]``, built with no arguments for the defaults: a
+    docstring per field, its own checks in ``__post_init__`` (``ValueError``), checks against the
+    model's keys in an optional ``check_with(model)``, the fields that size its parameters marked
+    ``shape(...)``, and a ``max_seq_len``, the longest history it is shaped for."""
+    build: Callable[[ModelConfig], Any]
+    """The model's config -> the encoder, a ``training.encoders.Encoder`` of width
+    ``model.embedding_dim``. Called when a model is built, so it may import torch; loading a config
+    never calls it."""
+    check: Callable[[ModelConfig, str], None] = lambda model, device_type: None
+    """Refuses, in one line (an ``InputError``), a config the encoder cannot run on a device type
+    (``"cpu"``, ``"cuda"``); ``freescale calibrate`` asks before it times anything. Default: none."""
+
+
+# model.encoder -> its spec. Registration order is the order the choices are listed in.
+ENCODERS: dict[str, EncoderSpec] = {}
+
+# model.encoder's type: a name ENCODERS holds when the config loads.
+EncoderName = Annotated[str, OneOf(lambda: tuple(ENCODERS))]
+
+
+def register_encoder(name: str, spec: EncoderSpec) -> None:
+    """Make ``model.encoder = name`` build ``spec.build(model)``, shaped by ``[model.<name>]`` (a
+    ``spec.config``). Configs made from then on carry the section (``ModelConfig.extra_sections``)."""
+    model_keys = {f.name for f in dataclasses.fields(ModelConfig)} - {"hstu", "sasrec"}
+    if name in ENCODERS or name in model_keys or not name.isidentifier():
+        raise ValueError(f"cannot register encoder {name!r}: taken, or not a plain name "
+                         f"(registered: {', '.join(ENCODERS)}; model keys: {', '.join(sorted(model_keys))})")
+    fields = {f.name for f in dataclasses.fields(spec.config)} if dataclasses.is_dataclass(spec.config) else set()
+    if "max_seq_len" not in fields:
+        raise TypeError(f"encoder {name!r}: its config must be a dataclass with a max_seq_len field")
+    ENCODERS[name] = spec
+
+
+def _build_hstu(model: ModelConfig) -> Any:
+    from training.hstu import HSTUEncoder  # torch: imported when a model is built, never when a config loads
+
+    return HSTUEncoder(model.hstu, model.embedding_dim)
+
+
+def _check_hstu(model: ModelConfig, device_type: str) -> None:
+    from training.attention_kernel import attention_kernel_for  # imports this module
+
+    attention_kernel_for(model.hstu, device_type)
+
+
+def _build_sasrec(model: ModelConfig) -> Any:
+    from training.sasrec import SASRecEncoder
+
+    return SASRecEncoder(model.sasrec, model.embedding_dim, position_init_std=model.input_spread)
+
+
+register_encoder("hstu", EncoderSpec(HSTUConfig, _build_hstu, _check_hstu))
+register_encoder("sasrec", EncoderSpec(SASRecConfig, _build_sasrec))
+
+# Keys that moved, old spelling -> new: config files, overrides and checkpoints' recorded configs
+# may still use the old one (both in one config is refused).
+MOVED_KEYS = {"model.hstu.embedding_dim": "model.embedding_dim",
+              "model.hstu.use_rating_feature": "model.use_rating_feature"}
 
 
 @dataclass
@@ -200,8 +325,8 @@ class OptimizerConfig:
     sparse_lr: float = 0.05
     """Learning rate of the embedding tables' optimizer (the item table and the user
     feature tables), fused into their backward."""
-    sparse_optimizer: SparseOptimizerName = "adagrad"
-    """Fused sparse optimizer: adagrad (row-wise), sgd or adam."""
+    sparse_optimizer: SparseOptimizerName = shape("adagrad")
+    """Fused sparse optimizer: adagrad (row-wise), sgd or adam (each keeps differently shaped state)."""
     weight_decay: float = 0.0
     """Dense weight decay (Adam's L2 term)."""
     warmup_steps: int = 0
@@ -383,7 +508,8 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     """``[data]``: which shards to read and how."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """``[model]``, ``[model.hstu]`` and ``[model.sasrec]``: the recommender and its encoder."""
+    """``[model]`` and its encoders' sections (``[model.hstu]``, ``[model.sasrec]``): the recommender
+    and its encoder."""
     loss: LossConfig = field(default_factory=LossConfig)
     """``[loss]``: the loss kind and its negatives."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -423,8 +549,8 @@ def _apply(obj: Any, values: dict[str, Any], source: str, prefix: str = "") -> N
     ``SOURCE: section.key ...``. A dataclass with a ``__post_init__`` check runs it again
     once its table is applied, so a file cannot set what the constructor would refuse.
     """
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
+    hints = _hints(obj)
+    names = set(hints)
     for key, value in values.items():
         dotted = f"{prefix}{key}"
         if key not in names:
@@ -444,6 +570,15 @@ def _apply(obj: Any, values: dict[str, Any], source: str, prefix: str = "") -> N
             raise ConfigError(f"{source}: {prefix.rstrip('.')}: {exc}") from None
 
 
+def _hints(obj: Any) -> dict[str, Any]:
+    """Key -> type of every key of the config dataclass `obj`: its fields, then (a ModelConfig) the
+    sections of encoders registered after its class (``ModelConfig.extra_sections``)."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(obj)}
+    extra = getattr(obj, "extra_sections", dict)()
+    return {**fields, **{name: type(section) for name, section in extra.items()}}
+
+
 def apply_table(obj: Any, values: dict[str, Any], source: str) -> None:
     """Set a TOML table on any typed config dataclass with this module's checks (unknown keys,
     Literal choices, types, ``__post_init__``), errors reading ``SOURCE: section.key ...``: the one
@@ -453,6 +588,10 @@ def apply_table(obj: Any, values: dict[str, Any], source: str) -> None:
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """`value` as the field's type; `where` is ``SOURCE: section.key`` for the error."""
+    if typing.get_origin(hint) is Annotated:
+        base, *marks = typing.get_args(hint)
+        choices = [mark for mark in marks if isinstance(mark, OneOf)]
+        hint = Literal[choices[0].values()] if choices else base
     if typing.get_origin(hint) is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
@@ -486,12 +625,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path:
         try:
             with open(path, "rb") as handle:
-                _apply(config, tomllib.load(handle), str(path))
+                _apply(config, _moved_table(tomllib.load(handle), str(path)), str(path))
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     for key, value in parse_overrides(overrides or []):
+        key = MOVED_KEYS.get(key, key)
         section: dict[str, Any] = {}
         cursor = section
         parts = key.split(".")
@@ -500,6 +640,50 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cursor[parts[-1]] = value
         _apply(config, section, "command line")
     return config
+
+
+def _moved_table(table: dict[str, Any], source: str) -> dict[str, Any]:
+    """A config file's table with every key of ``MOVED_KEYS`` at its new place."""
+    for old, new in MOVED_KEYS.items():
+        *old_path, old_key = old.split(".")
+        parent = table
+        for part in old_path:
+            parent = parent.get(part) if isinstance(parent, dict) else None
+        if not isinstance(parent, dict) or old_key not in parent:
+            continue
+        value = parent.pop(old_key)
+        *new_path, new_key = new.split(".")
+        target = table
+        for part in new_path:
+            target = target.setdefault(part, {})
+        if new_key in target and target[new_key] != value:
+            raise ConfigError(f"{source}: {old} (the old spelling of {new}) is {value!r} and {new} is "
+                              f"{target[new_key]!r}: keep {new} only")
+        target[new_key] = value
+    return table
+
+
+def moved_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat config (``to_flat_dict``'s, e.g. a checkpoint's record) with ``MOVED_KEYS`` renamed."""
+    return {MOVED_KEYS.get(key, key): value for key, value in flat.items()}
+
+
+def shape_keys(config: TrainConfig | None = None) -> tuple[str, ...]:
+    """``section.key`` of every field marked ``shape`` (the registered encoders' sections included):
+    the keys a checkpoint's tensors depend on."""
+    return tuple(_shape_keys(config if config is not None else TrainConfig(), ""))
+
+
+def _shape_keys(obj: Any, prefix: str) -> list[str]:
+    keys = []
+    marked = {f.name for f in dataclasses.fields(obj) if f.metadata.get(SHAPE)}
+    for name in _hints(obj):
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            keys += _shape_keys(value, f"{prefix}{name}.")
+        elif name in marked:
+            keys.append(f"{prefix}{name}")
+    return keys
 
 
 def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
@@ -523,9 +707,9 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
 def to_flat_dict(config: Any, prefix: str = "") -> dict[str, Any]:
     """`section.key -> value` for every leaf: what MLflow records as the run's params."""
     flat: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        name = f"{prefix}{f.name}"
+    for key in _hints(config):
+        value = getattr(config, key)
+        name = f"{prefix}{key}"
         if dataclasses.is_dataclass(value):
             flat.update(to_flat_dict(value, name + "."))
         else:

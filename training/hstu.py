@@ -37,6 +37,7 @@ from torch import nn
 
 from training.attention_kernel import attention_kernel_for
 from training.config import AttentionKernelName, HSTUConfig, keyed_by
+from training.encoders import Encoder
 from training.jagged import GroupedPlan, LengthGroup, check_jagged
 from training.ops.relative_buckets import log_bucket
 
@@ -237,20 +238,20 @@ def _lookup(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
 class HSTULayer(nn.Module):
     """One HSTU layer: pointwise SiLU attention gated by U, with a residual."""
 
-    def __init__(self, config: HSTUConfig) -> None:
+    def __init__(self, config: HSTUConfig, width: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.attention_dim = config.attention_dim
         self.linear_dim = config.linear_dim
         value_width = config.num_heads * config.linear_dim
         qk_width = config.num_heads * config.attention_dim
-        self.input_norm = nn.LayerNorm(config.embedding_dim)
+        self.input_norm = nn.LayerNorm(width)
         # One projection for U, V, Q, K: a single GEMM over [T, D] instead of four.
-        self.uvqk = nn.Linear(config.embedding_dim, 2 * value_width + 2 * qk_width)
+        self.uvqk = nn.Linear(width, 2 * value_width + 2 * qk_width)
         self.relative_bias = RelativeAttentionBias(config)
         self.attention_norm = nn.LayerNorm(value_width)
         self.dropout = nn.Dropout(config.dropout)
-        self.output = nn.Linear(value_width, config.embedding_dim)
+        self.output = nn.Linear(value_width, width)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """``x`` ``[T, D]`` in the plan's order -> ``[T, D]``, same order."""
@@ -266,20 +267,24 @@ class HSTULayer(nn.Module):
         return x + self.output(self.dropout(gated))
 
 
-class HSTUEncoder(nn.Module):
+class HSTUEncoder(Encoder):
     """Stack of HSTU layers over a jagged batch; outputs are L2-normalised per position.
 
-    Call as ``encoder(values, offsets, timestamps)`` with ``values`` ``[T, D]``
+    Call as ``encoder(values, offsets, timestamps)`` with ``values`` ``[T, width]``
     (input embeddings of all positions, samples concatenated), ``offsets``
     ``[B+1]`` int64 and ``timestamps`` ``[T]`` (seconds). Position ``t`` of a
-    sample only sees positions ``<= t`` of the same sample.
+    sample only sees positions ``<= t`` of the same sample (``training.encoders``).
     """
 
-    def __init__(self, config: HSTUConfig) -> None:
+    def __init__(self, config: HSTUConfig, width: int) -> None:
         super().__init__()
         self.config = config
         self.input_dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleList(HSTULayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(HSTULayer(config, width) for _ in range(config.num_layers))
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
 
     def kernel(self, device: torch.device | str) -> AttentionKernelName:
         """The attention kernel this encoder runs on ``device``; one line where triton would run and

@@ -1,4 +1,4 @@
-"""Sequential recommender: TorchRec item table + jagged encoder (HSTU or SASRec) + loss.
+"""Sequential recommender: TorchRec item table + jagged encoder (``training.encoders``) + loss.
 
 The item table is a TorchRec ``EmbeddingCollection`` so ``DistributedModelParallel``
 can shard it (table-wise / row-wise, optimizer fused into backward); every
@@ -9,9 +9,9 @@ per feature per user), they are looked up in a TorchRec ``EmbeddingBagCollection
 (one table per feature, sharded the same way), projected to the model width and
 added to every input position of that user's history. Everything else (the
 encoder, rating embedding, the user projection) is dense and replicated with data
-parallelism. The encoder is ``model.encoder``'s (``ENCODERS``: ``training.hstu`` or
-``training.sasrec``), the loss ``loss.kind``'s (``LOSSES``: sampled softmax or SASRec's
-binary cross-entropy); either encoder trains with either loss. The encoder computes at
+parallelism. The encoder is ``model.encoder``'s (``training.encoders``: HSTU, SASRec or one
+registered beside them), the loss ``loss.kind``'s (``training.losses.LOSSES``: sampled softmax
+or SASRec's binary cross-entropy); every encoder trains with either loss. The encoder computes at
 ``training.precision`` (``"bf16"``: under autocast, from fp32 weights); the rest in fp32.
 
 Single-process use (tests, cost calibration)::
@@ -43,12 +43,11 @@ from training.batch import (
     item_features,
     user_feature_kjt,
 )
-from training.config import EncoderName, LossKind, ModelConfig, Precision, keyed_by
-from training.hstu import HSTUEncoder
+from training.config import LossKind, ModelConfig, Precision
+from training.encoders import build_encoder
 from training.jagged import next_item_positions
 from training.losses import LOSSES
 from training.precision import encoder_autocast
-from training.sasrec import SASRecEncoder
 
 if TYPE_CHECKING:  # TorchRec loads when a model builds its tables (tables=False builds none)
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -60,20 +59,6 @@ ITEM_TABLE = "item_embedding"
 USER_TABLE = "user_feature_{index}"
 NUM_RATINGS = 6  # 0 = unknown, 1..5
 PADDING_ID = 0
-
-
-def _input_spread(config: ModelConfig) -> float:
-    """Per-coordinate std of a scaled item input row (uniform +-scale times sqrt(D))."""
-    return config.embedding_init_scale / math.sqrt(3.0) * math.sqrt(config.hstu.embedding_dim)
-
-
-# model.encoder -> the encoder it builds; each maps (values [T, D], offsets, timestamps) to
-# [T, D] L2-normalised outputs, and has kernel(device).
-ENCODERS = keyed_by(EncoderName, {
-    "hstu": lambda config: HSTUEncoder(config.hstu),
-    "sasrec": lambda config: SASRecEncoder(config.sasrec, config.hstu.embedding_dim,
-                                           position_init_std=_input_spread(config)),
-})
 
 
 class EmbeddingSource(Protocol):
@@ -137,7 +122,7 @@ class LocalItemTable(nn.Module):
     def __init__(self, num_items: int, config: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__()
         scale = config.embedding_init_scale
-        self.table = nn.Embedding(num_items + 1, config.hstu.embedding_dim, sparse=True, device=device)
+        self.table = nn.Embedding(num_items + 1, config.embedding_dim, sparse=True, device=device)
         nn.init.uniform_(self.table.weight, -scale, scale)
 
     def source(self) -> "EmbeddingSource":
@@ -165,7 +150,7 @@ class _LocalLookup:
 
 
 class SequentialRecommender(nn.Module):
-    """Next-item retrieval model: item table (TorchRec) -> encoder (HSTU or SASRec) -> loss.
+    """Next-item retrieval model: item table (TorchRec) -> encoder (``model.encoder``) -> loss.
 
     Args:
         num_items: catalog size; item ids are ``1..num_items`` and 0 is padding.
@@ -198,7 +183,7 @@ class SequentialRecommender(nn.Module):
         self.num_items = num_items
         self.config = config
         self.precision = precision
-        dim = config.hstu.embedding_dim
+        dim = config.embedding_dim
         scale = config.embedding_init_scale
         table_device = torch.device(embedding_device if embedding_device is not None else device)
         self.embedding_collection: EmbeddingCollection | None = None
@@ -212,7 +197,7 @@ class SequentialRecommender(nn.Module):
                 device=table_device,
             )
         self.rating_embedding: nn.Embedding | None = None
-        if config.hstu.use_rating_feature:
+        if config.use_rating_feature:
             self.rating_embedding = nn.Embedding(NUM_RATINGS, dim, padding_idx=0, device=device)
             # Same spread as item rows (uniform +-scale has std scale/sqrt(3)), so
             # neither input dominates at initialisation.
@@ -240,7 +225,7 @@ class SequentialRecommender(nn.Module):
             # features in as far as they help (measured: a random start lost HR@10).
             nn.init.zeros_(self.user_projection.weight)
             nn.init.zeros_(self.user_projection.bias)
-        self.encoder = ENCODERS[config.encoder](config).to(device)
+        self.encoder = build_encoder(config).to(device)
         # A kernel that cannot run on this device stops the job here, not at the first step.
         self.attention_kernel = self.encoder.kernel(device)
 
@@ -318,7 +303,7 @@ class SequentialRecommender(nn.Module):
             x = x + self.rating_embedding(ratings.clamp(0, NUM_RATINGS - 1).to(torch.int64))
         # sqrt(D) as in the reference HSTU preprocessor: puts inputs at unit-ish
         # scale on the residual stream whatever the init scale of the table.
-        return x * math.sqrt(self.config.hstu.embedding_dim)
+        return x * math.sqrt(self.config.embedding_dim)
 
     def encode_rows(
         self, item_embeddings: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor, ratings: torch.Tensor,
@@ -362,7 +347,7 @@ class SequentialRecommender(nn.Module):
         """
         device = self._dense_device()
         empty = torch.zeros(0, dtype=torch.int64, device=device)
-        rows = [torch.zeros(1, self.config.hstu.embedding_dim, device=device)]
+        rows = [torch.zeros(1, self.config.embedding_dim, device=device)]
         for start in range(1, self.num_items + 1, chunk_size):
             ids = torch.arange(start, min(start + chunk_size, self.num_items + 1), device=device)
             _, embeddings = self.lookup(empty, empty, ids)

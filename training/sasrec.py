@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import AttentionKernelName, SASRecConfig
+from training.config import SASRecConfig
+from training.encoders import Encoder
 from training.jagged import GroupedPlan, check_jagged, lengths_from_offsets
 
 
@@ -102,13 +103,14 @@ class SASRecBlock(nn.Module):
         return x + self.dropout(self.feed_forward(self.feed_forward_norm(x)))
 
 
-class SASRecEncoder(nn.Module):
+class SASRecEncoder(Encoder):
     """Stack of SASRec blocks over a jagged batch; outputs are L2-normalised per position.
 
     Call as ``encoder(values, offsets, timestamps)`` with ``values`` ``[T, width]`` (the
     input embeddings of all positions, samples concatenated), ``offsets`` ``[B+1]`` int64
     and ``timestamps`` ``[T]`` (unused). Position ``t`` of a sample only sees positions
-    ``<= t`` of the same sample.
+    ``<= t`` of the same sample (``training.encoders``). Attention runs per group of
+    equal-length samples on CPU and CUDA alike (the contract's default ``kernel``, ``"grouped"``).
     """
 
     def __init__(self, config: SASRecConfig, width: int, position_init_std: float = 0.02) -> None:
@@ -123,10 +125,9 @@ class SASRecEncoder(nn.Module):
         self.blocks = nn.ModuleList(SASRecBlock(width, config) for _ in range(config.num_layers))
         self.output_norm = nn.LayerNorm(width)
 
-    def kernel(self, device: torch.device | str) -> AttentionKernelName:
-        """The attention kernel on ``device``: always ``grouped`` (PyTorch's scaled-dot-product
-        attention per group of equal-length samples), on CPU and CUDA alike."""
-        return "grouped"
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         check_jagged(values, offsets, timestamps)
