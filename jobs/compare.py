@@ -28,14 +28,13 @@ import time
 import typing
 from pathlib import Path, PurePosixPath
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jobs.job_errors import Stopped, error_line, run_job  # noqa: E402
-from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
-from pipeline.errors import InputError  # noqa: E402
-from training.comparison import comparison_metrics, medians  # noqa: E402  (stdlib only)
-from training.config import CommMode  # noqa: E402  (typed config, no torch)
+from jobs.job_errors import Stopped, error_line, run_job
+from jobs.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from pipeline import options
+from pipeline.errors import InputError
+from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
+from training.comparison import comparison_metrics, medians  # stdlib only
+from training.config import CommMode  # typed config, no torch
 
 VARIANTS = ("contiguous", "balanced", "control")
 TABLE = (("bubble_fraction", "bubble", "{:.4f}", 1), ("idle_fraction", "idle", "{:.3f}", 1),
@@ -55,15 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--shards", help="existing shard sets: contiguous=DIR,balanced=DIR[,control=DIR]")
     p.add_argument("--world-size", type=int, help="ranks K (with --input; with --shards: the manifests')")
     p.add_argument("--local-batch-size", type=int, help="samples per rank per step B (with --input)")
-    p.add_argument("--strategy", default="kk", help="the balanced variant's strategy (default kk)")
-    p.add_argument("--window-steps", type=int, default=1, help="the balanced variant's --window-steps (default 1)")
+    # The balanced variant's plan options (BalanceSpec's "compare" surface): strategies are checked
+    # in check_args, which refuses contiguous too.
+    options.add_arguments(p, BalanceSpec, "compare", choices=False)
     p.add_argument("--cost-model", help="cost-model JSON for every variant (default: the built-in analytic model)")
     p.add_argument("--control", action="store_true", help="also train on the mirror control (the noise floor)")
     p.add_argument("--repeats", type=int, default=3, help="runs per variant (default 3); medians are reported")
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--max-steps", type=int, help="steps per run")
     steps.add_argument("--epochs", type=int, help="passes over the balanced shards per run (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="balance seed, and training seed of repeat r = seed + r")
+    p.add_argument("--seed", type=int, default=options.default_of(BalanceSpec, "seed"),
+                   help="balance seed, and training seed of repeat r = seed + r")
     p.add_argument("--config", help="training TOML config, for every run")
     p.add_argument("--comm-mode", choices=typing.get_args(CommMode), help="comm mode of every run "
                                                                          "(default: the config's)")
@@ -135,25 +136,24 @@ def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
 
     if (args.input is None) == (args.shards is None):
         raise InputError("give --input PREPARED (build the shard sets) or --shards contiguous=DIR,balanced=DIR")
-    positive = [("--repeats", args.repeats), ("--window-steps", args.window_steps), ("--max-steps", args.max_steps),
+    positive = [("--repeats", args.repeats), ("--max-steps", args.max_steps),
                 ("--epochs", args.epochs), ("--world-size", args.world_size),
                 ("--local-batch-size", args.local_batch_size)]
     for flag, value in positive:
         if value is not None and value < 1:
             raise InputError(f"{flag} must be a positive integer, got {value}")
+    args.balanced = {f.name: getattr(args, f.name) for f in options.on_surface(BalanceSpec, "compare")}
     if args.input is not None:
         if args.world_size is None or args.local_batch_size is None:
             raise InputError("--input needs --world-size and --local-batch-size")
         if not (Path(args.input) / "prepare.json").is_file():
             raise InputError(f"--input {args.input}: no prepare.json (not a `freescale prepare` output)")
-        from balancing.strategies import STRATEGIES, per_batch_conflict
+        from balancing.strategies import STRATEGIES
 
         if args.strategy not in STRATEGIES or args.strategy == "contiguous":
             raise InputError(f"--strategy {args.strategy!r}: choose one of "
                              f"{', '.join(s for s in STRATEGIES if s != 'contiguous')}")
-        conflict = per_batch_conflict(args.strategy, args.window_steps, None)
-        if conflict:
-            raise InputError(conflict)
+        shard_set_specs(args, Path(args.input))  # the balanced variant's values, checked as balance checks them
     else:
         args.shard_sets = parse_shard_sets(args.shards, args.control)
         args.manifests = check_shard_sets(args.shard_sets, args.world_size, args.local_batch_size)
@@ -206,26 +206,28 @@ class StageFailed(Exception):
         self.code, self.message = code, message
 
 
-def build_shard_sets(args: argparse.Namespace, work: Path, uri: str, experiment: str,
-                     comparison: str) -> dict[str, Path]:
+def shard_set_specs(args: argparse.Namespace, work: Path) -> dict[str, BalanceSpec]:
+    """Each variant's shard set, to build into ``work``: the same input, sizes, seed and cost model
+    (comparable predicted bubbles), the balanced one with the options compare was given."""
+    common = {"input": str(args.input), "world_size": args.world_size, "local_batch_size": args.local_batch_size,
+              "seed": args.seed, "cost_model": args.cost_model, "overwrite": True}
+    plans = {"contiguous": {"strategy": "contiguous"}, "balanced": args.balanced}
+    if args.control:
+        plans["control"] = {"strategy": "contiguous", "control": "mirror"}
+    return {variant: options.from_values(BalanceSpec, {**common, **plan, "output": str(work / f"shards-{variant}")})
+            for variant, plan in plans.items()}
+
+
+def build_shard_sets(args: argparse.Namespace, work: Path, tracking: Tracking) -> dict[str, Path]:
     """The real balance job, once per variant, into ``work``; their MLflow runs carry the comparison's tags."""
     from jobs import balance
 
-    common = ["--input", str(args.input), "--world-size", str(args.world_size),
-              "--local-batch-size", str(args.local_batch_size), "--seed", str(args.seed), "--overwrite",
-              "--tracking-uri", uri, "--experiment", experiment, "--comparison", comparison]
-    if args.cost_model:
-        common += ["--cost-model", args.cost_model]  # every variant: comparable predicted bubbles
-    plans = {"contiguous": ["--strategy", "contiguous"],
-             "balanced": ["--strategy", args.strategy, "--window-steps", str(args.window_steps)]}
-    if args.control:
-        plans["control"] = ["--strategy", "contiguous", "--control", "mirror"]
     sets = {}
-    for variant, extra in plans.items():
-        sets[variant] = work / f"shards-{variant}"
-        code = balance.main([*common, "--output", str(sets[variant]), *extra])
+    for variant, spec in shard_set_specs(args, work).items():
+        code = balance.run(lambda spec=spec: spec, tracking)
         if code:
             raise StageFailed(code)
+        sets[variant] = Path(spec.output)
     return sets
 
 
@@ -365,7 +367,7 @@ def compare(args: argparse.Namespace, overrides: list[str]) -> int:
         signal.signal(signal.SIGTERM, stop)
     started = time.time()
     params = {"input": args.input, "shards": args.shards, "world_size": world_size, "local_batch_size": batch,
-              "strategy": args.strategy, "window_steps": args.window_steps, "cost_model": args.cost_model,
+              **args.balanced, "strategy": args.strategy, "cost_model": args.cost_model,
               "control": control, "repeats": args.repeats, "max_steps": args.max_steps, "epochs": args.epochs,
               "seed": args.seed, "config": args.config, "comm_mode": args.comm_mode, "overrides": " ".join(overrides),
               "workdir": str(work)}
@@ -373,7 +375,7 @@ def compare(args: argparse.Namespace, overrides: list[str]) -> int:
         with job_run("compare", tracking_uri=uri, experiment=experiment, params=params, run_name=name,
                      tags={**run_tags(args.strategy, control, comparison),
                            "freescale.world_size": str(world_size)}) as run:
-            sets = (build_shard_sets(args, work, uri, experiment, comparison) if args.input is not None
+            sets = (build_shard_sets(args, work, Tracking(uri, experiment, comparison)) if args.input is not None
                     else {v: args.shard_sets[v] for v in variants})
             steps = args.max_steps
             if steps is None and args.epochs is not None:

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -27,6 +28,20 @@ def add_tracking_arguments(parser: argparse.ArgumentParser, experiment: bool = T
     if experiment:
         parser.add_argument("--experiment", default=experiment_default,
                             help=f"MLflow experiment (default {experiment_note})")
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """Where a job records its run: ``--tracking-uri`` (None: resolve_tracking_uri's default),
+    ``--experiment``, and the `freescale compare` it belongs to (MLflow tag freescale.comparison)."""
+
+    uri: str | None = None
+    experiment: str = DEFAULT_EXPERIMENT
+    comparison: str | None = None
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Tracking:
+        return cls(args.tracking_uri, args.experiment, getattr(args, "comparison", None))
 
 
 def resolve_tracking_uri(cli_value: str | None) -> str:

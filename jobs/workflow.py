@@ -3,8 +3,9 @@ TOML, safe to rerun from cron, Airflow or any scheduler.
 
     freescale pipeline --config configs/demo_pipeline.toml [--fresh] [--section.key VALUE ...]
 
-Each stage calls its job in-process (`jobs.prepare.main`, `jobs.calibrate.main`,
-`jobs.balance.main`, `jobs.launch.launch`, `jobs.compare.main`), each still runnable by itself.
+Each stage calls its job in-process, each still runnable by itself: balance through its typed
+entry (`jobs.balance.run` with a `BalanceSpec` built from [balance]), the others with a command line
+(`jobs.prepare.main`, `jobs.calibrate.main`, `jobs.launch.launch`, `jobs.compare.main`).
 A stage that finishes leaves a record next to its output in the working directory,
 `<workdir>/<stage>.fingerprint.json`: the fingerprint of everything the stage's arguments are
 built from (its config section, the shared sizes, the identity of its input files: path,
@@ -41,14 +42,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-if __package__ in (None, ""):  # run as a file (python jobs/workflow.py): make the project importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jobs.workflow_config import WorkflowConfig, load_workflow_config, override_argv, toml_text  # noqa: E402
-from pipeline import locks  # noqa: E402
-from pipeline.errors import InputError  # noqa: E402
-from pipeline.json_files import write_json  # noqa: E402
-from pipeline.stages import LOCK, Stage, file_identity, json_damage, read_record, record_path, run_stages  # noqa: E402
+from jobs.workflow_config import WorkflowConfig, load_workflow_config, override_argv, toml_text
+from pipeline import locks, options
+from pipeline.errors import InputError
+from pipeline.json_files import write_json
+from pipeline.stages import LOCK, Stage, file_identity, json_damage, read_record, record_path, run_stages
 
 STAGES = ("prepare", "calibrate", "balance", "train", "compare")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
@@ -59,148 +57,201 @@ UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance
 # ------------------------------------------------------------------------------ stages
 
 
-def _job(module: str, function: str = "main") -> Callable[[list[str]], int]:
-    """The job's entry point, imported when the stage runs (a skipped stage loads nothing)."""
-    def run(argv: list[str]) -> int:
+class Workdir:
+    """Where each stage writes, under [pipeline] workdir."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.prepared, self.shards, self.checkpoints, self.compare = (
+            root / name for name in ("prepared", "shards", "checkpoints", "compare"))
+        self.cost_model, self.rank_speeds = root / "cost_model.json", root / "rank_speeds.json"
+        self.summary, self.compare_summary = root / "train_summary.json", root / "compare_summary.json"
+
+
+def _job(module: str, argv: list[str], function: str = "main") -> Callable[[], int]:
+    """A job that takes a command line, imported when the stage runs (a skipped stage loads nothing)."""
+    def run() -> int:
         import importlib
 
         return getattr(importlib.import_module(module), function)(argv)
     return run
 
 
+def tracking_argv(config: WorkflowConfig) -> list[str]:
+    p = config.pipeline
+    return (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--experiment", p.experiment]
+
+
+def train_inputs(config: WorkflowConfig) -> dict[str, str]:
+    """The training config's identity, for the stages that read it."""
+    return {"train.config": file_identity(config.train.config)} if config.train.config else {}
+
+
+def used_cost_model(config: WorkflowConfig, work: Workdir) -> str | None:
+    """The cost model balance and compare plan with: calibrate's, the given one, or none (the built-in)."""
+    return str(work.cost_model) if config.calibrate.enabled else (config.calibrate.cost_model or None)
+
+
 def build_stages(config: WorkflowConfig) -> list[Stage]:
-    """The five stages in order, with their arguments, fingerprint content and output checks."""
-    p, work = config.pipeline, Path(config.pipeline.workdir)
-    prepared, shards, cost_model = work / "prepared", work / "shards", work / "cost_model.json"
-    rank_speeds, summary = work / "rank_speeds.json", work / "train_summary.json"
-    tracking = (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--experiment", p.experiment]
-    sizes = {"world_size": p.world_size, "local_batch_size": p.local_batch_size}
-    train_cfg = config.train.config
-    train_inputs = {"train.config": file_identity(train_cfg)} if train_cfg else {}
-    # What calibrate times is the trained model: its shape, its loss and the encoder's arithmetic.
-    model_overrides = {k: v for k, v in config.train.overrides.items()
-                       if k.startswith(("model.", "loss.", "training.precision"))}
-
-    # prepare
-    prep = asdict(config.prepare)
-    prepare_argv = ["--output", str(prepared), "--overwrite", "--max-seq-len", str(prep["max_seq_len"])]
-    prepare_params: dict[str, Any] = {"max_seq_len": prep["max_seq_len"], "keep_duplicates": prep["keep_duplicates"]}
-    if config.prepare.input:
-        prepare_argv += ["--input", config.prepare.input] + (["--format", prep["format"]] if prep["format"] else [])
-        prepare_params.update(input=config.prepare.input, format=prep["format"],
-                              **{"input identity": file_identity(config.prepare.input)})
-    else:
-        prepare_argv += ["--synthetic-users", str(prep["synthetic_users"]),
-                         "--synthetic-items", str(prep["synthetic_items"]), "--seed", str(prep["seed"])]
-        prepare_params.update({k: prep[k] for k in ("synthetic_users", "synthetic_items", "seed")})
-    if config.prepare.user_features:
-        prepare_argv += ["--user-features", config.prepare.user_features]
-        prepare_params.update(user_features=config.prepare.user_features,
-                              **{"user_features identity": file_identity(config.prepare.user_features)})
-        if config.prepare.user_feature_cols:
-            prepare_argv += ["--user-feature-cols", config.prepare.user_feature_cols]
-            prepare_params["user_feature_cols"] = config.prepare.user_feature_cols
-    if config.prepare.keep_duplicates:
-        prepare_argv.append("--keep-duplicates")
-
-    def prepare_damage() -> str | None:
-        if not (prepared / "sequences").is_dir():
-            return f"{prepared / 'sequences'} is missing"
-        return json_damage(prepared / "prepare.json", "prepare summary")()
-
-    # calibrate
-    cal = config.calibrate
-    calibrate_argv = ["--output", str(cost_model), "--repeats", str(cal.repeats),
-                      "--held-out-batches", str(cal.held_out_batches), "--overwrite"]
-    calibrate_argv += (["--config", train_cfg] if train_cfg else []) + override_argv(model_overrides)
-    if cal.rank_speeds:
-        calibrate_argv += ["--rank-speeds-output", str(rank_speeds), "--nproc-per-node", str(p.world_size)]
-    calibrate_params = {"repeats": cal.repeats, "held_out_batches": cal.held_out_batches,
-                        "rank_speeds": cal.rank_speeds, **train_inputs,
-                        **{key: toml_text(value) for key, value in model_overrides.items()}}
-
-    def calibrate_damage() -> str | None:
-        from pipeline.cost_model import CostModel
-
-        try:
-            CostModel.load(cost_model)
-        except InputError as exc:
-            return str(exc)
-        return json_damage(rank_speeds, "rank speeds file")() if cal.rank_speeds else None
-
-    # balance
-    bal = config.balance
-    balance_argv = ["--input", str(prepared), "--output", str(shards), "--world-size", str(p.world_size),
-                    "--local-batch-size", str(p.local_batch_size), "--strategy", bal.strategy,
-                    "--window-steps", str(bal.window_steps), "--seed", str(bal.seed), "--leftover", bal.leftover,
-                    "--overwrite"]
-    balance_argv += ["--equal-counts"] if bal.equal_counts else []
-    balance_argv += ["--token-cap", str(bal.token_cap)] if bal.token_cap else []
-    balance_argv += ["--time-limit", str(bal.time_limit)] if bal.time_limit else []
-    balance_params: dict[str, Any] = {**sizes, **asdict(bal)}
-    used_cost_model = str(cost_model) if cal.enabled else cal.cost_model
-    if used_cost_model:
-        balance_argv += ["--cost-model", used_cost_model]
-    if cal.cost_model:
-        balance_params.update(cost_model=cal.cost_model, **{"cost_model identity": file_identity(cal.cost_model)})
-    if cal.rank_speeds:
-        balance_argv += ["--capacities", f"@{rank_speeds}"]
-
-    def balance_damage() -> str | None:
-        from shards.manifest import ShardError, load_manifest
-
-        try:
-            load_manifest(shards, p.world_size)
-        except ShardError as exc:
-            return str(exc)
-        return None
-
-    # train
-    tr = config.train
-    train_argv = ["--shards", str(shards), "--nproc-per-node", str(p.world_size), "--summary-json", str(summary),
-                  "--checkpoint.folder", str(work / "checkpoints")]
-    train_argv += (["--config", train_cfg] if train_cfg else []) + (["--run-name", tr.run_name] if tr.run_name else [])
-    train_argv += (["--max-steps", str(tr.max_steps)] if tr.max_steps else []) + override_argv(tr.overrides)
-    train_argv += (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--tracking.experiment", p.experiment]
-    train_params = {"world_size": p.world_size, "max_steps": tr.max_steps, **train_inputs,
-                    **{key: toml_text(value) for key, value in tr.overrides.items()}}
-
-    # compare
-    cmp_cfg = config.compare
-    compare_summary = work / "compare_summary.json"
-    compare_argv = ["--input", str(prepared), "--world-size", str(p.world_size),
-                    "--local-batch-size", str(p.local_batch_size), "--repeats", str(cmp_cfg.repeats),
-                    "--strategy", cmp_cfg.strategy, "--window-steps", str(bal.window_steps),
-                    "--workdir", str(work / "compare"), "--summary-json", str(compare_summary), *tracking]
-    compare_argv += ["--control"] if cmp_cfg.control else []
-    compare_argv += ["--config", train_cfg] if train_cfg else []
-    compare_argv += ["--cost-model", used_cost_model] if used_cost_model else []
-    steps = cmp_cfg.max_steps or tr.max_steps
-    compare_argv += (["--max-steps", str(steps)] if steps else []) + override_argv(tr.overrides)
-    compare_params = {**sizes, **asdict(cmp_cfg), "window_steps": bal.window_steps, "max_steps": steps,
-                      **train_inputs, **{key: toml_text(value) for key, value in tr.overrides.items()},
-                      **({"cost_model identity": file_identity(cal.cost_model)} if cal.cost_model else {})}
-
-    def checkpoints(continuable: bool) -> str:
-        return _prepare_checkpoints(work / "checkpoints", continuable)
-
-    stages = [
-        Stage("prepare", _job("jobs.prepare"), prepare_argv + tracking, prepare_params, prepared, prepare_damage),
-        Stage("calibrate", _job("jobs.calibrate"), calibrate_argv + tracking, calibrate_params, cost_model,
-              calibrate_damage,
-              off=None if cal.enabled else (f"[calibrate] enabled = false; balance uses {cal.cost_model}"
-                                            if cal.cost_model else "[calibrate] enabled = false; balance uses "
-                                            "the built-in cost model")),
-        Stage("balance", _job("jobs.balance"), balance_argv + tracking, balance_params, shards, balance_damage),
-        Stage("train", _job("jobs.launch", "launch"), train_argv, train_params, summary,
-              json_damage(summary, "training summary"), before_run=checkpoints),
-        Stage("compare", _job("jobs.compare"), compare_argv, compare_params, compare_summary,
-              json_damage(compare_summary, "comparison summary"),
-              off=None if cmp_cfg.enabled else "[compare] enabled = false"),
-    ]
+    """The five stages in order, with their jobs, fingerprint content and output checks."""
+    work = Workdir(Path(config.pipeline.workdir))
+    stages = [prepare_stage(config, work), calibrate_stage(config, work), balance_stage(config, work),
+              train_stage(config, work), compare_stage(config, work)]
     for stage in stages:
         stage.upstream = UPSTREAM[stage.name]
     return stages
+
+
+def prepare_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
+    prep = asdict(config.prepare)
+    argv = ["--output", str(work.prepared), "--overwrite", "--max-seq-len", str(prep["max_seq_len"])]
+    params: dict[str, Any] = {"max_seq_len": prep["max_seq_len"], "keep_duplicates": prep["keep_duplicates"]}
+    if config.prepare.input:
+        argv += ["--input", config.prepare.input] + (["--format", prep["format"]] if prep["format"] else [])
+        params.update(input=config.prepare.input, format=prep["format"],
+                      **{"input identity": file_identity(config.prepare.input)})
+    else:
+        argv += ["--synthetic-users", str(prep["synthetic_users"]),
+                 "--synthetic-items", str(prep["synthetic_items"]), "--seed", str(prep["seed"])]
+        params.update({k: prep[k] for k in ("synthetic_users", "synthetic_items", "seed")})
+    if config.prepare.user_features:
+        argv += ["--user-features", config.prepare.user_features]
+        params.update(user_features=config.prepare.user_features,
+                      **{"user_features identity": file_identity(config.prepare.user_features)})
+        if config.prepare.user_feature_cols:
+            argv += ["--user-feature-cols", config.prepare.user_feature_cols]
+            params["user_feature_cols"] = config.prepare.user_feature_cols
+    if config.prepare.keep_duplicates:
+        argv.append("--keep-duplicates")
+    return argv + tracking_argv(config), params
+
+
+def prepare_stage(config: WorkflowConfig, work: Workdir) -> Stage:
+    argv, params = prepare_argv(config, work)
+
+    def damage() -> str | None:
+        if not (work.prepared / "sequences").is_dir():
+            return f"{work.prepared / 'sequences'} is missing"
+        return json_damage(work.prepared / "prepare.json", "prepare summary")()
+    return Stage("prepare", _job("jobs.prepare", argv), params, work.prepared, damage)
+
+
+def calibrate_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
+    """calibrate times the trained model: its shape, its loss and the encoder's arithmetic."""
+    cal, train_cfg = config.calibrate, config.train.config
+    overrides = {k: v for k, v in config.train.overrides.items()
+                 if k.startswith(("model.", "loss.", "training.precision"))}
+    argv = ["--output", str(work.cost_model), "--repeats", str(cal.repeats),
+            "--held-out-batches", str(cal.held_out_batches), "--overwrite"]
+    argv += (["--config", train_cfg] if train_cfg else []) + override_argv(overrides)
+    if cal.rank_speeds:
+        argv += ["--rank-speeds-output", str(work.rank_speeds), "--nproc-per-node", str(config.pipeline.world_size)]
+    params = {"repeats": cal.repeats, "held_out_batches": cal.held_out_batches, "rank_speeds": cal.rank_speeds,
+              **train_inputs(config), **{key: toml_text(value) for key, value in overrides.items()}}
+    return argv + tracking_argv(config), params
+
+
+def calibrate_stage(config: WorkflowConfig, work: Workdir) -> Stage:
+    cal = config.calibrate
+    argv, params = calibrate_argv(config, work)
+
+    def damage() -> str | None:
+        from pipeline.cost_model import CostModel
+
+        try:
+            CostModel.load(work.cost_model)
+        except InputError as exc:
+            return str(exc)
+        return json_damage(work.rank_speeds, "rank speeds file")() if cal.rank_speeds else None
+    off = None if cal.enabled else (f"[calibrate] enabled = false; balance uses {cal.cost_model}" if cal.cost_model
+                                    else "[calibrate] enabled = false; balance uses the built-in cost model")
+    return Stage("calibrate", _job("jobs.calibrate", argv), params, work.cost_model, damage, off=off)
+
+
+def balance_values(config: WorkflowConfig, work: Workdir) -> dict[str, Any]:
+    """The balance stage's spec values: the [balance] section, the shared sizes, [calibrate]'s cost
+    model and rank speeds (as ``@FILE``, read when the stage runs: calibrate writes it first)."""
+    p = config.pipeline
+    values = {**options.section_values(config.balance), "input": str(work.prepared), "output": str(work.shards),
+              "world_size": p.world_size, "local_batch_size": p.local_batch_size,
+              "cost_model": used_cost_model(config, work), "overwrite": True}
+    if config.calibrate.rank_speeds:
+        values["capacities"] = f"@{work.rank_speeds}"
+    return values
+
+
+def balance_stage(config: WorkflowConfig, work: Workdir) -> Stage:
+    p, cal = config.pipeline, config.calibrate
+    spec, values = type(config.balance).spec, balance_values(config, work)
+
+    def run() -> int:
+        from jobs import balance
+        from jobs.tracking import Tracking
+
+        return balance.run(lambda: options.from_values(spec, values), Tracking(p.tracking_uri or None, p.experiment))
+
+    params: dict[str, Any] = {"world_size": p.world_size, "local_batch_size": p.local_batch_size,
+                              **asdict(config.balance)}
+    if cal.cost_model:
+        params.update(cost_model=cal.cost_model, **{"cost_model identity": file_identity(cal.cost_model)})
+
+    def damage() -> str | None:
+        from shards.manifest import ShardError, load_manifest
+
+        try:
+            load_manifest(work.shards, p.world_size)
+        except ShardError as exc:
+            return str(exc)
+        return None
+    return Stage("balance", run, params, work.shards, damage)
+
+
+def train_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
+    p, tr = config.pipeline, config.train
+    argv = ["--shards", str(work.shards), "--nproc-per-node", str(p.world_size), "--summary-json", str(work.summary),
+            "--checkpoint.folder", str(work.checkpoints)]
+    argv += (["--config", tr.config] if tr.config else []) + (["--run-name", tr.run_name] if tr.run_name else [])
+    argv += (["--max-steps", str(tr.max_steps)] if tr.max_steps else []) + override_argv(tr.overrides)
+    argv += (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--tracking.experiment", p.experiment]
+    params = {"world_size": p.world_size, "max_steps": tr.max_steps, **train_inputs(config),
+              **{key: toml_text(value) for key, value in tr.overrides.items()}}
+    return argv, params
+
+
+def train_stage(config: WorkflowConfig, work: Workdir) -> Stage:
+    argv, params = train_argv(config, work)
+
+    def checkpoints(continuable: bool) -> str:
+        return _prepare_checkpoints(work.checkpoints, continuable)
+    return Stage("train", _job("jobs.launch", argv, "launch"), params, work.summary,
+                 json_damage(work.summary, "training summary"), before_run=checkpoints)
+
+
+def compare_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
+    p, tr, cmp_cfg, bal = config.pipeline, config.train, config.compare, config.balance
+    argv = ["--input", str(work.prepared), "--world-size", str(p.world_size),
+            "--local-batch-size", str(p.local_batch_size), "--repeats", str(cmp_cfg.repeats),
+            "--strategy", cmp_cfg.strategy, "--window-steps", str(bal.window_steps),
+            "--workdir", str(work.compare), "--summary-json", str(work.compare_summary), *tracking_argv(config)]
+    argv += ["--control"] if cmp_cfg.control else []
+    argv += ["--config", tr.config] if tr.config else []
+    cost_model = used_cost_model(config, work)
+    argv += ["--cost-model", cost_model] if cost_model else []
+    steps = cmp_cfg.max_steps or tr.max_steps
+    argv += (["--max-steps", str(steps)] if steps else []) + override_argv(tr.overrides)
+    params = {"world_size": p.world_size, "local_batch_size": p.local_batch_size, **asdict(cmp_cfg),
+              "window_steps": bal.window_steps, "max_steps": steps, **train_inputs(config),
+              **{key: toml_text(value) for key, value in tr.overrides.items()},
+              **({"cost_model identity": file_identity(config.calibrate.cost_model)}
+                 if config.calibrate.cost_model else {})}
+    return argv, params
+
+
+def compare_stage(config: WorkflowConfig, work: Workdir) -> Stage:
+    argv, params = compare_argv(config, work)
+    return Stage("compare", _job("jobs.compare", argv), params, work.compare_summary,
+                 json_damage(work.compare_summary, "comparison summary"),
+                 off=None if config.compare.enabled else "[compare] enabled = false")
 
 
 # ------------------------------------------------------------------------------ the run
@@ -234,7 +285,7 @@ def run_stage(stage: Stage, work: Path) -> tuple[int, str, bool]:
     tap, saved = _ErrorLineTap(sys.stderr), sys.stderr
     sys.stderr = tap
     try:
-        rc = stage.run(stage.argv)
+        rc = stage.run()
     except SystemExit as exc:  # argparse inside the job
         rc = exc.code if isinstance(exc.code, int) else 2
     except BaseException as exc:

@@ -12,14 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from balancing.strategies import STRATEGIES  # numpy only
-from balancing.types import LeftoverPolicy
-from pipeline.layouts import FORMATS  # plain data
+from pipeline import options
 from pipeline.errors import InputError
+from pipeline.layouts import FORMATS  # plain data
+from shards.balance_spec import BalanceSpec, StrategyName  # the balancing registry's names only: numpy
 from training.attention_kernel import check_attention_kernel
 from training.config import DEFAULT_EXPERIMENT, ConfigError, apply_table, load_config, parse_overrides  # no torch
 
-StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  # the balancing registry's names
 FormatName = Literal[("",) + FORMATS]  # type: ignore[valid-type]
 
 
@@ -93,22 +92,9 @@ class CalibrateSection:
             raise ValueError("rank_speeds needs enabled = true")
 
 
-@dataclass
-class BalanceSection:
-    strategy: StrategyName = "kk"
-    """Partition strategy (balancing.strategies)."""
-    window_steps: int = 1
-    """Plan W global batches together so heavy samples can share steps."""
-    seed: int = 0
-    """Shuffle and tie-break seed."""
-    equal_counts: bool = False
-    """Every rank gets B samples (+-1) per step."""
-    token_cap: int = 0
-    """Per-rank cap on the sum of history lengths per step; 0 = none."""
-    leftover: LeftoverPolicy = "drop"
-    """The last partial global batch: dropped (counted in the manifest) or kept as a short step."""
-    time_limit: float = 0.0
-    """Seconds per step for the ortools strategy; 0 = the job's default."""
+BalanceSection = options.section(BalanceSpec, "pipeline", "BalanceSection")
+"""``[balance]``: the options of ``shards.balance_spec.BalanceSpec`` offered to the pipeline (strategy,
+window_steps, seed, equal_counts, token_cap, leftover, time_limit; an optional number is 0 for none)."""
 
 
 @dataclass
@@ -129,7 +115,7 @@ class TrainSection:
 class CompareSection:
     enabled: bool = False
     """Also run `freescale compare`: contiguous vs balanced training on the prepared data."""
-    strategy: StrategyName = "kk"
+    strategy: StrategyName = options.default_of(BalanceSpec, "strategy")
     """The balanced side's strategy."""
     repeats: int = 1
     """Training runs per side."""

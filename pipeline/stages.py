@@ -36,8 +36,8 @@ or finished."""
 @dataclass
 class Stage:
     name: str
-    run: Callable[[list[str]], int]
-    argv: list[str]
+    run: Callable[[], int]
+    """Runs the stage's job; its exit status."""
     params: dict[str, Any]
     """Every value the arguments are built from (tracking excepted) and the inputs' identities: the fingerprint's content."""
     output: Path

@@ -1,21 +1,21 @@
 """Spark transforms that turn costed samples into a shard plan: shuffle, cut into windows, plan
 each window on the executors, and the per-step loads the manifest records.
 
-Every function is DataFrame -> DataFrame; the balance job (jobs/balance.py) wires them together.
+Every function is DataFrame -> DataFrame over a ``BalanceSpec`` (shards/balance_spec.py, shipped to
+the executors inside the UDF closure); shards/spark_balance.py wires them together.
 pyspark, pandas and numpy are imported inside the functions: ``shards`` stays importable with
 the standard library and pyarrow alone (the trainer reads the format without Spark).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from balancing.inputs import DEFAULT_FLOP_WIDTH
 
 if TYPE_CHECKING:
     import pandas as pd
     from pyspark.sql import DataFrame
     from pyspark.sql import types as T
+
+    from shards.balance_spec import BalanceSpec
 
 ASSIGNMENT_COLUMNS = ("user_id", "step", "rank", "slot", "origin_step")
 """A plan's rows: which sample goes to which (step, rank, slot), and the step it was drawn for."""
@@ -31,30 +31,6 @@ def assignment_schema() -> T.StructType:
         T.StructField("slot", T.IntegerType(), False),
         T.StructField("origin_step", T.LongType(), False),
     ])
-
-
-@dataclass(frozen=True)
-class PlanSpec:
-    """What every window is planned with; shipped to the executors inside the UDF closure."""
-
-    world_size: int
-    local_batch_size: int
-    window_steps: int
-    strategy: str
-    seed: int
-    token_cap: int | None = None
-    equal_counts: bool = False
-    capacities: tuple[float, ...] | None = None
-    time_limit_s: float | None = None
-    flop_width: int = DEFAULT_FLOP_WIDTH
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.world_size * self.local_batch_size
-
-    @property
-    def window_size(self) -> int:
-        return self.window_steps * self.global_batch_size
 
 
 def with_global_position(samples: DataFrame, seed: int) -> DataFrame:
@@ -102,7 +78,7 @@ def apply_leftover_policy(positioned: DataFrame, num_samples: int, global_batch_
     return positioned.where(F.col("position") < kept)
 
 
-def plan_windows(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
+def plan_windows(positioned: DataFrame, spec: BalanceSpec) -> DataFrame:
     """(user_id, position, cost, length) -> (user_id, step, rank, slot, origin_step), one plan per window.
 
     Windows are planned in parallel on the executors (grouped pandas UDF); each gets
@@ -127,7 +103,7 @@ def plan_windows(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
                       lengths=frame["length"].to_numpy(np.int64), token_cap=spec.token_cap,
                       equal_counts=spec.equal_counts,
                       capacities=None if spec.capacities is None else np.asarray(spec.capacities),
-                      seed=spec.seed * 1_000_003 + window, time_limit_s=spec.time_limit_s,
+                      seed=spec.seed * 1_000_003 + window, time_limit_s=spec.time_limit,
                       flop_width=spec.flop_width)
         first_step = window * spec.window_steps
         local_index = np.arange(len(frame))
@@ -144,7 +120,7 @@ def plan_windows(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
     return windowed.groupBy("window").applyInPandas(plan_one_window, schema=assignment_schema())
 
 
-def contiguous_assignment(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
+def contiguous_assignment(positioned: DataFrame, spec: BalanceSpec) -> DataFrame:
     """The baseline (next B samples per rank, in shuffled order) as an assignment frame."""
     from pyspark.sql import functions as F
 
@@ -156,7 +132,7 @@ def contiguous_assignment(positioned: DataFrame, spec: PlanSpec) -> DataFrame:
         (within % F.lit(b)).cast("int").alias("slot"), step.alias("origin_step"))
 
 
-def mirror_assignment(positioned: DataFrame, spec: PlanSpec, num_steps: int) -> DataFrame:
+def mirror_assignment(positioned: DataFrame, spec: BalanceSpec, num_steps: int) -> DataFrame:
     """Diagnostic control: step s gives every rank the same B samples (positions s*B .. s*B+B-1).
 
     Ranks then do identical work each step, so the bubble it measures is the noise
@@ -173,7 +149,7 @@ def mirror_assignment(positioned: DataFrame, spec: PlanSpec, num_steps: int) -> 
     return chosen.crossJoin(ranks).select("user_id", "step", "rank", "slot", F.col("step").alias("origin_step"))
 
 
-def step_loads(assignment: DataFrame, costs: DataFrame, spec: PlanSpec) -> DataFrame:
+def step_loads(assignment: DataFrame, costs: DataFrame, spec: BalanceSpec) -> DataFrame:
     """Per step: largest rank time, mean rank time, sample count (tiny: one row per step).
 
     Rank time is load / capacity (capacities normalised to mean 1), so a slower rank

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs import balance, calibrate, cli
+from jobs import calibrate, cli
 from pipeline import rank_speeds
 from pipeline.calibration import (
     compare_forms,
@@ -220,10 +220,17 @@ def test_fits_and_rank_speeds_reader_load_no_torch(tmp_path) -> None:
     assert run.stdout.strip() == "(1.05, 0.95) []", (run.stdout, run.stderr)
 
 
+def parse_capacities(text: str, world_size: int) -> tuple[float, ...]:
+    """balance's --capacities, as its spec parses it."""
+    from shards.balance_spec import parse_capacities as parse
+
+    return parse(text, {"world_size": world_size})
+
+
 def test_balance_capacities_accept_rank_speeds_file(tmp_path) -> None:
     speeds = write_speeds(tmp_path / "speeds.json", [1.05, 0.95], ci=[[1.0, 1.1], [0.9, 1.0]], significant=True)
-    assert balance.parse_capacities(f"@{speeds}", 2) == (1.05, 0.95)
-    assert balance.parse_capacities("1.0,0.9", 2) == (1.0, 0.9)  # the comma form still works
+    assert parse_capacities(f"@{speeds}", 2) == (1.05, 0.95)
+    assert parse_capacities("1.0,0.9", 2) == (1.0, 0.9)  # the comma form still works
 
 
 @pytest.mark.parametrize("content, words", [
@@ -236,12 +243,12 @@ def test_balance_rejects_bad_rank_speeds_file_naming_it(tmp_path, content, words
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(InputError) as err:
-        balance.parse_capacities(f"@{path}", 2)
+        parse_capacities(f"@{path}", 2)
     message = str(err.value)
     assert str(path) in message and "\n" not in message
     assert all(w in message for w in words), message
     with pytest.raises(InputError, match="does not exist"):
-        balance.parse_capacities(f"@{tmp_path / 'missing.json'}", 2)
+        parse_capacities(f"@{tmp_path / 'missing.json'}", 2)
 
 
 # ------------------------------------------------------------------------- the job
@@ -370,9 +377,9 @@ def test_rank_speeds_with_two_ranks(tmp_path, capsys) -> None:
     assert np.mean(measured) == pytest.approx(1.0)
     if not document["significant"]:
         assert document["capacities"] == [1.0, 1.0]
-    assert balance.parse_capacities(f"@{speeds}", 2) == tuple(document["capacities"])
+    assert parse_capacities(f"@{speeds}", 2) == tuple(document["capacities"])
     with pytest.raises(InputError, match="--world-size is 3"):
-        balance.parse_capacities(f"@{speeds}", 3)
+        parse_capacities(f"@{speeds}", 3)
     assert "Rank speeds" in captured.out
 
 

@@ -274,27 +274,30 @@ def test_a_failing_stage_stops_the_pipeline_with_its_own_status_and_line(failing
     assert json.loads((work / "prepare.fingerprint.json").read_text())["status"] == "running"
 
 
-def test_every_stage_argv_parses_with_its_job_parser(tmp_path):
-    """The arguments the pipeline builds are the jobs' own (compare and calibrate are too slow to run
-    here: their argv is checked against their parsers instead)."""
-    from jobs import balance, calibrate, compare, prepare
+def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
+    """What the pipeline hands each job is the job's own: balance's values make its spec, the other
+    stages' command lines parse with their jobs' parsers (compare and calibrate are too slow to run
+    here)."""
+    from jobs import calibrate, compare, prepare
+    from pipeline import options
+    from shards.balance_spec import BalanceSpec
 
     config = write_config(tmp_path, tmp_path / "work", extra='[train.overrides]\n"model.hstu.num_layers" = 1\n'
                                                               '"training.precision" = "bf16"\n"training.seed" = 3\n')
     text = config.read_text().replace("[balance]", "[calibrate]\nenabled = true\nrank_speeds = true\n[balance]")
     config.write_text(text + "[compare]\nenabled = true\ncontrol = true\n")
-    stages = {s.name: s for s in workflow.build_stages(workflow.load_workflow_config(str(config), []))}
-    assert all(s.off is None for s in stages.values())
-    parsers = {"prepare": prepare.build_parser(), "calibrate": calibrate.build_parser(),
-               "balance": balance.build_parser(), "compare": compare.build_parser()}
-    for name in ("prepare", "balance"):  # no config overrides: every argument is the job's own
-        parsers[name].parse_args(stages[name].argv)
-    cal = parsers["calibrate"].parse_known_args(stages["calibrate"].argv)
+    loaded = workflow.load_workflow_config(str(config), [])
+    assert all(s.off is None for s in workflow.build_stages(loaded))
+    work = workflow.Workdir(tmp_path / "work")
+    prepare.build_parser().parse_args(workflow.prepare_argv(loaded, work)[0])  # every argument is the job's own
+    cal = calibrate.build_parser().parse_known_args(workflow.calibrate_argv(loaded, work)[0])
     # calibrate times the trained model (shape, loss, precision); the seed is the training's only.
     assert cal[1] == ["--model.hstu.num_layers", "1", "--training.precision", "bf16"] and cal[0].rank_speeds_output
-    bal = parsers["balance"].parse_args(stages["balance"].argv)
-    assert bal.cost_model == cal[0].output and bal.capacities == f"@{cal[0].rank_speeds_output}"
-    cmp_args, cmp_rest = parsers["compare"].parse_known_args(stages["compare"].argv)
+    values = workflow.balance_values(loaded, work)
+    assert values["cost_model"] == cal[0].output and values["capacities"] == f"@{cal[0].rank_speeds_output}"
+    spec = options.from_values(BalanceSpec, {**values, "capacities": None})  # the speeds file is calibrate's to write
+    assert (spec.window_steps, spec.token_cap, spec.time_limit, spec.world_size) == (4, None, None, 1)
+    cmp_args, cmp_rest = compare.build_parser().parse_known_args(workflow.compare_argv(loaded, work)[0])
     assert cmp_args.control and cmp_args.input == str(tmp_path / "work" / "prepared") and cmp_args.repeats == 1
     assert cmp_args.cost_model == cal[0].output and cmp_rest == ["--model.hstu.num_layers", "1",
                                                                  "--training.precision", "bf16", "--training.seed", "3"]
@@ -434,7 +437,7 @@ def test_a_stage_continues_its_last_run_when_its_record_says_it_started(tmp_path
     seen: list[bool] = []
 
     def stage(params: dict) -> stages.Stage:
-        return stages.Stage("train", lambda argv: 0, [], params, summary, stages.json_damage(summary, "summary"),
+        return stages.Stage("train", lambda: 0, params, summary, stages.json_damage(summary, "summary"),
                             before_run=lambda continuable: seen.append(continuable) or "")
 
     fp = stages.fingerprint({"steps": 40}, {})
