@@ -20,15 +20,11 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file by spark-submit: make the project importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from jobs.job_errors import run_job  # noqa: E402
-from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
-from pipeline.errors import InputError  # noqa: E402
-from pipeline.layouts import FORMATS  # noqa: E402  (plain data, no pyspark)
+from jobs.job_errors import run_job
+from jobs.tracking import add_tracking_arguments  # no mlflow import until a run opens
+from pipeline.errors import InputError
+from pipeline.layouts import FORMATS  # plain data, no pyspark
 
 PREPARE_FORMAT = "freescale.prepared/1"
 

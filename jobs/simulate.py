@@ -26,21 +26,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from balancing.simulate import (  # noqa: E402  (numpy only)
+from balancing.simulate import (  # numpy only
     NOISE_DISTS, PLAN_BYTES_PER_SAMPLE, Noise, TimeModel, plan_memory_bytes)
-from balancing.inputs import DEFAULT_FLOP_WIDTH  # noqa: E402
-from balancing.strategies import PER_BATCH, STRATEGIES, per_batch_conflict  # noqa: E402
-from balancing.time_model import (  # noqa: E402  (numpy only)
+from balancing.inputs import DEFAULT_FLOP_WIDTH
+from balancing.strategies import PER_BATCH, STRATEGIES, per_batch_conflict
+from balancing.time_model import (  # numpy only
     check_same_cost_model, describe_cost_model, fit_time_model, mirror_noise, predict, read_run, reductions,
     runs_cost_model)
-from jobs.job_errors import run_job  # noqa: E402
-from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
-from pipeline.errors import InputError, one_line  # noqa: E402
+from jobs.job_errors import run_job
+from jobs.tracking import add_tracking_arguments  # no mlflow import until a run opens
+from pipeline.errors import InputError, one_line
 
 LENGTHS_SPEC = re.compile(r"^lognormal:([^,]+),([^,]+)$")
 PLOT_NAME = "bubble_vs_k.png"

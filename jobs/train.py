@@ -20,11 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.job_errors import Stopped  # noqa: E402
-from jobs.mlflow_sink import MLflowSink, build_sink  # noqa: E402  (no mlflow import until used)
+from jobs.job_errors import Stopped
+from jobs.mlflow_sink import MLflowSink, build_sink  # no mlflow import until used
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # how torchrun (and a terminal) stop the ranks
 
