@@ -276,7 +276,7 @@ def test_calibrate_runs_with_sasrec_and_bce(tmp_path, capsys) -> None:
     rc = calibrate.main(["--output", str(out), "--lengths", "4,8,16", "--repeats", "1", "--warmup", "0",
                          "--replicates", "1", "--held-out-batches", "3", "--num-items", "60",
                          "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-                         "--model.encoder", "sasrec", "--loss.kind", "bce", "--model.hstu.embedding_dim", "16",
+                         "--model.encoder", "sasrec", "--loss.kind", "bce", "--model.embedding_dim", "16",
                          "--model.sasrec.num_layers", "1", "--model.sasrec.max_seq_len", "16"])
     captured = capsys.readouterr()
     report = captured.out
