@@ -271,7 +271,8 @@ EncoderName = Annotated[str, OneOf(lambda: tuple(ENCODERS))]
 def register_encoder(name: str, spec: EncoderSpec) -> None:
     """Make ``model.encoder = name`` build ``spec.build(model)``, shaped by ``[model.<name>]`` (a
     ``spec.config``). Configs made from then on carry the section (``ModelConfig.extra_sections``)."""
-    model_keys = {f.name for f in dataclasses.fields(ModelConfig)} - {"hstu", "sasrec"}
+    # A ModelConfig field may be the encoder's own section (hstu, sasrec); any other is a model key.
+    model_keys = {f.name for f in dataclasses.fields(ModelConfig) if f.default_factory is not spec.config}
     if name in ENCODERS or name in model_keys or not name.isidentifier():
         raise ValueError(f"cannot register encoder {name!r}: taken, or not a plain name "
                          f"(registered: {', '.join(ENCODERS)}; model keys: {', '.join(sorted(model_keys))})")
@@ -288,7 +289,7 @@ def _build_hstu(model: ModelConfig) -> Any:
 
 
 def _check_hstu(model: ModelConfig, device_type: str) -> None:
-    from training.attention_kernel import attention_kernel_for  # imports this module
+    from training.attention_kernel import attention_kernel_for  # here: that module imports this one
 
     attention_kernel_for(model.hstu, device_type)
 
