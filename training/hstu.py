@@ -6,11 +6,14 @@ linear parts run on ``[T, D]``, and attention runs on each sample's own
 positions only, by one of two kernels (``HSTUConfig.attention_kernel``):
 
 * ``grouped`` (CPU, and the reference): PyTorch ops per group of equal-length
-  samples (see ``training.jagged``), in causal row blocks. Every group costs a
-  few dozen small ops per layer, which on a CPU is noise next to the math.
+  samples (``training.ops.hstu_attention_reference``), in causal row blocks. Every
+  group costs a few dozen small ops per layer, which on a CPU is noise next to the math.
 * ``triton`` (CUDA): one jagged kernel per layer and direction
   (``training.ops.hstu_attention``), with both biases computed inside it. On a GPU
   the grouped ops' launches would cost milliseconds per distinct length in a batch.
+
+Both are ``training.ops.attention.hstu_attention``'s kernels (``reference`` is ``grouped``); the
+plans below hold what a forward shares between its layers.
 
 Either way step time is ``sum_i (a*L_i^2 + b*L_i + c)`` -- the cost model the
 offline balancer uses -- and ``benchmarks/jagged_cost_bench.py`` measures that it is on CPU
@@ -27,7 +30,6 @@ log-bucketed relative position ``i - j`` and time gap ``|t_i - t_j|``.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,39 +40,10 @@ from torch import nn
 from training.attention_kernel import attention_kernel_for
 from training.config import AttentionKernelName, HSTUConfig, keyed_by
 from training.encoders import Encoder
-from training.jagged import GroupedPlan, LengthGroup, check_jagged
-from training.ops.relative_buckets import log_bucket
-
-
-@dataclass(frozen=True)
-class AttentionBlock:
-    """Query rows ``start:stop`` of a group against key rows ``0:stop``.
-
-    Splitting a long sample's ``L x L`` attention into row blocks keeps each
-    block's ``[G, H, rows, stop]`` intermediates cache-sized and skips the key
-    columns above the diagonal, which the causal mask zeroes. Unblocked, the
-    ``L = 512`` matrices spilled out of L2 and made the step super-quadratic;
-    blocking took a 512-long forward+backward from 26 ms to 15 ms on CPU.
-    Bucket tensors are built once per forward and shared by all layers.
-    """
-
-    start: int
-    stop: int
-    position_buckets: torch.Tensor
-    """``[rows, stop]`` bucket of ``i - j``."""
-    time_buckets: torch.Tensor
-    """``[G, rows, stop]`` bucket of ``|t_i - t_j|``."""
-    causal_weight: torch.Tensor
-    """``[rows, stop]``: ``1 / n`` on and below the diagonal, 0 above -- mask and normaliser in one multiply."""
-
-
-@dataclass(frozen=True)
-class AttentionGroup:
-    """Samples of one length, gathered dense, and their attention blocks."""
-
-    rows: torch.Tensor
-    """``[G, L]`` jagged row of each position."""
-    blocks: list[AttentionBlock]
+from training.jagged import check_jagged
+from training.ops.attention import BiasSpec, hstu_attention
+from training.ops.hstu_attention_reference import GroupedAttention
+from training.ops.relative_buckets import log_bucket  # noqa: F401 -- tests/test_model.py takes it from here
 
 
 class AttentionPlan(Protocol):
@@ -88,71 +61,49 @@ class AttentionPlan(Protocol):
                bias: "RelativeAttentionBias") -> torch.Tensor: ...
 
 
+def bias_spec(config: HSTUConfig) -> BiasSpec:
+    """The attention's buckets and normaliser, as both kernels take them."""
+    return BiasSpec(
+        num_position_buckets=config.num_position_buckets, max_position=config.max_seq_len,
+        num_time_buckets=config.num_time_buckets, max_time_gap=config.max_time_gap_seconds,
+        normalizer=config.max_seq_len if config.attention_normalization == "max_seq_len" else 0,
+    )
+
+
 @dataclass(frozen=True)
 class GroupedAttentionPlan:
-    """The ``grouped`` kernel's plan: the batch in group order (``training.jagged.GroupedPlan``:
-    every layer runs there, each group a contiguous slice) and each group's attention blocks."""
+    """The ``grouped`` kernel's plan: the reference attention's ``GroupedAttention``
+    (``training.ops.hstu_attention_reference``; the batch in group order, every layer runs there)."""
 
-    config: HSTUConfig
-    grouped: GroupedPlan
-    groups: list[AttentionGroup]
-    """One per ``grouped.groups`` entry, in the same order."""
+    attention: GroupedAttention
 
     @classmethod
     def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "GroupedAttentionPlan":
-        grouped = GroupedPlan.build(offsets)
-        return cls(config=config, grouped=grouped,
-                   groups=[_attention_group(g, timestamps, config) for g in grouped.groups])
+        return cls(GroupedAttention.build(offsets, timestamps, bias_spec(config), config.attention_block_size))
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return self.grouped.enter(x)
+        return self.attention.enter(x)
 
     def leave(self, x: torch.Tensor) -> torch.Tensor:
-        return self.grouped.leave(x)
+        return self.attention.leave(x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                bias: "RelativeAttentionBias") -> torch.Tensor:
-        """``A V`` for every sample over its own positions only; ``[T, H * linear_dim]``."""
-        if not self.groups:
-            return v.new_zeros(0, self.config.num_heads * self.config.linear_dim)
-        pieces = zip(self.groups, self.grouped.split(q), self.grouped.split(k), self.grouped.split(v))
-        return torch.cat([self._group_attention(group, qg, kg, vg, bias) for group, qg, kg, vg in pieces])
-
-    def _group_attention(self, group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         bias: "RelativeAttentionBias") -> torch.Tensor:
-        """Attention of one group; ``q``, ``k``, ``v`` are its ``[G * L, ...]`` rows."""
-        num_samples, length = group.rows.shape
-        heads = self.config.num_heads
-
-        def per_head(t: torch.Tensor) -> torch.Tensor:
-            return t.view(num_samples, length, heads, -1).transpose(1, 2)  # [G, H, L, width]
-
-        qg, kg, vg = per_head(q), per_head(k), per_head(v)
-        blocks = []
-        for block in group.blocks:
-            keys, values = kg[:, :, : block.stop], vg[:, :, : block.stop]
-            scores = qg[:, :, block.start : block.stop] @ keys.transpose(-1, -2) + bias(block)
-            # Multiplying by the mask (not adding -inf) because SiLU is not a softmax:
-            # masked entries must contribute exactly 0, and SiLU(-inf) is NaN.
-            weights = F.silu(scores) * block.causal_weight
-            # Scores are fp32 (the bias is); the weights meet V in V's dtype, as in the Triton kernel,
-            # so bf16 q, k, v work with autocast (a no-op there) and without it.
-            blocks.append(weights.to(values.dtype) @ values)  # [G, H, rows, linear_dim]
-        out = torch.cat(blocks, dim=2).transpose(1, 2)  # [G, L, H, linear_dim]
-        return out.reshape(num_samples * length, -1)
+        """``A V`` for every sample over its own positions only; ``[T, H * linear_dim]``, group order."""
+        return self.attention.attend(q, k, v, bias.position_bias.weight, bias.time_bias.weight)
 
 
 @dataclass(frozen=True)
 class JaggedPlan:
     """The batch as the ``triton`` kernel takes it: jagged order throughout, nothing gathered."""
 
-    config: HSTUConfig
+    spec: BiasSpec
     offsets: torch.Tensor
     timestamps: torch.Tensor
 
     @classmethod
     def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, config: HSTUConfig) -> "JaggedPlan":
-        return cls(config=config, offsets=offsets, timestamps=timestamps)
+        return cls(spec=bias_spec(config), offsets=offsets, timestamps=timestamps)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -162,54 +113,16 @@ class JaggedPlan:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                bias: "RelativeAttentionBias") -> torch.Tensor:
-        ops = _triton_ops()
-        config = self.config
-        spec = ops.BiasSpec(
-            num_position_buckets=config.num_position_buckets, max_position=config.max_seq_len,
-            num_time_buckets=config.num_time_buckets, max_time_gap=config.max_time_gap_seconds,
-            normalizer=config.max_seq_len if config.attention_normalization == "max_seq_len" else 0,
-        )
-        return ops.jagged_hstu_attention(q, k, v, self.offsets, self.timestamps, bias.position_bias.weight,
-                                         bias.time_bias.weight, spec)
+        return hstu_attention(q, k, v, self.offsets, self.timestamps, bias.position_bias.weight,
+                              bias.time_bias.weight, self.spec, kernel="triton")
 
 
 PLANS = keyed_by(AttentionKernelName, {"grouped": GroupedAttentionPlan, "triton": JaggedPlan})
 
 
-@functools.cache
-def _triton_ops():
-    """``training.ops.hstu_attention``, imported on first use: importing triton takes seconds."""
-    from training.ops import hstu_attention
-
-    return hstu_attention
-
-
-def _attention_group(group: LengthGroup, timestamps: torch.Tensor, config: HSTUConfig) -> AttentionGroup:
-    length = group.length
-    device = group.rows.device
-    positions = torch.arange(length, device=device)
-    times = timestamps[group.rows].to(torch.int64)
-    n = length if config.attention_normalization == "sample_length" else config.max_seq_len
-    blocks = []
-    for start in range(0, length, config.attention_block_size):
-        stop = min(start + config.attention_block_size, length)
-        relative = positions[start:stop].unsqueeze(1) - positions[:stop].unsqueeze(0)  # i - j
-        gaps = (times[:, start:stop].unsqueeze(2) - times[:, :stop].unsqueeze(1)).abs()
-        causal_weight = (relative >= 0).to(torch.float32) / n
-        blocks.append(
-            AttentionBlock(
-                start=start,
-                stop=stop,
-                position_buckets=log_bucket(relative, config.num_position_buckets, config.max_seq_len),
-                time_buckets=log_bucket(gaps, config.num_time_buckets, config.max_time_gap_seconds),
-                causal_weight=causal_weight,
-            )
-        )
-    return AttentionGroup(rows=group.rows, blocks=blocks)
-
-
 class RelativeAttentionBias(nn.Module):
-    """Learned per-head bias from bucketed relative position and time gap."""
+    """Learned per-head bias tables, indexed by bucketed relative position and time gap; the
+    kernels look them up (``training.ops``)."""
 
     def __init__(self, config: HSTUConfig) -> None:
         super().__init__()
@@ -217,22 +130,6 @@ class RelativeAttentionBias(nn.Module):
         self.time_bias = nn.Embedding(config.num_time_buckets, config.num_heads)
         nn.init.normal_(self.position_bias.weight, std=0.02)
         nn.init.normal_(self.time_bias.weight, std=0.02)
-
-    def forward(self, block: AttentionBlock) -> torch.Tensor:
-        """``[G, H, rows, stop]`` bias for one attention block."""
-        position = _lookup(self.position_bias.weight, block.position_buckets).permute(2, 0, 1)  # [H, rows, stop]
-        time = _lookup(self.time_bias.weight, block.time_buckets).permute(0, 3, 1, 2)  # [G, H, rows, stop]
-        return time + position.unsqueeze(0)
-
-
-def _lookup(table: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
-    """``table[buckets]`` via ``index_select``.
-
-    Same values as ``nn.Embedding``, but the backward is an ``index_add``
-    instead of ``embedding_dense_backward``, which sorts its ``L^2`` indices and
-    was 60% of the step time at ``L = 512`` on CPU (6x slower).
-    """
-    return table.index_select(0, buckets.reshape(-1)).view(*buckets.shape, table.shape[1])
 
 
 class HSTULayer(nn.Module):

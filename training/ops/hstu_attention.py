@@ -6,9 +6,9 @@ position ``i`` of it::
     out[i] = sum_{j <= i} SiLU(q_i . k_j + pos_w[pb(i - j), h] + time_w[tb(|t_i - t_j|), h]) / n * v_j
 
 with ``pb``/``tb`` the log buckets of ``training.ops.relative_buckets`` and ``n``
-the sample's length (or ``max_seq_len``). The grouped PyTorch path in
-``training.hstu`` computes the same numbers and is this kernel's reference
-(``tests/test_hstu_kernel.py`` runs both under ``TRITON_INTERPRET=1``).
+the sample's length (or ``max_seq_len``). ``training.ops.hstu_attention_reference`` computes the
+same numbers in PyTorch and is this kernel's reference; ``training.ops.attention.hstu_attention`` runs
+either (``tests/test_hstu_kernel.py`` runs both under ``TRITON_INTERPRET=1``).
 
 Why a kernel: the grouped path issues a few dozen small ops per distinct length,
 so on a GPU a batch costs a fixed few milliseconds per distinct length and the
@@ -52,8 +52,8 @@ those ends are added to the table (relaxed fp32 atomics, a few per row, spread o
 ``BIAS_STRIPES`` copies that the wrapper sums). The atomics' order makes these two
 gradients non-deterministic in the last bits on a GPU, which the other five are not.
 
-Import cost: triton is imported when this module is; ``training.hstu`` imports it
-only when the Triton kernel is selected. ``TRITON_INTERPRET=1`` must be set before
+Import cost: triton is imported when this module is; the entry (``training.ops.attention``)
+imports it only when the Triton kernel is asked for. ``TRITON_INTERPRET=1`` must be set before
 the import to run the kernels on CPU tensors (tests).
 """
 from __future__ import annotations
@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from training.ops.hstu_attention_reference import BiasSpec
 from training.ops.kernel_limits import INT32_MAX, POSITION_TABLE_LIMIT, position_table_too_long, time_gaps_too_wide
 from training.ops.relative_buckets import bucket_by_thresholds, bucket_scale, bucket_thresholds, last_finite_threshold
 
@@ -95,18 +96,6 @@ def _interpreter_scalar_index() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_scalar_index()
-
-
-@dataclass(frozen=True)
-class BiasSpec:
-    """How relative positions and time gaps map to bias-table rows (``HSTUConfig``'s buckets)."""
-
-    num_position_buckets: int
-    max_position: float
-    num_time_buckets: int
-    max_time_gap: float
-    normalizer: int
-    """Divisor of the attention weights; 0 = each sample's own length."""
 
 
 INTERPRETED_BLOCK: int | None = 16
