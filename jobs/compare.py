@@ -26,12 +26,13 @@ import sys
 import threading
 import time
 import typing
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from jobs.job_errors import Stopped, error_line, run_job
 from jobs.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from pipeline.errors import InputError
+from pipeline.prepared import METADATA_NAME, dataset_name, is_prepared  # standard library only
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 from training.comparison import comparison_metrics, medians  # stdlib only
 from training.config import CommMode  # typed config, no torch
@@ -146,8 +147,8 @@ def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.input is not None:
         if args.world_size is None or args.local_batch_size is None:
             raise InputError("--input needs --world-size and --local-batch-size")
-        if not (Path(args.input) / "prepare.json").is_file():
-            raise InputError(f"--input {args.input}: no prepare.json (not a `freescale prepare` output)")
+        if not is_prepared(args.input):
+            raise InputError(f"--input {args.input}: no {METADATA_NAME} (not a `freescale prepare` output)")
         from balancing.strategies import STRATEGIES
 
         if args.strategy not in STRATEGIES or args.strategy == "contiguous":
@@ -167,23 +168,6 @@ def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------- names
-
-
-def dataset_name(prepared: Path | None) -> str:
-    """The dataset a prepared folder came from: the input's folder for a file (movielens-100k for
-    .../movielens-100k/ratings.parquet), the input folder itself, or synthetic-<users>u."""
-    meta = {}
-    if prepared is not None and (prepared / "prepare.json").is_file():
-        meta = json.loads((prepared / "prepare.json").read_text())
-    source = meta.get("source", {})
-    if source.get("kind") == "synthetic":
-        return f"synthetic-{source.get('users')}u"
-    if source.get("uri"):
-        from urllib.parse import unquote, urlsplit
-
-        path = PurePosixPath(unquote(urlsplit(source["uri"]).path))
-        return (path.parent.name if path.suffix else path.name) or path.name
-    return prepared.name if prepared is not None else "shards"
 
 
 def prepared_of(manifest) -> Path | None:

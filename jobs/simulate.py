@@ -278,8 +278,9 @@ def prepared_lengths(path: str) -> np.ndarray:
     """Every sample's history length from a prepared dataset (local Parquet, read with pyarrow)."""
     import pyarrow.parquet as pq
 
-    root = Path(path)
-    sequences = root / "sequences" if (root / "sequences").exists() else root
+    from pipeline.prepared import sequences_path
+
+    sequences = sequences_path(path)
     try:
         table = pq.read_table(sequences, columns=["length"])
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for unreadable input

@@ -3,9 +3,9 @@ TOML, safe to rerun from cron, Airflow or any scheduler.
 
     freescale pipeline --config configs/demo_pipeline.toml [--fresh] [--section.key VALUE ...]
 
-Each stage calls its job in-process, each still runnable by itself: balance through its typed
-entry (`jobs.balance.run` with a `BalanceSpec` built from [balance]), the others with a command line
-(`jobs.prepare.main`, `jobs.calibrate.main`, `jobs.launch.launch`, `jobs.compare.main`).
+Each stage calls its job in-process, each still runnable by itself: prepare and balance through
+their typed entries (`jobs.prepare.run`, `jobs.balance.run`, with the spec built from their section),
+the others with a command line (`jobs.calibrate.main`, `jobs.launch.launch`, `jobs.compare.main`).
 A stage that finishes leaves a record next to its output in the working directory,
 `<workdir>/<stage>.fingerprint.json`: the fingerprint of everything the stage's arguments are
 built from (its config section, the shared sizes, the identity of its input files: path,
@@ -82,6 +82,13 @@ def tracking_argv(config: WorkflowConfig) -> list[str]:
     return (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--experiment", p.experiment]
 
 
+def tracking_of(config: WorkflowConfig):
+    """The tracking of a stage whose job takes a typed spec."""
+    from jobs.tracking import Tracking
+
+    return Tracking(config.pipeline.tracking_uri or None, config.pipeline.experiment)
+
+
 def train_inputs(config: WorkflowConfig) -> dict[str, str]:
     """The training config's identity, for the stages that read it."""
     return {"train.config": file_identity(config.train.config)} if config.train.config else {}
@@ -102,38 +109,40 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
     return stages
 
 
-def prepare_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
-    prep = asdict(config.prepare)
-    argv = ["--output", str(work.prepared), "--overwrite", "--max-seq-len", str(prep["max_seq_len"])]
-    params: dict[str, Any] = {"max_seq_len": prep["max_seq_len"], "keep_duplicates": prep["keep_duplicates"]}
-    if config.prepare.input:
-        argv += ["--input", config.prepare.input] + (["--format", prep["format"]] if prep["format"] else [])
-        params.update(input=config.prepare.input, format=prep["format"],
-                      **{"input identity": file_identity(config.prepare.input)})
+def prepare_values(config: WorkflowConfig, work: Workdir) -> dict[str, Any]:
+    """The prepare stage's spec values: the [prepare] section, into the workdir."""
+    return {**options.section_values(config.prepare), "output": str(work.prepared), "overwrite": True}
+
+
+def prepare_params(config: WorkflowConfig) -> dict[str, Any]:
+    """What prepare's fingerprint covers: the values its output depends on and its inputs' identities."""
+    prep = config.prepare
+    params: dict[str, Any] = {"max_seq_len": prep.max_seq_len, "keep_duplicates": prep.keep_duplicates}
+    if prep.input:
+        params.update(input=prep.input, format=prep.format, **{"input identity": file_identity(prep.input)})
     else:
-        argv += ["--synthetic-users", str(prep["synthetic_users"]),
-                 "--synthetic-items", str(prep["synthetic_items"]), "--seed", str(prep["seed"])]
-        params.update({k: prep[k] for k in ("synthetic_users", "synthetic_items", "seed")})
-    if config.prepare.user_features:
-        argv += ["--user-features", config.prepare.user_features]
-        params.update(user_features=config.prepare.user_features,
-                      **{"user_features identity": file_identity(config.prepare.user_features)})
-        if config.prepare.user_feature_cols:
-            argv += ["--user-feature-cols", config.prepare.user_feature_cols]
-            params["user_feature_cols"] = config.prepare.user_feature_cols
-    if config.prepare.keep_duplicates:
-        argv.append("--keep-duplicates")
-    return argv + tracking_argv(config), params
+        params.update(synthetic_users=prep.synthetic_users, synthetic_items=prep.synthetic_items, seed=prep.seed)
+    if prep.user_features:
+        params.update(user_features=prep.user_features,
+                      **{"user_features identity": file_identity(prep.user_features)})
+        if prep.user_feature_cols:
+            params["user_feature_cols"] = prep.user_feature_cols
+    return params
 
 
 def prepare_stage(config: WorkflowConfig, work: Workdir) -> Stage:
-    argv, params = prepare_argv(config, work)
+    spec, values = type(config.prepare).spec, prepare_values(config, work)
+
+    def run() -> int:
+        from jobs import prepare
+
+        return prepare.run(lambda: options.from_values(spec, values), tracking_of(config))
 
     def damage() -> str | None:
         if not (work.prepared / "sequences").is_dir():
             return f"{work.prepared / 'sequences'} is missing"
         return json_damage(work.prepared / "prepare.json", "prepare summary")()
-    return Stage("prepare", _job("jobs.prepare", argv), params, work.prepared, damage)
+    return Stage("prepare", run, prepare_params(config), work.prepared, damage)
 
 
 def calibrate_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
@@ -186,9 +195,8 @@ def balance_stage(config: WorkflowConfig, work: Workdir) -> Stage:
 
     def run() -> int:
         from jobs import balance
-        from jobs.tracking import Tracking
 
-        return balance.run(lambda: options.from_values(spec, values), Tracking(p.tracking_uri or None, p.experiment))
+        return balance.run(lambda: options.from_values(spec, values), tracking_of(config))
 
     params: dict[str, Any] = {"world_size": p.world_size, "local_batch_size": p.local_batch_size,
                               **asdict(config.balance)}

@@ -10,17 +10,14 @@ docstring per field, every choice a ``Literal``, loaded with the training config
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pipeline import options
 from pipeline.errors import InputError
-from pipeline.layouts import FORMATS  # plain data
+from pipeline.prepare_spec import PrepareSpec  # standard library only
 from shards.balance_spec import BalanceSpec, StrategyName  # the balancing registry's names only: numpy
 from training.attention_kernel import check_attention_kernel
 from training.config import DEFAULT_EXPERIMENT, ConfigError, apply_table, load_config, parse_overrides  # no torch
-
-FormatName = Literal[("",) + FORMATS]  # type: ignore[valid-type]
-
 
 # ------------------------------------------------------------------------------ config
 
@@ -49,26 +46,10 @@ class PipelineSection:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass
-class PrepareSection:
-    input: str = ""
-    """Interaction log (Parquet, CSV or a MovieLens file/directory); empty = the seeded synthetic generator."""
-    format: FormatName = ""
-    """Input format; empty = from the file name."""
-    user_features: str = ""
-    """User table (Parquet or CSV) of categorical features; empty = none."""
-    user_feature_cols: str = ""
-    """Comma-separated feature columns of the user table; empty = every column but the user column."""
-    max_seq_len: int = 1024
-    """Keep the most recent N training items per user."""
-    keep_duplicates: bool = False
-    """Keep repeated (user, item, timestamp) rows instead of dropping and counting them."""
-    synthetic_users: int = 20_000
-    """Synthetic data only: users."""
-    synthetic_items: int = 10_000
-    """Synthetic data only: catalog size."""
-    seed: int = 0
-    """Synthetic data only: generator seed."""
+PrepareSection = options.section(PrepareSpec, "pipeline", "PrepareSection")
+"""``[prepare]``: the options of ``pipeline.prepare_spec.PrepareSpec`` offered to the pipeline (input,
+format, user_features, user_feature_cols, max_seq_len, keep_duplicates, synthetic_users,
+synthetic_items, seed; "" for none: the synthetic generator, the format from the file name)."""
 
 
 @dataclass

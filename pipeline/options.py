@@ -42,6 +42,8 @@ class Option:
     """From the text given on a command line to the field's value, with the other values at hand
     (e.g. capacities need the world size); raises InputError for bad text."""
     metavar: str | None = None
+    group: str | None = None
+    """The title of the argument group it is listed under on a command line (None: the options)."""
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **settings: Any) -> Any:  # noqa: A002
@@ -90,9 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, spe
     """One ``--flag`` per option on ``surface``: required when the field has no default, a switch for a
     bool, the Literal's values as choices (unless ``choices`` is False: the job checks them), the
     default named in the help unless the help already speaks of it."""
-    hints = _hints(spec)
+    hints, groups = _hints(spec), {}
+    top = parser
     for field in on_surface(spec, surface):
         opt = option_of(field)
+        parser = top if opt.group is None else groups.get(opt.group) or groups.setdefault(
+            opt.group, top.add_argument_group(opt.group))
         base, _ = _base(hints[field.name])
         text = opt.helps.get(surface, opt.help)
         required = field.default is dataclasses.MISSING
@@ -143,7 +148,10 @@ def section(spec: type, surface: str = "pipeline", name: str | None = None) -> t
         base, optional = _base(hints[field.name])
         default = field.default
         if optional and default is None:
-            default = "" if base is str else base(0)
+            if typing.get_origin(base) is Literal:  # "" stands for none among the choices
+                base, default = Literal[("",) + typing.get_args(base)], ""
+            else:
+                default = "" if base is str else base(0)
         fields.append((field.name, base, dataclasses.field(default=default, metadata=field.metadata)))
     made = dataclasses.make_dataclass(name or f"{spec.__name__}Section", fields)
     made.spec, made.__module__ = spec, spec.__module__

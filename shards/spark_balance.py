@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import InputError, one_line
+from pipeline.prepared import SEQUENCES_DIR
 from shards.balance_spec import BalanceSpec
 
 if TYPE_CHECKING:
@@ -35,8 +36,8 @@ def check_local_input(spec: BalanceSpec) -> None:
     local = paths.local_path(spec.input)
     if local is None:
         return
-    sequences = Path(local) / "sequences"
-    path = f"{spec.input.rstrip('/')}/sequences" if sequences.exists() else spec.input
+    prepared = Path(local) / SEQUENCES_DIR
+    path = f"{spec.input.rstrip('/')}/{SEQUENCES_DIR}" if prepared.exists() else spec.input
     preflight.check_parquet_columns(path, REQUIRED_COLUMNS, "input ",
                                     "expected the output of `freescale prepare` (holds sequences/) "
                                     "or a sequences Parquet; run `freescale prepare` first")
@@ -46,7 +47,7 @@ def read_sequences(spark, fs, input_uri: str) -> tuple[str, DataFrame]:
     """The prepared sequences: `<input>/sequences` (a prepare output) or a sequences Parquet directly."""
     if not fs.exists(input_uri):
         raise InputError(f"input {input_uri} does not exist")
-    path = f"{input_uri}/sequences" if fs.exists(f"{input_uri}/sequences") else input_uri
+    path = f"{input_uri}/{SEQUENCES_DIR}" if fs.exists(f"{input_uri}/{SEQUENCES_DIR}") else input_uri
     try:
         frame = spark.read.parquet(path)
     except Exception as exc:  # noqa: BLE001 - Spark raises several types for unreadable input
@@ -61,12 +62,12 @@ def read_sequences(spark, fs, input_uri: str) -> tuple[str, DataFrame]:
 def prepared_metadata(fs, input_uri: str, sequences: DataFrame, sequences_path: str) -> dict:
     """`prepare.json` of a prepare output ({} for a bare sequences Parquet); it must list the user
     features when the sequences carry them (the manifest and the model take the list from it)."""
-    import json
+    from pipeline.prepared import METADATA_NAME, parse_metadata
 
-    meta_path = f"{input_uri}/prepare.json"
-    prepared = json.loads(fs.read_text(meta_path)) if fs.exists(meta_path) else {}
+    meta_path = f"{input_uri}/{METADATA_NAME}"
+    prepared = parse_metadata(fs.read_text(meta_path), meta_path) if fs.exists(meta_path) else {}
     if "user_features" in sequences.columns and not prepared.get("user_features"):
-        raise InputError(f"input {sequences_path} has a user_features column but {input_uri}/prepare.json "
+        raise InputError(f"input {sequences_path} has a user_features column but {meta_path} "
                          "does not list the features; rerun `freescale prepare`")
     return prepared
 

@@ -275,11 +275,12 @@ def test_a_failing_stage_stops_the_pipeline_with_its_own_status_and_line(failing
 
 
 def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
-    """What the pipeline hands each job is the job's own: balance's values make its spec, the other
+    """What the pipeline hands each job is the job's own: prepare's and balance's values make their specs, the other
     stages' command lines parse with their jobs' parsers (compare and calibrate are too slow to run
     here)."""
-    from jobs import calibrate, compare, prepare
+    from jobs import calibrate, compare
     from pipeline import options
+    from pipeline.prepare_spec import PrepareSpec
     from shards.balance_spec import BalanceSpec
 
     config = write_config(tmp_path, tmp_path / "work", extra='[train.overrides]\n"model.hstu.num_layers" = 1\n'
@@ -289,7 +290,8 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     loaded = workflow.load_workflow_config(str(config), [])
     assert all(s.off is None for s in workflow.build_stages(loaded))
     work = workflow.Workdir(tmp_path / "work")
-    prepare.build_parser().parse_args(workflow.prepare_argv(loaded, work)[0])  # every argument is the job's own
+    prepared = options.from_values(PrepareSpec, workflow.prepare_values(loaded, work))
+    assert (prepared.input, prepared.synthetic_users, prepared.output) == (None, 300, str(work.prepared))
     cal = calibrate.build_parser().parse_known_args(workflow.calibrate_argv(loaded, work)[0])
     # calibrate times the trained model (shape, loss, precision); the seed is the training's only.
     assert cal[1] == ["--model.hstu.num_layers", "1", "--training.precision", "bf16"] and cal[0].rank_speeds_output
@@ -307,14 +309,14 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
 
 
 def _fake_prepare(uri: str, then) -> object:
-    """A prepare stage that opens its MLflow run, as the job does, then calls ``then()`` (no Spark)."""
-    def main(argv: list[str]) -> int:
+    """A prepare job that opens its MLflow run, as the job does, then calls ``then()`` (no Spark)."""
+    def run(spec_of, tracking) -> int:
         from jobs.tracking import job_run
 
         with job_run("prepare", tracking_uri=uri, experiment="pipeline-test"):
             then()
         return 0
-    return main
+    return run
 
 
 def _runs(uri: str) -> list:
@@ -336,7 +338,7 @@ def test_a_stop_signal_ends_the_stage_killed_and_releases_the_lock(tmp_path, mon
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     work = tmp_path / "work"
     config = write_config(tmp_path, work)
-    monkeypatch.setattr(prepare, "main", _fake_prepare(uri, lambda: (os.kill(os.getpid(), signal.SIGTERM),
+    monkeypatch.setattr(prepare, "run", _fake_prepare(uri, lambda: (os.kill(os.getpid(), signal.SIGTERM),
                                                                      time.sleep(30))))
     before = signal.getsignal(signal.SIGTERM)
     assert run(config) == 128 + signal.SIGTERM
@@ -378,7 +380,7 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     work = tmp_path / "work"
     fake = _fake_prepare(uri, _stop_replaced_by_a_cleanup_error)
-    monkeypatch.setattr(prepare, "main", lambda argv: run_job("prepare", lambda: fake(argv)))
+    monkeypatch.setattr(prepare, "run", lambda spec_of, tracking: run_job("prepare", lambda: fake(spec_of, tracking)))
     assert run(write_config(tmp_path, work)) == 128 + signal.SIGTERM
     err = capsys.readouterr().err.strip().splitlines()
     assert [line for line in err if ": error: " in line] == [
@@ -413,7 +415,7 @@ def test_a_rerun_ends_the_runs_a_killed_run_left_running_failed(tmp_path, monkey
     elsewhere = client.create_run(experiment, tags={**tags, "freescale.pipeline": str(tmp_path / "other")})
     finished = client.create_run(experiment, tags={**tags, "freescale.pipeline": str(work.resolve())})
     client.set_terminated(finished.info.run_id, "FINISHED")
-    monkeypatch.setattr(prepare, "main", _fake_prepare(uri, lambda: None))
+    monkeypatch.setattr(prepare, "run", _fake_prepare(uri, lambda: None))
     assert run(config, "--pipeline.tracking_uri", uri) == 2  # then balance fails: the fake wrote no output
     err = capsys.readouterr().err
     assert (f"freescale pipeline: note: 1 MLflow run(s) of a killed run of this workdir were still RUNNING: "
