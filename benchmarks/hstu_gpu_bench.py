@@ -281,8 +281,8 @@ class Bench:
     def numerics(self) -> None:
         """Section a: the op's output and five gradients, triton vs grouped."""
         torch = self.torch
-        from training.hstu import GroupedAttentionPlan, RelativeAttentionBias
-        from training.ops import hstu_attention as ops
+        from training.hstu import RelativeAttentionBias, bias_spec
+        from training.ops.attention import hstu_attention
 
         config = self.config("triton")
         heads, width = config.num_heads, config.attention_dim
@@ -297,20 +297,19 @@ class Bench:
         with torch.no_grad():
             bias.position_bias.weight.normal_(std=0.5)
             bias.time_bias.weight.normal_(std=0.5)
-        spec = ops.BiasSpec(config.num_position_buckets, config.max_seq_len, config.num_time_buckets,
-                            config.max_time_gap_seconds, 0)
+        spec = bias_spec(config)
 
         def run(kernel: str, dtype, precise: bool = False):
+            """``kernel``: the entry's, ``triton`` or ``reference`` (the grouped path)."""
             q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv.split(heads * width, dim=1))
             bias.zero_grad(set_to_none=True)
+            inputs = (q, k, v, offsets, timestamps, bias.position_bias.weight, bias.time_bias.weight, spec)
             torch.backends.cuda.matmul.allow_tf32 = not precise
             if kernel == "triton":
-                out = ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
-                                                bias.time_bias.weight, spec, precise=precise)
-            else:
-                plan = GroupedAttentionPlan.build(offsets, timestamps, config)
+                out = hstu_attention(*inputs, kernel="triton", precise=precise)
+            else:  # torch's matmuls: TF32 by the flag above, forward and backward; bf16 by autocast, as the encoder
                 with torch.autocast(self.device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    out = plan.leave(plan.attend(plan.enter(q), plan.enter(k), plan.enter(v), bias))
+                    out = hstu_attention(*inputs, kernel="reference", block=config.attention_block_size)
             out.backward(grad.to(out.dtype))
             torch.backends.cuda.matmul.allow_tf32 = True
             return [t.detach().float() for t in (out, q.grad, k.grad, v.grad, bias.position_bias.weight.grad,
@@ -318,14 +317,14 @@ class Bench:
 
         names = ("output", "dq", "dk", "dv", "d position table", "d time table")
         # The reference is grouped in full fp32 (no TF32), so both kernels' errors are against the same truth.
-        truth = run("grouped", torch.float32, precise=True)
+        truth = run("reference", torch.float32, precise=True)
         rows = []
         dtypes = [("fp32, TF32 dots", torch.float32, False), ("fp32, full fp32 dots", torch.float32, True)]
         if not self.smoke:
             dtypes.append(("bf16", torch.bfloat16, False))
         for label, dtype, precise in dtypes:
-            measured = {kernel: run(kernel, dtype, precise) for kernel in ("triton", "grouped")}
-            for name, t, g, ref in zip(names, measured["triton"], measured["grouped"], truth):
+            measured = {kernel: run(kernel, dtype, precise) for kernel in ("triton", "reference")}
+            for name, t, g, ref in zip(names, measured["triton"], measured["reference"], truth):
                 rows.append([label, name, f"{relative_error(t, ref):.1e}", f"{relative_error(g, ref):.1e}",
                              f"{relative_error(t, g):.1e}"])
         self.emit(f"## a. Numerics: attention op, {len(lengths)} samples of lengths {lengths}")
@@ -376,13 +375,13 @@ class Bench:
         """Section d (printed after b): the two target batches' steps taken apart; the attention op's
         forward+backward seconds for one layer of each."""
         torch, np = self.torch, self.np
-        from training.ops import hstu_attention as ops
+        from training.hstu import bias_spec
+        from training.ops.attention import hstu_attention
 
         s = self.sizes
         config = self.config("triton")
         encoder = self.encoders()["triton"]
-        spec = ops.BiasSpec(config.num_position_buckets, config.max_seq_len, config.num_time_buckets,
-                            config.max_time_gap_seconds, 0)
+        spec = bias_spec(config)
         heads, width = config.num_heads, config.attention_dim
         bias = encoder.layers[0].relative_bias
         rows, attention_s = [], {}
@@ -395,8 +394,8 @@ class Bench:
             def attention():
                 q, k, v = qkv.split(heads * width, dim=1)
                 with self.autocast():  # the op casts q, k, v to autocast's dtype, as in the encoder
-                    return ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
-                                                     bias.time_bias.weight, spec)
+                    return hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
+                                          bias.time_bias.weight, spec, kernel="triton")
 
             def forward_only():
                 with torch.no_grad(), self.autocast():

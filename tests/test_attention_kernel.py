@@ -100,9 +100,10 @@ def test_triton_refuses_values_past_its_limits_naming_the_key(monkeypatch, overr
 def test_the_kernel_itself_still_refuses_past_its_limits():
     """For callers of the kernel module that no config check saw."""
     from training.ops import hstu_attention as ops
+    from training.ops.attention import BiasSpec
 
     with pytest.raises(ValueError, match="2\\^31"):
-        ops.kernel_tables(ops.BiasSpec(8, 64, 8, 3e9, normalizer=0), "cpu")
+        ops.kernel_tables(BiasSpec(8, 64, 8, 3e9, normalizer=0), "cpu")
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "inf", "nan"])

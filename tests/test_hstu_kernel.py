@@ -1,4 +1,5 @@
-"""The Triton HSTU attention kernel against the grouped PyTorch path, on CPU under TRITON_INTERPRET=1.
+"""The Triton HSTU attention kernel against its PyTorch reference (the grouped path), on CPU under
+TRITON_INTERPRET=1, both through the one entry ``training.ops.attention.hstu_attention``.
 
 The interpreter runs program instances one by one in NumPy, so shapes stay tiny
 (16-row tiles, two heads of 16) and every case below runs in about a second.
@@ -16,9 +17,10 @@ import torch
 from pipeline.errors import InputError
 from training.attention_kernel import resolve_attention_kernel
 from training.config import HSTUConfig
-from training.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias, log_bucket
+from training.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias, bias_spec
 from training.jagged import offsets_from_lengths
-from training.ops.relative_buckets import bucket_by_thresholds
+from training.ops.attention import hstu_attention
+from training.ops.relative_buckets import bucket_by_thresholds, log_bucket
 
 if torch.cuda.is_available():
     # One process holds one copy of the kernel module: interpreted here, it would shadow the
@@ -29,7 +31,7 @@ if torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") != "1":  # an error, not a skip: CI must not lose these tests quietly
     raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is first imported "
                        "(tests/conftest.py sets it; torchrec imports triton)")
-from training.ops import hstu_attention as ops  # noqa: E402
+from training.ops import hstu_attention as ops  # noqa: E402  (the kernel's internals: tuner, work list, buckets)
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +71,8 @@ def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0, shuffle
 
 def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16, shuffle_times: bool = False,
              wide_times: bool = False):
-    """Forward and the five gradients (q, k, v, position table, time table) of both kernels."""
+    """Forward and the five gradients (q, k, v, position table, time table) of both kernels; ``block``
+    is the kernel's tile and the reference's row block."""
     torch.manual_seed(0)
     bias = RelativeAttentionBias(config)
     with torch.no_grad():  # large biases: a wrong bucket shows
@@ -78,18 +81,11 @@ def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16, shu
     q, k, v, offsets, timestamps = jagged_inputs(lengths, config, shuffle_times=shuffle_times, wide_times=wide_times)
     grad = torch.randn(q.shape[0], config.num_heads * config.linear_dim)
     results = []
-    for kernel in ("triton", "grouped"):
+    for kernel in ("triton", "reference"):
         inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         bias.zero_grad(set_to_none=True)
-        if kernel == "triton":
-            spec = ops.BiasSpec(config.num_position_buckets, config.max_seq_len, config.num_time_buckets,
-                                config.max_time_gap_seconds,
-                                config.max_seq_len if config.attention_normalization == "max_seq_len" else 0)
-            out = ops.jagged_hstu_attention(*inputs, offsets, timestamps, bias.position_bias.weight,
-                                            bias.time_bias.weight, spec, block=block)
-        else:
-            plan = GroupedAttentionPlan.build(offsets, timestamps, config)
-            out = plan.leave(plan.attend(*(plan.enter(t) for t in inputs), bias))
+        out = hstu_attention(*inputs, offsets, timestamps, bias.position_bias.weight, bias.time_bias.weight,
+                             bias_spec(config), kernel=kernel, block=block)
         out.backward(grad)
         results.append([out.detach(), *(t.grad for t in inputs),
                         bias.position_bias.weight.grad.clone(), bias.time_bias.weight.grad.clone()])
@@ -118,6 +114,39 @@ def test_kernel_equals_grouped_with_constant_normaliser_and_odd_head_widths() ->
                            "attention_dim": 12, "linear_dim": 20})
     for name, actual, expected in zip(NAMES, *run_both([9, 18], config)):
         assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
+
+
+def test_reference_entry_is_the_encoders_grouped_path_to_the_bit() -> None:
+    """``kernel="reference"`` with the config's row block runs the very code of the model's grouped
+    plan: the same output and gradients to the bit, so a kernel that matches one matches the other."""
+    config = HSTUConfig(**{**CONFIG.__dict__, "attention_block_size": 8})  # samples span several row blocks
+    q, k, v, offsets, timestamps = jagged_inputs([9, 18, 1, 9], config)
+    bias = RelativeAttentionBias(config)
+    grad = torch.randn(q.shape[0], config.num_heads * config.linear_dim)
+    plan = GroupedAttentionPlan.build(offsets, timestamps, config)
+    results = []
+    for attend in (lambda q, k, v: hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
+                                                  bias.time_bias.weight, bias_spec(config), kernel="reference",
+                                                  block=config.attention_block_size),
+                   lambda q, k, v: plan.leave(plan.attend(plan.enter(q), plan.enter(k), plan.enter(v), bias))):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        bias.zero_grad(set_to_none=True)
+        out = attend(*inputs)
+        out.backward(grad)
+        results.append([out.detach(), *(t.grad for t in inputs), bias.position_bias.weight.grad.clone(),
+                        bias.time_bias.weight.grad.clone()])
+    for name, entry, grouped in zip(NAMES, *results):
+        assert torch.equal(entry, grouped), name
+
+
+def test_the_entry_refuses_what_it_cannot_keep() -> None:
+    q, k, v, offsets, timestamps = jagged_inputs([5], CONFIG)
+    bias = RelativeAttentionBias(CONFIG)
+    tables = (bias.position_bias.weight, bias.time_bias.weight, bias_spec(CONFIG))
+    with pytest.raises(ValueError, match=r"kernel must be one of \('triton', 'reference'\), not 'grouped'"):
+        hstu_attention(q, k, v, offsets, timestamps, *tables, kernel="grouped")
+    with pytest.raises(ValueError, match="precise=True is the triton kernel's"):
+        hstu_attention(q, k, v, offsets, timestamps, *tables, kernel="reference", precise=True)
 
 
 def test_autotuned_launch_gives_the_same_numbers_and_trials_leave_no_sum(monkeypatch) -> None:
@@ -207,16 +236,14 @@ def test_encoder_with_triton_kernel_equals_grouped_encoder(monkeypatch: pytest.M
 def test_mixed_input_dtypes_meet_in_one_and_each_gradient_keeps_its_own() -> None:
     """Without autocast the kernel computes in q, k, v's common dtype (fp32 here, with k given in
     bf16): the same numbers as all-fp32 inputs holding k's values, and k's gradient comes back bf16."""
-    spec = ops.BiasSpec(CONFIG.num_position_buckets, CONFIG.max_seq_len, CONFIG.num_time_buckets,
-                        CONFIG.max_time_gap_seconds, 0)
     q, k, v, offsets, timestamps = jagged_inputs([9, 18], CONFIG)
     bias = RelativeAttentionBias(CONFIG)
     results = []
     for k_dtype in (torch.bfloat16, torch.float32):
         inputs = [t.detach().to(dtype).requires_grad_() for t, dtype in
                   ((q, torch.float32), (k.to(torch.bfloat16), k_dtype), (v, torch.float32))]
-        out = ops.jagged_hstu_attention(*inputs, offsets, timestamps, bias.position_bias.weight,
-                                        bias.time_bias.weight, spec, block=16)
+        out = hstu_attention(*inputs, offsets, timestamps, bias.position_bias.weight, bias.time_bias.weight,
+                             bias_spec(CONFIG), kernel="triton", block=16)
         out.square().sum().backward()
         assert out.dtype == torch.float32 and inputs[1].grad.dtype == k_dtype
         results.append([out.detach(), *(t.grad.float() for t in inputs)])
@@ -228,14 +255,12 @@ def test_mixed_input_dtypes_meet_in_one_and_each_gradient_keeps_its_own() -> Non
 def test_bf16_under_the_interpreter_is_refused_not_computed_wrong() -> None:
     """The interpreter's tl.dot returns garbage for bf16 operands (1e10 off), so the kernel refuses
     bf16 there in one line, whether the inputs are bf16 or autocast asks for it; other dtypes, anywhere."""
-    spec = ops.BiasSpec(CONFIG.num_position_buckets, CONFIG.max_seq_len, CONFIG.num_time_buckets,
-                        CONFIG.max_time_gap_seconds, 0)
     q, k, v, offsets, timestamps = jagged_inputs([9], CONFIG)
     bias = RelativeAttentionBias(CONFIG)
 
     def attend(*tensors: torch.Tensor) -> torch.Tensor:
-        return ops.jagged_hstu_attention(*tensors, offsets, timestamps, bias.position_bias.weight,
-                                         bias.time_bias.weight, spec, block=16)
+        return hstu_attention(*tensors, offsets, timestamps, bias.position_bias.weight, bias.time_bias.weight,
+                              bias_spec(CONFIG), kernel="triton", block=16)
 
     with pytest.raises(ValueError, match="^the Triton interpreter .* cannot run .* in torch.bfloat16: [^\n]*$"):
         attend(q.bfloat16(), k.bfloat16(), v.bfloat16())

@@ -1,4 +1,5 @@
-"""The compiled Triton HSTU kernel on a CUDA GPU against the grouped path (skips without one).
+"""The compiled Triton HSTU kernel on a CUDA GPU against its PyTorch reference, the grouped path, both
+through ``training.ops.attention.hstu_attention`` (skips without a GPU).
 
 Shapes are the GPU check's model (4 heads of 64) and lengths around the 64-row tiles and up
 to 1024. Run on the GPU machine with only torch, triton, numpy and pytest:
@@ -13,12 +14,13 @@ import pytest
 import torch
 
 from training.config import HSTUConfig
-from training.hstu import GroupedPlan, HSTUEncoder, RelativeAttentionBias
+from training.hstu import HSTUEncoder, RelativeAttentionBias, bias_spec
 from training.jagged import offsets_from_lengths
+from training.ops.attention import hstu_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    from training.ops import hstu_attention as ops
+    from training.ops import hstu_attention as ops  # the kernel module, for its kernel_dtype
 
 WIDTH = 256  # the encoder's width, the model's embedding_dim
 CONFIG = HSTUConfig(num_layers=2, num_heads=4, attention_dim=64, linear_dim=64, dropout=0.0,
@@ -52,39 +54,32 @@ def run(problem, kernel: str, dtype=torch.float32, precise: bool = False):
     qkv, offsets, timestamps, grad, bias = problem
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv.split(CONFIG.num_heads * CONFIG.attention_dim, 1))
     bias.zero_grad(set_to_none=True)
-    if kernel == "triton":
-        spec = ops.BiasSpec(CONFIG.num_position_buckets, CONFIG.max_seq_len, CONFIG.num_time_buckets,
-                            CONFIG.max_time_gap_seconds, 0)
-        out = ops.jagged_hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
-                                        bias.time_bias.weight, spec, precise=precise)
-    else:
-        previous = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False  # the reference in full fp32
-        try:
-            plan = GroupedPlan.build(offsets, timestamps, CONFIG)
-            out = plan.leave(plan.attend(plan.enter(q), plan.enter(k), plan.enter(v), bias))
-            out.backward(grad.to(out.dtype))
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = previous
-    if kernel == "triton":
+    previous = torch.backends.cuda.matmul.allow_tf32
+    # The reference's matmuls (torch's) in full fp32, forward and backward; the kernel's dots follow `precise`.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        out = hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight, bias.time_bias.weight,
+                             bias_spec(CONFIG), kernel=kernel, precise=precise)
         out.backward(grad.to(out.dtype))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
     return [out.detach(), q.grad, k.grad, v.grad, bias.position_bias.weight.grad.clone(),
             bias.time_bias.weight.grad.clone()]
 
 
 def test_full_fp32_dots_equal_grouped(problem) -> None:
-    for name, a, b in zip(NAMES, run(problem, "triton", precise=True), run(problem, "grouped")):
+    for name, a, b in zip(NAMES, run(problem, "triton", precise=True), run(problem, "reference")):
         assert relative_error(a, b) <= 1e-4, f"{name}: {relative_error(a, b):.2e}"
 
 
 def test_tf32_dots_stay_within_tf32_rounding(problem) -> None:
-    for name, a, b in zip(NAMES, run(problem, "triton"), run(problem, "grouped")):
+    for name, a, b in zip(NAMES, run(problem, "triton"), run(problem, "reference")):
         assert relative_error(a, b) <= 1e-2, f"{name}: {relative_error(a, b):.2e}"
 
 
 def test_bf16_is_as_close_as_bf16_can_be(problem) -> None:
     """bf16 carries 8 bits: the kernel in bf16 against fp32 stays within a few bf16 steps."""
-    for name, a, b in zip(NAMES, run(problem, "triton", dtype=torch.bfloat16), run(problem, "grouped")):
+    for name, a, b in zip(NAMES, run(problem, "triton", dtype=torch.bfloat16), run(problem, "reference")):
         assert relative_error(a, b) <= 5e-2, f"{name}: {relative_error(a, b):.2e}"
 
 
