@@ -17,6 +17,7 @@ medians as `<variant>/<metric>`, and a side-by-side per-rank timeline plot. Othe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -26,13 +27,16 @@ import sys
 import threading
 import time
 import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from jobs.job_errors import Stopped, error_line, run_job
 from jobs.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from pipeline.errors import InputError
 from pipeline.prepared import METADATA_NAME, dataset_name, is_prepared  # standard library only
+from pipeline.run_summary import read_run_summary, timings  # standard library only
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 from training.comparison import comparison_metrics, medians  # stdlib only
 from training.config import CommMode  # typed config, no torch
@@ -232,7 +236,7 @@ def train_once(shards: Path, out: Path, settings: list[str]) -> dict:
         lines = [line for line in log.read_text(errors="replace").splitlines() if ": error: " in line]
         reason = lines[-1].split(": error: ", 1)[1] if lines else f"exit status {code}"
         raise StageFailed(code, f"training {out.stem} failed: {reason} (output: {log})")
-    return json.loads(out.read_text())
+    return read_run_summary(out)
 
 
 def run_trainings(args: argparse.Namespace, overrides: list[str], sets: dict[str, Path], steps: int | None,
@@ -308,8 +312,8 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> Path
     for variant in ("contiguous", "balanced"):
         rows = sorted(runs[variant], key=lambda r: r["summary"]["bubble_fraction"])
         chosen = rows[(len(rows) - 1) // 2]
-        saved = json.loads(Path(chosen["summary_json"]).read_text())
-        table = np.asarray(saved["timings"]["steps_ranks_fields"], dtype=float)
+        saved = read_run_summary(chosen["summary_json"])
+        table = np.asarray(timings(saved)[1], dtype=float)
         columns[f"{variant} (repeat {chosen['repeat']}): bubble {chosen['summary']['bubble_fraction']:.2%}"] = \
             (table, saved["steps"])
     return plot_comparison_timelines(columns, path, title=title)
@@ -318,13 +322,26 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> Path
 # ----------------------------------------------------------------------- the job
 
 
-def compare(args: argparse.Namespace, overrides: list[str]) -> int:
-    check_args(args, overrides)  # before anything heavy
+@dataclass
+class Comparison:
+    """One comparison's names and sizes, fixed before its parent run opens."""
 
-    from jobs.tracking import job_run, reachable_tracking_uri, run_tags
+    name: str
+    comparison: str
+    experiment: str
+    uri: str
+    work: Path
+    world_size: int
+    local_batch_size: int
+    variants: tuple[str, ...]
 
-    # One check for every stage: they get the answer (or 'none'), never a second warning.
-    uri = reachable_tracking_uri("compare", args.tracking_uri)
+    @property
+    def control(self) -> str | None:
+        return "mirror" if "control" in self.variants else None
+
+
+def describe(args: argparse.Namespace, uri: str) -> Comparison:
+    """The comparison's name (and so its MLflow names and folder) from its sizes and the time."""
     if args.input is not None:
         prepared, world_size, batch = Path(args.input), args.world_size, args.local_batch_size
     else:
@@ -334,51 +351,76 @@ def compare(args: argparse.Namespace, overrides: list[str]) -> int:
         args.strategy = balanced.strategy
     name = f"compare-k{world_size}-b{batch}"
     comparison = f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    experiment = args.experiment or f"freescale-{dataset_name(prepared)}"
     work = Path(args.workdir or Path("out") / "compare" / comparison)
-    work.mkdir(parents=True, exist_ok=True)
     variants = VARIANTS if (args.control or "control" in getattr(args, "shard_sets", {})) else VARIANTS[:2]
-    control = "mirror" if "control" in variants else None
+    return Comparison(name, comparison, args.experiment or f"freescale-{dataset_name(prepared)}", uri, work,
+                      world_size, batch, variants)
 
-    # A scheduler's SIGTERM ends the parent run KILLED, like Ctrl-C (signals reach the main thread only).
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGTERM)
+
+@contextlib.contextmanager
+def sigterm_raises_stopped() -> Iterator[None]:
+    """A scheduler's SIGTERM ends the parent run KILLED, like Ctrl-C (signals reach the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
     def stop(signum: int, frame: object) -> None:
         raise Stopped(signum)
 
-    if main_thread:
-        signal.signal(signal.SIGTERM, stop)
-    started = time.time()
-    params = {"input": args.input, "shards": args.shards, "world_size": world_size, "local_batch_size": batch,
-              **args.balanced, "strategy": args.strategy, "cost_model": args.cost_model,
-              "control": control, "repeats": args.repeats, "max_steps": args.max_steps, "epochs": args.epochs,
-              "seed": args.seed, "config": args.config, "comm_mode": args.comm_mode, "overrides": " ".join(overrides),
-              "workdir": str(work)}
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        with job_run("compare", tracking_uri=uri, experiment=experiment, params=params, run_name=name,
-                     tags={**run_tags(args.strategy, control, comparison),
-                           "freescale.world_size": str(world_size)}) as run:
-            sets = (build_shard_sets(args, work, Tracking(uri, experiment, comparison)) if args.input is not None
-                    else {v: args.shard_sets[v] for v in variants})
-            steps = args.max_steps
-            if steps is None and args.epochs is not None:
-                from shards.manifest import load_manifest
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
-                steps = args.epochs * load_manifest(sets["balanced"]).num_steps
-            runs = run_trainings(args, overrides, sets, steps, work, uri, experiment, name, comparison, run.run_id)
-            metrics = comparison_metrics(medians(runs))
-            run.log_metrics(metrics)
-            plot = plot_comparison(runs, work / PLOT_NAME, title=f"{comparison} ({experiment})")
-            run.log_artifact(plot)
-            summary = {"comparison": comparison, "name": name, "experiment": experiment,
-                       "experiment_id": run.experiment_id, "parent_run_id": run.run_id, "tracking_uri": uri,
-                       "world_size": world_size, "local_batch_size": batch, "strategy": args.strategy,
-                       "control": control, "repeats": args.repeats, "max_steps": steps, "workdir": str(work),
-                       "shards": {v: str(d) for v, d in sets.items()}, "metrics": metrics, "runs": runs,
-                       "plot": str(plot), "seconds": time.time() - started}
-            text = json.dumps(summary, indent=1)
-            run.log_text(text, "comparison.json")
+
+def run_comparison(args: argparse.Namespace, overrides: list[str], cmp: Comparison, started: float) -> dict:
+    """The parent run: the shard sets, every training, the medians and the plot; the comparison's summary."""
+    from jobs.tracking import job_run, run_tags
+
+    params = {"input": args.input, "shards": args.shards, "world_size": cmp.world_size,
+              "local_batch_size": cmp.local_batch_size, **args.balanced, "strategy": args.strategy,
+              "cost_model": args.cost_model, "control": cmp.control, "repeats": args.repeats,
+              "max_steps": args.max_steps, "epochs": args.epochs, "seed": args.seed, "config": args.config,
+              "comm_mode": args.comm_mode, "overrides": " ".join(overrides), "workdir": str(cmp.work)}
+    tags = {**run_tags(args.strategy, cmp.control, cmp.comparison), "freescale.world_size": str(cmp.world_size)}
+    with job_run("compare", tracking_uri=cmp.uri, experiment=cmp.experiment, params=params, run_name=cmp.name,
+                 tags=tags) as run:
+        sets = (build_shard_sets(args, cmp.work, Tracking(cmp.uri, cmp.experiment, cmp.comparison))
+                if args.input is not None else {v: args.shard_sets[v] for v in cmp.variants})
+        steps = args.max_steps
+        if steps is None and args.epochs is not None:
+            from shards.manifest import load_manifest
+
+            steps = args.epochs * load_manifest(sets["balanced"]).num_steps
+        runs = run_trainings(args, overrides, sets, steps, cmp.work, cmp.uri, cmp.experiment, cmp.name,
+                             cmp.comparison, run.run_id)
+        metrics = comparison_metrics(medians(runs))
+        run.log_metrics(metrics)
+        plot = plot_comparison(runs, cmp.work / PLOT_NAME, title=f"{cmp.comparison} ({cmp.experiment})")
+        run.log_artifact(plot)
+        summary = {"comparison": cmp.comparison, "name": cmp.name, "experiment": cmp.experiment,
+                   "experiment_id": run.experiment_id, "parent_run_id": run.run_id, "tracking_uri": cmp.uri,
+                   "world_size": cmp.world_size, "local_batch_size": cmp.local_batch_size, "strategy": args.strategy,
+                   "control": cmp.control, "repeats": args.repeats, "max_steps": steps, "workdir": str(cmp.work),
+                   "shards": {v: str(d) for v, d in sets.items()}, "metrics": metrics, "runs": runs,
+                   "plot": str(plot), "seconds": time.time() - started}
+        run.log_text(json.dumps(summary, indent=1), "comparison.json")
+    return summary
+
+
+def compare(args: argparse.Namespace, overrides: list[str]) -> int:
+    check_args(args, overrides)  # before anything heavy
+
+    from jobs.tracking import reachable_tracking_uri
+
+    # One check for every stage: they get the answer (or 'none'), never a second warning.
+    cmp = describe(args, reachable_tracking_uri("compare", args.tracking_uri))
+    cmp.work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    try:
+        with sigterm_raises_stopped():
+            summary = run_comparison(args, overrides, cmp, started)
     except StageFailed as failed:
         if failed.message:
             error_line("compare", failed.message, details=False)
@@ -387,17 +429,15 @@ def compare(args: argparse.Namespace, overrides: list[str]) -> int:
         signum = getattr(stopped, "signum", signal.SIGINT)
         error_line("compare", f"stopped by signal {signum}; the parent run ended KILLED", details=False)
         return 128 + signum
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
-    (work / "comparison.json").write_text(text)
+    text = json.dumps(summary, indent=1)
+    (cmp.work / "comparison.json").write_text(text)
     if args.summary_json:
         Path(args.summary_json).write_text(text)
-    print(f"\n{name}: {args.repeats} repeats, {steps or 'one pass of'} steps, strategy {args.strategy}; "
-          f"MLflow experiment {experiment}"
-          + (f", parent run {run.run_id}" if run.run_id else ", untracked") + "\n")
-    print(format_table(runs, metrics))
-    print(f"\n(total {time.time() - started:.0f} s; logs, summaries and {PLOT_NAME} in {work})", flush=True)
+    print(f"\n{cmp.name}: {args.repeats} repeats, {summary['max_steps'] or 'one pass of'} steps, strategy "
+          f"{args.strategy}; MLflow experiment {cmp.experiment}"
+          + (f", parent run {summary['parent_run_id']}" if summary["parent_run_id"] else ", untracked") + "\n")
+    print(format_table(summary["runs"], summary["metrics"]))
+    print(f"\n(total {time.time() - started:.0f} s; logs, summaries and {PLOT_NAME} in {cmp.work})", flush=True)
     return 0
 
 

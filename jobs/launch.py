@@ -49,11 +49,7 @@ def launch(argv: list[str] | None = None) -> int:
     return run_job("train", lambda: _launch(argv))
 
 
-def _launch(argv: list[str] | None) -> int:
-    from jobs.job_errors import STATUS_DIR_ENV
-    from pipeline import logs
-    from pipeline.errors import InputError
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="freescale train", description="train on balanced shards")
     parser.add_argument("--shards", required=True, help="shard directory written by `freescale balance`")
     parser.add_argument("--nproc-per-node", type=int,
@@ -78,15 +74,13 @@ def _launch(argv: list[str] | None) -> int:
     parser.add_argument("--summary-json", help="write the run summary (and per-step losses) here")
     parser.add_argument("--comm-mode", choices=typing.get_args(CommMode),
                         help="how the step's collectives run (default: the config's comm.mode, prioritized)")
-    args, overrides = parser.parse_known_args(argv)
-    if args.max_steps is not None and args.max_steps < 1:
-        raise InputError(f"--max-steps must be a positive integer (omit it for one pass over the shards), "
-                         f"got {args.max_steps}")
-    # Checked here, not by the ranks: starting torchrun and its ranks takes seconds. What is in
-    # the folder is the ranks' check (each reads its own files).
-    if not Path(args.shards).is_dir():
-        raise InputError(f"--shards {args.shards}: no such directory")
-    rendezvous = _rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
+    return parser
+
+
+def _ranks_per_node(args: argparse.Namespace) -> int:
+    """--nproc-per-node, or the manifest's world size over --nnodes."""
+    from pipeline.errors import InputError
+
     nproc = args.nproc_per_node
     if nproc is None:
         manifest = Path(args.shards) / MANIFEST_NAME
@@ -100,6 +94,11 @@ def _launch(argv: list[str] | None) -> int:
         nproc = world_size // args.nnodes
     if nproc < 1:
         raise InputError(f"--nproc-per-node must be a positive integer, got {nproc}")
+    return nproc
+
+
+def _rank_settings(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """The ranks' config overrides: the launcher's options as config keys, then the user's own."""
     settings = ["--data.shards", args.shards]
     if args.max_steps is not None:
         settings += ["--training.max_steps", str(args.max_steps)]
@@ -109,20 +108,44 @@ def _launch(argv: list[str] | None) -> int:
         settings += ["--tracking.run_name", args.run_name]
     if args.comm_mode:
         settings += ["--comm.mode", args.comm_mode]
-    settings += overrides
-    # The ranks' config, checked here first: a bad file, key or value is one line, before torchrun;
-    # so is an attention kernel the ranks would refuse on this machine.
+    return settings + overrides
+
+
+def _launch(argv: list[str] | None) -> int:
+    from pipeline.errors import InputError
     from training.attention_kernel import check_attention_kernel
     from training.config import load_config
 
+    args, overrides = build_parser().parse_known_args(argv)
+    if args.max_steps is not None and args.max_steps < 1:
+        raise InputError(f"--max-steps must be a positive integer (omit it for one pass over the shards), "
+                         f"got {args.max_steps}")
+    # Checked here, not by the ranks: starting torchrun and its ranks takes seconds. What is in
+    # the folder is the ranks' check (each reads its own files).
+    if not Path(args.shards).is_dir():
+        raise InputError(f"--shards {args.shards}: no such directory")
+    rendezvous = _rendezvous(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
+    nproc = _ranks_per_node(args)
+    settings = _rank_settings(args, overrides)
+    # The ranks' config, checked here first: a bad file, key or value is one line, before torchrun;
+    # so is an attention kernel the ranks would refuse on this machine.
     check_attention_kernel(load_config(args.config, settings))
     cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
            "-m", "jobs.train"]
-    if args.config:
-        cmd += ["--config", args.config]
-    if args.summary_json:
-        cmd += ["--summary-json", args.summary_json]
-    cmd += settings
+    cmd += (["--config", args.config] if args.config else []) + (
+        ["--summary-json", args.summary_json] if args.summary_json else []) + settings
+    rc, statuses, output, waiting = _run_torchrun(cmd, args)
+    if waiting and waiting.failed(rc, statuses, output):
+        return waiting.conclude(rc, output)
+    return conclude_ranks(rc, statuses, output, nproc * args.nnodes)
+
+
+def _run_torchrun(cmd: list[str], args: argparse.Namespace):
+    """torchrun's status, the ranks' own statuses, its sorted output (None under --verbose: the
+    terminal has it all) and the wait for the other nodes (None for one node)."""
+    from jobs.job_errors import STATUS_DIR_ENV
+    from pipeline import logs
+
     log = logs.log_file("train").absolute()
     with tempfile.TemporaryDirectory(prefix="freescale-ranks-") as status_dir:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -147,9 +170,7 @@ def _launch(argv: list[str] | None) -> int:
                 statuses[int(path.name.split("-", 1)[1])] = int(path.read_text())
             except ValueError:
                 continue
-    if waiting and waiting.failed(rc, statuses, output):
-        return waiting.conclude(rc, output)
-    return conclude_ranks(rc, statuses, output, nproc * args.nnodes)
+    return rc, statuses, output, waiting
 
 
 def _rendezvous(nnodes: int, node_rank: int, endpoint: str | None, timeout_s: int | None) -> list[str]:

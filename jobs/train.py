@@ -95,6 +95,7 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     import torch.distributed as dist
 
     from jobs.tracking import DISABLED, reachable_tracking_uri
+    from pipeline.run_summary import write_run_summary
     from training.bubbles import TIMING_FIELDS
     from training.trainer import NullSink, Trainer
 
@@ -113,14 +114,12 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
             summary["predicted_bubble"] = trainer.manifest.stats.get("bubble", float("nan"))
             print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
             if summary_json:
-                Path(summary_json).write_text(json.dumps(
-                    {"summary": summary, "mlflow_run_id": sink.run_id if sink is not None else None,
-                     "losses": result.losses, "steps": result.steps,
-                     "comm": trainer.describe_comm(), "comm_issue_order": result.comm_issue_order,
-                     # The unit of the timings' cost column: freescale simulate checks it.
-                     "cost_model": trainer.manifest.cost_model,
-                     "timings": {"fields": list(TIMING_FIELDS), "steps_ranks_fields": result.timings.tolist()}},
-                    indent=1))
+                write_run_summary(summary_json, summary=summary, run_id=sink.run_id if sink is not None else None,
+                                  losses=result.losses, steps=result.steps, comm=trainer.describe_comm(),
+                                  comm_issue_order=result.comm_issue_order,
+                                  # The unit of the timings' cost column: freescale simulate checks it.
+                                  cost_model=trainer.manifest.cost_model, fields=TIMING_FIELDS,
+                                  timings=result.timings.tolist())
         if sink is not None:
             from training.bubble_plot import plot_rank_timelines
 
