@@ -43,6 +43,7 @@ def demo(argv: list[str]) -> int:
     Stages whose fingerprint matches and whose output is intact are skipped, so a rerun resumes where it stopped.
     """
     from jobs import workflow
+    from jobs.workflow_config import load_workflow_config
 
     p = argparse.ArgumentParser(prog="freescale demo", description=demo.__doc__)
     p.add_argument("--workdir", default="out/demo", help="where the stages write (default out/demo)")
@@ -52,9 +53,10 @@ def demo(argv: list[str]) -> int:
     args = p.parse_args(argv)
     configs = shipped_configs()
     # The built-in files wherever the demo runs from; the sizes and workdir from the command line.
-    rc = workflow.main(["--config", str(configs / "demo_pipeline.toml"), "--train.config", str(configs / "demo.toml"),
-                        "--pipeline.workdir", args.workdir, "--pipeline.world_size", str(args.world_size),
-                        "--pipeline.local_batch_size", str(args.local_batch_size)] + (["--fresh"] if args.fresh else []))
+    config = load_workflow_config(str(configs / "demo_pipeline.toml"), [
+        "--train.config", str(configs / "demo.toml"), "--pipeline.workdir", args.workdir,
+        "--pipeline.world_size", str(args.world_size), "--pipeline.local_batch_size", str(args.local_batch_size)])
+    rc = workflow.run(config, fresh=args.fresh)
     if rc == 0:
         # The mlflow beside this interpreter (a checkout's .venv, or the venv the wheel went into).
         mlflow = Path(sys.executable).parent / "mlflow"

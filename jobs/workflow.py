@@ -342,11 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
+    args, overrides = build_parser().parse_known_args(argv)
+    return run(load_workflow_config(args.config, overrides), fresh=args.fresh)  # a bad key or value: one line
+
+
+def run(config: WorkflowConfig, fresh: bool = False) -> int:
+    """The pipeline of ``config``, holding its workdir's lock (exit 3 when another run holds it); its
+    exit status. `freescale demo` calls it with the shipped config."""
     from jobs.job_errors import EXIT_ENVIRONMENT, error_line, stop_of, stops_on_signals
     from jobs.tracking import PIPELINE_ENV
 
-    args, overrides = build_parser().parse_known_args(argv)
-    config = load_workflow_config(args.config, overrides)  # a bad key or value: one line, exit 2
     work = Path(config.pipeline.workdir)
     lock = work / LOCK
     refused = locks.acquire(lock, on_stale=lambda holder: print(
@@ -368,7 +373,7 @@ def main(argv: list[str]) -> int:
         with stops_on_signals():
             try:
                 _end_orphaned_runs(config, os.environ[PIPELINE_ENV])
-                return run_pipeline(config, work, fresh=args.fresh)
+                return run_pipeline(config, work, fresh=fresh)
             except BaseException as exc:
                 if stop_of(exc) is None:
                     raise

@@ -454,3 +454,17 @@ def test_a_stage_continues_its_last_run_when_its_record_says_it_started(tmp_path
     stages.run_stages([stage({"steps": 40})], tmp_path, fresh=True, run_stage=lambda s: (0, "", False),
                       say=lines.append)
     assert seen[-1] is False  # --fresh starts over
+
+
+def test_demo_runs_the_shipped_pipeline_with_its_sizes(tmp_path, monkeypatch):
+    """`freescale demo` is the pipeline of configs/demo_pipeline.toml (and configs/demo.toml), its sizes and
+    workdir from its own options: the config it hands the pipeline, with the run stubbed out."""
+    from jobs import cli
+
+    seen = []
+    monkeypatch.setattr(workflow, "run", lambda config, fresh=False: seen.append((config, fresh)) or 7)
+    assert cli.demo(["--workdir", str(tmp_path / "demo"), "--world-size", "3", "--fresh"]) == 7
+    [(config, fresh)] = seen
+    assert fresh and (config.pipeline.workdir, config.pipeline.world_size, config.pipeline.local_batch_size) == (
+        str(tmp_path / "demo"), 3, 32)
+    assert config.train.config == str(REPO / "configs" / "demo.toml") and config.balance.window_steps == 32
