@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_inputs(spec: BalanceSpec) -> None:
     """What can be checked without Spark (local paths; Spark checks remote ones): the output is not
     an input, --input holds sequences, and a --master spark://... takes connections."""
-    from jobs.atomic_output import check_local_output_free, check_no_overlap
+    from pipeline.atomic_output import check_local_output_free, check_no_overlap
     from pipeline import preflight
     from shards.spark_balance import check_local_input
 
@@ -51,8 +51,8 @@ def balance(spec: BalanceSpec, tracking: Tracking) -> int:
     # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
     check_inputs(spec)
 
-    from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
-    from jobs.hadoop_fs import HadoopFS
+    from pipeline.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
+    from pipeline.hadoop_fs import HadoopFS
     from jobs.tracking import job_run, reachable_tracking_uri, run_tags
     from pipeline.cost_model import CostModel, default_cost_model
     from pipeline.session import build_spark_session, checkpoints_removed
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def spec() -> BalanceSpec:
-        from jobs.atomic_output import check_no_overlap
+        from pipeline.atomic_output import check_no_overlap
 
         if args.capacities and args.capacities.startswith("@"):  # before the file is read
             check_no_overlap(args.output, {"--capacities": args.capacities[1:]})

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from jobs.job_errors import Stopped, error_line, run_job
+from jobs.job_errors import error_line, run_job
+from pipeline.stops import Stopped
 from jobs.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from pipeline.errors import InputError

@@ -8,7 +8,7 @@
     3  EXIT_ENVIRONMENT  this machine or a service stopped the job: a comm/process-group backend that
                          cannot run here (CUDA absent), Java missing or Spark unable to start, a Spark
                          master that does not answer, a file system scheme Spark has no jar for, a full
-                         disk (jobs/spark_errors.py), MLflow tracking that failed where it stops the job
+                         disk (pipeline/spark_errors.py), MLflow tracking that failed where it stops the job
 
 The line reads ``freescale JOB: error: MESSAGE`` and, when the log holds the details (a Python,
 JVM or torchrun trace), ends with ``(details: LOG)``; see pipeline/logs.py for where the log is.
@@ -17,100 +17,22 @@ FREESCALE_DEBUG=1 re-raises expected failures too.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import sys
-import threading
 import time
 import traceback
-from typing import Callable, Iterator
+from typing import Callable
 
-from jobs.spark_errors import environment_message
 from pipeline import logs
 from pipeline.errors import InputError
+from pipeline.spark_errors import environment_message
+from pipeline.stops import Stopped, stop_signal
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_ENVIRONMENT = 3
-
-
-
-class Stopped(BaseException):
-    """A stop signal (SIGTERM, SIGINT), raised in the main thread so the job's MLflow run ends
-    KILLED. A BaseException: no `except Exception` on the way may take it for an error."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by signal {signum}")
-        self.signum = signum
-
-
-# The stop signal received inside `stops_on_signals`, kept apart from the exception that carries it:
-# on its way out the Stopped can be replaced by another error (a cleanup's own; a py4j call failing
-# because the signal took Spark's JVM down with the process group), and the job must still end as
-# stopped, whichever error surfaces.
-_received: list[int] = []
-
-
-def stop_signal() -> int | None:
-    """The stop signal this process received inside `stops_on_signals`; None when none has."""
-    return _received[0] if _received else None
-
-
-def stop_of(exc: BaseException) -> int | None:
-    """The stop signal that `exc` carries (Stopped; KeyboardInterrupt is Ctrl-C's SIGINT) or stands in
-    for (any error, once a stop was received: see stop_signal); None when the job was not stopped."""
-    if isinstance(exc, Stopped):
-        return exc.signum
-    if isinstance(exc, KeyboardInterrupt):
-        return stop_signal() or signal.SIGINT
-    return stop_signal()
-
-
-@contextlib.contextmanager
-def stops_on_signals() -> Iterator[None]:
-    """For the block: SIGTERM (a scheduler's stop) raises Stopped in the main thread, once (a second
-    signal must not cut the cleanup short), and SIGINT raises KeyboardInterrupt as Python's own handler
-    does; either is remembered (stop_signal) until the block ends. Off the main thread, where no signal
-    is delivered, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    # SIGINT only where Python's own handler has it: a process started with SIGINT ignored keeps ignoring it.
-    signals = (signal.SIGTERM,) + ((signal.SIGINT,) if signal.getsignal(signal.SIGINT) is signal.default_int_handler
-                                   else ())
-    previous = {signum: signal.signal(signum, _stop) for signum in signals}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _received.clear()
-
-
-def _stop(signum: int, frame: object) -> None:
-    first = not _received
-    if first:
-        _received.append(signum)
-    _drop_interrupted_jvm_call()
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    if first:
-        raise Stopped(signum)
-
-
-def _drop_interrupted_jvm_call() -> None:
-    """The signal may have landed in the middle of a JVM call (a Spark action): see
-    pipeline.session.drop_gateway_connection. A process that never built a Spark session has none."""
-    session = sys.modules.get("pipeline.session")
-    if session is None:
-        return
-    try:
-        session.drop_gateway_connection()
-    except Exception:  # noqa: BLE001 - raised here, it would replace the stop itself
-        pass
 
 
 # Where `freescale train` asks its ranks to leave their exit status (one file per rank).

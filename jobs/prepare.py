@@ -39,7 +39,7 @@ def check_inputs(spec: PrepareSpec) -> None:
     """What can be checked without Spark (local paths; remote ones are checked by Spark):
     the output is not an input, the inputs exist, Parquet footers are readable and have
     the needed columns, a --master spark://... takes connections."""
-    from jobs.atomic_output import check_local_output_free, check_no_overlap
+    from pipeline.atomic_output import check_local_output_free, check_no_overlap
     from pipeline import preflight
     from pipeline.spark_prepare import check_local_inputs
 
@@ -53,8 +53,8 @@ def prepare(spec: PrepareSpec, tracking: Tracking) -> int:
     # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
     check_inputs(spec)
 
-    from jobs.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
-    from jobs.hadoop_fs import HadoopFS
+    from pipeline.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
+    from pipeline.hadoop_fs import HadoopFS
     from jobs.tracking import job_run, reachable_tracking_uri
     from pipeline import spark_prepare
     from pipeline.prepared import METADATA_NAME, metadata_text

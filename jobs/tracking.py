@@ -87,8 +87,8 @@ def run_tags(strategy: str | None = None, control: str | None = None, comparison
 
 def ended_status(exc: BaseException | None) -> str:
     """How a run ends: FINISHED, KILLED (Ctrl-C, a stop signal, or any error once the job received
-    one: jobs/job_errors.py, stop_of) or FAILED."""
-    from jobs.job_errors import stop_of
+    one: pipeline/stops.py, stop_of) or FAILED."""
+    from pipeline.stops import stop_of
 
     if exc is None:
         return "FINISHED"

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 
-from jobs.job_errors import Stopped
+from pipeline.stops import Stopped
 from jobs.mlflow_sink import MLflowSink, build_sink  # no mlflow import until used
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # how torchrun (and a terminal) stop the ranks

@@ -288,7 +288,8 @@ def run_stage(stage: Stage, work: Path) -> tuple[int, str, bool]:
     holds details. A stop signal ends the job as it would end it alone (its run KILLED, its staging
     removed), then the stage's record says so and the stop goes on to end the pipeline: whatever
     error the job's cleanup raised in its place, and however the job ended after it (stop_of)."""
-    from jobs.job_errors import Stopped, report, stop_of, stop_signal
+    from jobs.job_errors import report
+    from pipeline.stops import Stopped, stop_of, stop_signal
 
     tap, saved = _ErrorLineTap(sys.stderr), sys.stderr
     sys.stderr = tap
@@ -324,7 +325,7 @@ def _record_killed(stage: Stage, work: Path, signum: int) -> None:
 
 def _stop_in(stage: Stage, signum: int) -> BaseException:
     """The stop, naming the stage for the pipeline's last line."""
-    from jobs.job_errors import Stopped
+    from pipeline.stops import Stopped
 
     stopped = Stopped(signum)
     stopped.stage = stage.name
@@ -349,7 +350,8 @@ def main(argv: list[str]) -> int:
 def run(config: WorkflowConfig, fresh: bool = False) -> int:
     """The pipeline of ``config``, holding its workdir's lock (exit 3 when another run holds it); its
     exit status. `freescale demo` calls it with the shipped config."""
-    from jobs.job_errors import EXIT_ENVIRONMENT, error_line, stop_of, stops_on_signals
+    from jobs.job_errors import EXIT_ENVIRONMENT, error_line
+    from pipeline.stops import stop_of, stops_on_signals
     from jobs.tracking import PIPELINE_ENV
 
     work = Path(config.pipeline.workdir)
@@ -369,7 +371,7 @@ def run(config: WorkflowConfig, fresh: bool = False) -> int:
     os.environ[PIPELINE_ENV] = str(work.resolve())  # every stage's run names this workdir
     try:
         # SIGTERM (a scheduler's stop) raises in the main thread, as Ctrl-C does, so the running stage,
-        # the records and the lock are ended on the way out (jobs/job_errors.py: stops_on_signals).
+        # the records and the lock are ended on the way out (pipeline/stops.py: stops_on_signals).
         with stops_on_signals():
             try:
                 _end_orphaned_runs(config, os.environ[PIPELINE_ENV])
@@ -406,7 +408,8 @@ def _end_orphaned_runs(config: WorkflowConfig, workdir: str) -> None:
 
 def _stopped_status(exc: BaseException) -> int:
     """The pipeline's last line and 128 + N for `exc`, which is (or surfaced after) stop signal N."""
-    from jobs.job_errors import error_line, stop_of
+    from jobs.job_errors import error_line
+    from pipeline.stops import stop_of
 
     signum = stop_of(exc)
     stage = getattr(exc, "stage", None)

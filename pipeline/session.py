@@ -187,7 +187,7 @@ def launcher_master() -> str | None:
 def drop_gateway_connection() -> None:
     """Close this thread's connection to the JVM; the next call opens a new one.
 
-    For a stop signal's handler (jobs/job_errors.py): the signal may land while the main thread
+    For a stop signal's handler (pipeline/stops.py): the signal may land while the main thread
     waits for the answer to a JVM call (a Spark action), and the exception it raises there leaves
     that answer unread on the connection, which py4j keeps for the thread (PySpark's pinned-thread
     mode): every later call on it would read the answer of the call before it (None for an object,

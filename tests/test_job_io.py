@@ -394,7 +394,7 @@ def test_balance_killed_then_rerun_cleans_up(odd_prepared, tmp_path, capsys):
 def test_a_stopped_job_removes_its_staging_even_when_the_jvm_is_gone(tmp_path):
     """A stop signal sent to the job's process group takes Spark's JVM with it, and Hadoop's
     delete then fails: the local staging folder is removed all the same, and the stop goes on."""
-    from jobs.atomic_output import atomic_output
+    from pipeline.atomic_output import atomic_output
 
     class DeadJvm:
         def exists(self, path: str) -> bool:

@@ -1,4 +1,4 @@
-"""Cluster and storage errors are one line saying what to do, and exit 3 (jobs/spark_errors.py,
+"""Cluster and storage errors are one line saying what to do, and exit 3 (pipeline/spark_errors.py,
 pipeline/session.py: check_master). The Java texts are those of real runs (py4j's Py4JJavaError:
 the JVM's exception and its "Caused by:" chain), cut to the lines that matter."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from jobs import job_errors
 from jobs.job_errors import EXIT_ENVIRONMENT
-from jobs.spark_errors import spark_hadoop_version
+from pipeline.spark_errors import spark_hadoop_version
 
 # `freescale balance --output` on a 2 MiB tmpfs (mount -t tmpfs -o size=2M tmpfs DIR), Spark 4.3.
 FULL_DISK = """An error occurred while calling o625.parquet.

@@ -1,5 +1,5 @@
 """A stop signal that lands inside a Spark action is reported as the stop, whatever the cleanup on its
-way out then meets (jobs/job_errors.py: stops_on_signals, stop_of; pipeline/session.py:
+way out then meets (pipeline/stops.py: stops_on_signals, stop_of; pipeline/session.py:
 drop_gateway_connection, checkpoints_removed). The pipeline's side is tests/test_workflow.py's."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from jobs.job_errors import Stopped, stop_of, stop_signal, stops_on_signals
+from pipeline.stops import Stopped, stop_of, stop_signal, stops_on_signals
 
 
 class BrokenContext:
@@ -96,7 +96,7 @@ def test_a_stop_inside_a_spark_action_leaves_the_jvm_answering(spark):
 # A job's process that starts Spark inside stops_on_signals, as the pipeline's stages do.
 STARTS_SPARK = """
 import sys
-from jobs.job_errors import Stopped, stops_on_signals
+from pipeline.stops import Stopped, stops_on_signals
 from pipeline.session import build_spark_session
 
 with stops_on_signals():

@@ -390,7 +390,7 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
     assert [r.info.status for r in _runs(uri)] == ["KILLED"]
     assert "KeyError: 'c'" in logs.log_file("prepare").read_text()
     assert not (work / workflow.LOCK).exists()
-    from jobs.job_errors import stop_signal
+    from pipeline.stops import stop_signal
 
     assert stop_signal() is None  # the stop is the pipeline's: forgotten when it ends
 

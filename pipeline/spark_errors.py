@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-from jobs.atomic_output import staged_output
+from pipeline.atomic_output import staged_output
 from pipeline.paths import local_path
 
 NO_SPACE = "No space left on device"

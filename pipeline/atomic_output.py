@@ -22,7 +22,7 @@ from pipeline.errors import InputError
 from pipeline.paths import local_path, overlap
 
 if TYPE_CHECKING:
-    from jobs.hadoop_fs import HadoopFS
+    from pipeline.hadoop_fs import HadoopFS
 
 _TAG_HEX = 12
 # The names atomic_output gives its temporary siblings: <name>.tmp-<tag> and <name>.old-<tag>.
@@ -103,7 +103,7 @@ def atomic_output(fs: HadoopFS, output: str, overwrite: bool) -> Iterator[str]:
 
     The block's Spark jobs form one job group, so that a stop can cancel them, and the jobs the
     interrupted action has yet to start, before the staging folder is removed."""
-    from jobs.job_errors import stop_of
+    from pipeline.stops import stop_of
 
     check_output_free(fs, output, overwrite)
     output = output.rstrip("/")
