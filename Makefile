@@ -22,6 +22,7 @@ demo: install
 	$(VENV)/bin/freescale demo
 
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=25 tests
 
 # The tier without Spark and without a second process (tests/conftest.py: --fast), which it checks.

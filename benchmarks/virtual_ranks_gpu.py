@@ -184,7 +184,6 @@ class Bench:
 
     def measure(self, name: str, sampler, k: int) -> dict:
         """Plan K x B x steps lengths three ways; time every (step, rank) batch; measured and predicted."""
-        np = self.np
         from balancing import bubble, plan
         from balancing.simulate import Noise, TimeModel, simulate
 
