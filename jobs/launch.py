@@ -22,18 +22,59 @@ import sys
 import tempfile
 import threading
 import time
-import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from jobs.tracking import add_tracking_arguments
+from jobs.tracking import TRACKING_URI_HELP
+from pipeline import options
+from pipeline.options import option
 from shards.schema import MANIFEST_NAME
-from training.config import CommMode
+from training.config import CommMode  # the typed config, no torch
 
 # torchrun's own timeout for a rendezvous: LaunchConfig (torch/distributed/launcher/api.py) sets
 # rdzv_configs["timeout"] = 900 when none is given, which the static rendezvous passes to its
 # TCPStore (the static handler's own default, 600, is never reached from torchrun).
 RDZV_TIMEOUT_S = 900
+
+
+CLI = ("cli",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """`freescale train` on this node: the shards, its ranks and nodes, and the ranks' run; the pipeline's
+    [train] section offers config, max_steps and run_name."""
+
+    SURFACES = ("cli", "pipeline")
+
+    shards: str = option(help="shard directory written by `freescale balance`", surfaces=CLI)
+    nproc_per_node: int | None = option(
+        None, "ranks to start on this node (default: the manifest's world size over --nnodes)", surfaces=CLI)
+    nnodes: int = option(1, "nodes of the job, each running `freescale train` with the same arguments but "
+                            "--node-rank (default 1: this machine only)", surfaces=CLI)
+    node_rank: int = option(0, "this node's rank, 0 .. nnodes-1; node R runs global ranks R*nproc .. (R+1)*nproc-1",
+                            surfaces=CLI, show_default=False)
+    rdzv_endpoint: str | None = option(None, "HOST:PORT of node 0, where the nodes meet (torchrun's static "
+                                             "rendezvous); needed with --nnodes > 1", surfaces=CLI)
+    rdzv_timeout: int | None = option(None, f"how long the nodes wait for each other at --rdzv-endpoint before the "
+                                            f"job ends with exit 3 (default {RDZV_TIMEOUT_S}, torchrun's)",
+                                      surfaces=CLI, metavar="SECONDS")
+    config: str | None = option(None, "TOML config (configs/*.toml)")
+    max_steps: int | None = option(None, "stop after N >= 1 steps (default: the config's training.max_steps; "
+                                         "0 there = one pass over the shards)")
+    tracking_uri: str | None = option(None, TRACKING_URI_HELP, surfaces=CLI)
+    run_name: str | None = option(None, "MLflow run name")
+    summary_json: str | None = option(None, "write the run summary (and per-step losses) here", surfaces=CLI)
+    comm_mode: CommMode | None = option(None, "how the step's collectives run (default: the config's comm.mode, "
+                                              "prioritized)", surfaces=CLI)
+
+    def check(self) -> None:
+        from pipeline.errors import InputError
+
+        if self.max_steps is not None and self.max_steps < 1:
+            raise InputError(f"--max-steps must be a positive integer (omit it for one pass over the shards), "
+                             f"got {self.max_steps}")
 
 
 def launch(argv: list[str] | None = None) -> int:
@@ -44,40 +85,25 @@ def launch(argv: list[str] | None = None) -> int:
     rank and a last line naming the log, and returns the ranks' exit status (2 bad input,
     3 environment, 1 anything else), not torchrun's 1.
     """
+    args, overrides = build_parser().parse_known_args(argv)
+    return run(lambda: options.from_values(LaunchSpec, vars(args)), overrides)
+
+
+def run(spec_of: Callable[[], LaunchSpec], overrides: list[str]) -> int:
+    """The training of ``spec_of()`` (built inside the job's error handling), ``overrides`` on its ranks'
+    config (``--section.key VALUE``); its exit status. `freescale pipeline` calls it in-process."""
     from jobs.job_errors import run_job
 
-    return run_job("train", lambda: _launch(argv))
+    return run_job("train", lambda: _launch(spec_of(), overrides))
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="freescale train", description="train on balanced shards")
-    parser.add_argument("--shards", required=True, help="shard directory written by `freescale balance`")
-    parser.add_argument("--nproc-per-node", type=int,
-                        help="ranks to start on this node (default: the manifest's world size over --nnodes)")
-    parser.add_argument("--nnodes", type=int, default=1,
-                        help="nodes of the job, each running `freescale train` with the same arguments but "
-                             "--node-rank (default 1: this machine only)")
-    parser.add_argument("--node-rank", type=int, default=0,
-                        help="this node's rank, 0 .. nnodes-1; node R runs global ranks R*nproc .. (R+1)*nproc-1")
-    parser.add_argument("--rdzv-endpoint",
-                        help="HOST:PORT of node 0, where the nodes meet (torchrun's static rendezvous); "
-                             "needed with --nnodes > 1")
-    parser.add_argument("--rdzv-timeout", type=int, metavar="SECONDS",
-                        help=f"how long the nodes wait for each other at --rdzv-endpoint before the job ends "
-                             f"with exit 3 (default {RDZV_TIMEOUT_S}, torchrun's)")
-    parser.add_argument("--config", help="TOML config (configs/*.toml)")
-    parser.add_argument("--max-steps", type=int,
-                        help="stop after N >= 1 steps (default: the config's training.max_steps; 0 there = one pass "
-                             "over the shards)")
-    add_tracking_arguments(parser, experiment=False)
-    parser.add_argument("--run-name", help="MLflow run name")
-    parser.add_argument("--summary-json", help="write the run summary (and per-step losses) here")
-    parser.add_argument("--comm-mode", choices=typing.get_args(CommMode),
-                        help="how the step's collectives run (default: the config's comm.mode, prioritized)")
+    options.add_arguments(parser, LaunchSpec, "cli")
     return parser
 
 
-def _ranks_per_node(args: argparse.Namespace) -> int:
+def _ranks_per_node(args: LaunchSpec) -> int:
     """--nproc-per-node, or the manifest's world size over --nnodes."""
     from pipeline.errors import InputError
 
@@ -97,7 +123,7 @@ def _ranks_per_node(args: argparse.Namespace) -> int:
     return nproc
 
 
-def _rank_settings(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+def _rank_settings(args: LaunchSpec, overrides: list[str]) -> list[str]:
     """The ranks' config overrides: the launcher's options as config keys, then the user's own."""
     settings = ["--data.shards", args.shards]
     if args.max_steps is not None:
@@ -111,15 +137,11 @@ def _rank_settings(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return settings + overrides
 
 
-def _launch(argv: list[str] | None) -> int:
+def _launch(args: LaunchSpec, overrides: list[str]) -> int:
     from pipeline.errors import InputError
     from training.attention_kernel import check_attention_kernel
     from training.config import load_config
 
-    args, overrides = build_parser().parse_known_args(argv)
-    if args.max_steps is not None and args.max_steps < 1:
-        raise InputError(f"--max-steps must be a positive integer (omit it for one pass over the shards), "
-                         f"got {args.max_steps}")
     # Checked here, not by the ranks: starting torchrun and its ranks takes seconds. What is in
     # the folder is the ranks' check (each reads its own files).
     if not Path(args.shards).is_dir():
@@ -140,7 +162,7 @@ def _launch(argv: list[str] | None) -> int:
     return conclude_ranks(rc, statuses, output, nproc * args.nnodes)
 
 
-def _run_torchrun(cmd: list[str], args: argparse.Namespace):
+def _run_torchrun(cmd: list[str], args: LaunchSpec):
     """torchrun's status, the ranks' own statuses, its sorted output (None under --verbose: the
     terminal has it all) and the wait for the other nodes (None for one node)."""
     from jobs.job_errors import STATUS_DIR_ENV
@@ -200,7 +222,7 @@ def _rendezvous(nnodes: int, node_rank: int, endpoint: str | None, timeout_s: in
             f"--rdzv-conf=timeout={timeout_s or RDZV_TIMEOUT_S}"]
 
 
-def _waiting(args: argparse.Namespace, say: Callable[[str], None]) -> RendezvousWait | None:
+def _waiting(args: LaunchSpec, say: Callable[[str], None]) -> RendezvousWait | None:
     """The wait for the other nodes, for a job of several."""
     if args.nnodes == 1:
         return None

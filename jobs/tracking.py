@@ -17,14 +17,14 @@ from training.config import DEFAULT_EXPERIMENT  # plain dataclasses, no torch
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 DISABLED = "none"
+TRACKING_URI_HELP = f"MLflow URI (default $MLFLOW_TRACKING_URI or {DEFAULT_TRACKING_URI}; '{DISABLED}' disables)"
 
 
 def add_tracking_arguments(parser: argparse.ArgumentParser, experiment: bool = True,
                            experiment_default: str | None = DEFAULT_EXPERIMENT,
                            experiment_note: str = DEFAULT_EXPERIMENT) -> None:
     """Every job's ``--tracking-uri`` and (unless ``experiment`` is False) ``--experiment``."""
-    parser.add_argument("--tracking-uri", help=f"MLflow URI (default $MLFLOW_TRACKING_URI or {DEFAULT_TRACKING_URI}; "
-                                               f"'{DISABLED}' disables)")
+    parser.add_argument("--tracking-uri", help=TRACKING_URI_HELP)
     if experiment:
         parser.add_argument("--experiment", default=experiment_default,
                             help=f"MLflow experiment (default {experiment_note})")

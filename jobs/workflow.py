@@ -3,9 +3,10 @@ TOML, safe to rerun from cron, Airflow or any scheduler.
 
     freescale pipeline --config configs/demo_pipeline.toml [--fresh] [--section.key VALUE ...]
 
-Each stage calls its job in-process, each still runnable by itself: prepare and balance through
-their typed entries (`jobs.prepare.run`, `jobs.balance.run`, with the spec built from their section),
-the others with a command line (`jobs.calibrate.main`, `jobs.launch.launch`, `jobs.compare.main`).
+Each stage calls its job in-process, each still runnable by itself: prepare, balance and train
+through their typed entries (`jobs.prepare.run`, `jobs.balance.run`, `jobs.launch.run`, each with the
+spec built from its section), calibrate and compare with a command line (`jobs.calibrate.main`,
+`jobs.compare.main`).
 A stage that finishes leaves a record next to its output in the working directory,
 `<workdir>/<stage>.fingerprint.json`: the fingerprint of everything the stage's arguments are
 built from (its config section, the shared sizes, the identity of its input files: path,
@@ -214,25 +215,30 @@ def balance_stage(config: WorkflowConfig, work: Workdir) -> Stage:
     return Stage("balance", run, params, work.shards, damage)
 
 
-def train_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
+def train_values(config: WorkflowConfig, work: Workdir) -> tuple[dict[str, Any], list[str]]:
+    """The train stage's spec values ([train], the shards, one rank per world_size) and the overrides
+    on its ranks' config (the checkpoint folder, [train.overrides], the experiment)."""
     p, tr = config.pipeline, config.train
-    argv = ["--shards", str(work.shards), "--nproc-per-node", str(p.world_size), "--summary-json", str(work.summary),
-            "--checkpoint.folder", str(work.checkpoints)]
-    argv += (["--config", tr.config] if tr.config else []) + (["--run-name", tr.run_name] if tr.run_name else [])
-    argv += (["--max-steps", str(tr.max_steps)] if tr.max_steps else []) + override_argv(tr.overrides)
-    argv += (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--tracking.experiment", p.experiment]
-    params = {"world_size": p.world_size, "max_steps": tr.max_steps, **train_inputs(config),
-              **{key: toml_text(value) for key, value in tr.overrides.items()}}
-    return argv, params
+    values = {**options.section_values(tr), "shards": str(work.shards), "nproc_per_node": p.world_size,
+              "summary_json": str(work.summary), "tracking_uri": p.tracking_uri or None}
+    return values, ["--checkpoint.folder", str(work.checkpoints), *override_argv(tr.overrides),
+                    "--tracking.experiment", p.experiment]
 
 
 def train_stage(config: WorkflowConfig, work: Workdir) -> Stage:
-    argv, params = train_argv(config, work)
+    spec, (values, overrides) = type(config.train).spec, train_values(config, work)
+    params = {"world_size": config.pipeline.world_size, "max_steps": config.train.max_steps, **train_inputs(config),
+              **{key: toml_text(value) for key, value in config.train.overrides.items()}}
+
+    def run() -> int:
+        from jobs import launch
+
+        return launch.run(lambda: options.from_values(spec, values), overrides)
 
     def checkpoints(continuable: bool) -> str:
         return _prepare_checkpoints(work.checkpoints, continuable)
-    return Stage("train", _job("jobs.launch", argv, "launch"), params, work.summary,
-                 json_damage(work.summary, "training summary"), before_run=checkpoints)
+    return Stage("train", run, params, work.summary, json_damage(work.summary, "training summary"),
+                 before_run=checkpoints)
 
 
 def compare_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:

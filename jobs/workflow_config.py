@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobs.launch import LaunchSpec  # no torch
 from pipeline import options
 from pipeline.errors import InputError
 from pipeline.prepare_spec import PrepareSpec  # standard library only
@@ -78,18 +79,14 @@ BalanceSection = options.section(BalanceSpec, "pipeline", "BalanceSection")
 window_steps, seed, equal_counts, token_cap, leftover, time_limit; an optional number is 0 for none)."""
 
 
-@dataclass
-class TrainSection:
-    config: str = ""
-    """Training config TOML (configs/*.toml); empty = the built-in defaults."""
-    max_steps: int = 0
-    """Stop after N steps; 0 = the training config's training.max_steps."""
-    run_name: str = ""
-    """MLflow run name; empty = derived from the shards and strategy."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    """``[train.overrides]``: training config values on top of the file, e.g. ``training.max_steps = 40``
-    or ``checkpoint.every_steps = 10`` (checkpoint.folder is always <workdir>/checkpoints). The
-    ``model.*`` and ``loss.*`` ones also reach calibrate."""
+TrainSection = options.section(LaunchSpec, "pipeline", "TrainSection", extra=(
+    ("overrides", dict[str, Any], field(default_factory=dict)),))
+"""``[train]``: the options of ``jobs.launch.LaunchSpec`` offered to the pipeline (config: a training
+config TOML, "" = the built-in defaults; max_steps, 0 = the training config's training.max_steps;
+run_name, "" = derived from the shards and strategy), and ``[train.overrides]``: training config
+values on top of the file, e.g. ``training.max_steps = 40`` or ``checkpoint.every_steps = 10``
+(checkpoint.folder is always <workdir>/checkpoints). The ``model.*`` and ``loss.*`` ones also reach
+calibrate."""
 
 
 @dataclass

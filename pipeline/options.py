@@ -44,6 +44,8 @@ class Option:
     metavar: str | None = None
     group: str | None = None
     """The title of the argument group it is listed under on a command line (None: the options)."""
+    show_default: bool = True
+    """Name the default in the command line's help (unless the help already speaks of it)."""
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **settings: Any) -> Any:  # noqa: A002
@@ -101,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, spe
         base, _ = _base(hints[field.name])
         text = opt.helps.get(surface, opt.help)
         required = field.default is dataclasses.MISSING
-        if not required and field.default is not None and field.default is not False and "default" not in text:
+        if (opt.show_default and not required and field.default is not None and field.default is not False
+                and "default" not in text):
             text += f" (default {field.default})"
         if base is bool:
             parser.add_argument(flag(field.name), action="store_true", help=text)
@@ -138,10 +141,12 @@ def from_values(spec: type, values: dict[str, Any], **given: Any) -> Any:
 
 # ------------------------------------------------------------------ a `freescale pipeline` section
 
-def section(spec: type, surface: str = "pipeline", name: str | None = None) -> type:
-    """A mutable dataclass of the spec's options on ``surface``, for a TOML section (the pipeline's
-    loader checks its keys, Literal choices and types). TOML has no null, so an optional number is
-    0 there for none (an optional text: ""); :func:`section_values` turns it back into None."""
+def section(spec: type, surface: str = "pipeline", name: str | None = None,
+            extra: tuple[tuple[str, Any, dataclasses.Field], ...] = ()) -> type:
+    """A mutable dataclass of the spec's options on ``surface`` (then the ``extra`` fields, which are
+    not the spec's), for a TOML section: the pipeline's loader checks its keys, Literal choices and
+    types. TOML has no null, so an optional number is 0 there for none (an optional text: "");
+    :func:`section_values` turns it back into None."""
     hints = _hints(spec)
     fields = []
     for field in on_surface(spec, surface):
@@ -153,17 +158,19 @@ def section(spec: type, surface: str = "pipeline", name: str | None = None) -> t
             else:
                 default = "" if base is str else base(0)
         fields.append((field.name, base, dataclasses.field(default=default, metadata=field.metadata)))
-    made = dataclasses.make_dataclass(name or f"{spec.__name__}Section", fields)
+    made = dataclasses.make_dataclass(name or f"{spec.__name__}Section", fields + list(extra))
     made.spec, made.__module__ = spec, spec.__module__
     return made
 
 
 def section_values(section_obj: Any) -> dict[str, Any]:
-    """A section's values as the spec takes them (0 or "" for an optional one: None)."""
+    """A section's values as the spec takes them (0 or "" for an optional one: None); not its extra fields."""
     spec = type(section_obj).spec
     hints = _hints(spec)
     values = {}
     for field in dataclasses.fields(section_obj):
+        if field.name not in hints:
+            continue
         value = getattr(section_obj, field.name)
         if _base(hints[field.name])[1] and not value:
             value = None

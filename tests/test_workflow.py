@@ -279,6 +279,7 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     stages' command lines parse with their jobs' parsers (compare and calibrate are too slow to run
     here)."""
     from jobs import calibrate, compare
+    from jobs.launch import LaunchSpec
     from pipeline import options
     from pipeline.prepare_spec import PrepareSpec
     from shards.balance_spec import BalanceSpec
@@ -299,6 +300,10 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     assert values["cost_model"] == cal[0].output and values["capacities"] == f"@{cal[0].rank_speeds_output}"
     spec = options.from_values(BalanceSpec, {**values, "capacities": None})  # the speeds file is calibrate's to write
     assert (spec.window_steps, spec.token_cap, spec.time_limit, spec.world_size) == (4, None, None, 1)
+    values, overrides = workflow.train_values(loaded, work)
+    trained = options.from_values(LaunchSpec, values)
+    assert (trained.shards, trained.nproc_per_node, trained.max_steps) == (str(work.shards), 1, None)
+    assert overrides[:2] == ["--checkpoint.folder", str(work.checkpoints)] and "--model.hstu.num_layers" in overrides
     cmp_args, cmp_rest = compare.build_parser().parse_known_args(workflow.compare_argv(loaded, work)[0])
     assert cmp_args.control and cmp_args.input == str(tmp_path / "work" / "prepared") and cmp_args.repeats == 1
     assert cmp_args.cost_model == cal[0].output and cmp_rest == ["--model.hstu.num_layers", "1",
