@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -26,16 +27,16 @@ import subprocess
 import sys
 import threading
 import time
-import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from jobs.job_errors import error_line, run_job
 from pipeline.stops import Stopped
 from jobs.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from pipeline.errors import InputError
+from pipeline.options import option
 from pipeline.prepared import METADATA_NAME, dataset_name, is_prepared  # standard library only
 from pipeline.run_summary import read_run_summary, timings  # standard library only
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
@@ -52,32 +53,58 @@ PLOT_NAME = "comparison_timelines.png"
 # ----------------------------------------------------------------------- arguments
 
 
+SOURCE = "what to compare (one of)"
+HEAD = ("input", "shards", "world_size", "local_batch_size")
+"""The options listed before the balanced variant's (BalanceSpec's "compare" surface) on the command line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareSpec:
+    """What to compare, how often and how long, and the balanced variant's plan options."""
+
+    SURFACES = ("cli",)
+
+    input: str | None = option(None, "a prepared dataset (`freescale prepare`'s output): the shard sets are built",
+                               group=SOURCE)
+    shards: str | None = option(None, "existing shard sets: contiguous=DIR,balanced=DIR[,control=DIR]", group=SOURCE)
+    world_size: int | None = option(None, "ranks K (with --input; with --shards: the manifests')", positive=True)
+    local_batch_size: int | None = option(None, "samples per rank per step B (with --input)", positive=True)
+    balanced: dict[str, Any] = field(default_factory=dict)
+    """BalanceSpec's "compare" options (strategy, window_steps, ...), for the balanced shard set."""
+    cost_model: str | None = option(None, "cost-model JSON for every variant (default: the built-in analytic model)")
+    control: bool = option(False, "also train on the mirror control (the noise floor)")
+    repeats: int = option(3, "runs per variant (default 3); medians are reported", positive=True)
+    max_steps: int | None = option(None, "steps per run", positive=True, exclusive="steps")
+    epochs: int | None = option(None, "passes over the balanced shards per run (default 1)", positive=True,
+                                exclusive="steps")
+    seed: int = option(options.default_of(BalanceSpec, "seed"), "balance seed, and training seed of repeat "
+                                                                 "r = seed + r", show_default=False)
+    config: str | None = option(None, "training TOML config, for every run")
+    comm_mode: CommMode | None = option(None, "comm mode of every run (default: the config's)")
+    workdir: str | None = option(None, "shards, run logs and summaries (default out/compare/<comparison>)")
+    summary_json: str | None = option(None, "write the comparison's numbers here")
+
+    def check(self) -> None:
+        if (self.input is None) == (self.shards is None):
+            raise InputError("give --input PREPARED (build the shard sets) or --shards contiguous=DIR,balanced=DIR")
+        if self.input is not None and (self.world_size is None or self.local_batch_size is None):
+            raise InputError("--input needs --world-size and --local-batch-size")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freescale compare", description=__doc__.split("\n\n")[0],
                                 epilog="Other --section.key VALUE arguments override the training config.")
-    source = p.add_argument_group("what to compare (one of)")
-    source.add_argument("--input", help="a prepared dataset (`freescale prepare`'s output): the shard sets are built")
-    source.add_argument("--shards", help="existing shard sets: contiguous=DIR,balanced=DIR[,control=DIR]")
-    p.add_argument("--world-size", type=int, help="ranks K (with --input; with --shards: the manifests')")
-    p.add_argument("--local-batch-size", type=int, help="samples per rank per step B (with --input)")
-    # The balanced variant's plan options (BalanceSpec's "compare" surface): strategies are checked
-    # in check_args, which refuses contiguous too.
+    options.add_arguments(p, CompareSpec, "cli", only=HEAD)
+    # The balanced variant's plan options: strategies are checked in check_args, which refuses contiguous too.
     options.add_arguments(p, BalanceSpec, "compare", choices=False)
-    p.add_argument("--cost-model", help="cost-model JSON for every variant (default: the built-in analytic model)")
-    p.add_argument("--control", action="store_true", help="also train on the mirror control (the noise floor)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per variant (default 3); medians are reported")
-    steps = p.add_mutually_exclusive_group()
-    steps.add_argument("--max-steps", type=int, help="steps per run")
-    steps.add_argument("--epochs", type=int, help="passes over the balanced shards per run (default 1)")
-    p.add_argument("--seed", type=int, default=options.default_of(BalanceSpec, "seed"),
-                   help="balance seed, and training seed of repeat r = seed + r")
-    p.add_argument("--config", help="training TOML config, for every run")
-    p.add_argument("--comm-mode", choices=typing.get_args(CommMode), help="comm mode of every run "
-                                                                         "(default: the config's)")
-    p.add_argument("--workdir", help="shards, run logs and summaries (default out/compare/<comparison>)")
-    p.add_argument("--summary-json", help="write the comparison's numbers here")
+    options.add_arguments(p, CompareSpec, "cli", skip=HEAD)
     add_tracking_arguments(p, experiment_default=None, experiment_note="freescale-<dataset>")
     return p
+
+
+def spec_of_args(args: argparse.Namespace) -> CompareSpec:
+    balanced = {f.name: getattr(args, f.name) for f in options.on_surface(BalanceSpec, "compare")}
+    return options.from_values(CompareSpec, {**vars(args), "balanced": balanced})
 
 
 def parse_shard_sets(text: str, control: bool) -> dict[str, Path]:
@@ -135,41 +162,34 @@ def check_shard_sets(sets: dict[str, Path], world_size: int | None, local_batch_
     return manifests
 
 
-def check_args(args: argparse.Namespace, overrides: list[str]) -> None:
-    """Everything that needs no Spark, torch or MLflow: a bad argument is one line within a second."""
+def check_args(spec: CompareSpec, overrides: list[str]) -> dict:
+    """Everything that needs no Spark, torch or MLflow: a bad argument is one line within a second.
+    With --shards: their manifests ({variant: Manifest}); with --input: {}."""
     from training.attention_kernel import check_attention_kernel
     from training.config import load_config
 
-    if (args.input is None) == (args.shards is None):
-        raise InputError("give --input PREPARED (build the shard sets) or --shards contiguous=DIR,balanced=DIR")
-    positive = [("--repeats", args.repeats), ("--max-steps", args.max_steps),
-                ("--epochs", args.epochs), ("--world-size", args.world_size),
-                ("--local-batch-size", args.local_batch_size)]
-    for flag, value in positive:
-        if value is not None and value < 1:
-            raise InputError(f"{flag} must be a positive integer, got {value}")
-    args.balanced = {f.name: getattr(args, f.name) for f in options.on_surface(BalanceSpec, "compare")}
-    if args.input is not None:
-        if args.world_size is None or args.local_batch_size is None:
-            raise InputError("--input needs --world-size and --local-batch-size")
-        if not is_prepared(args.input):
-            raise InputError(f"--input {args.input}: no {METADATA_NAME} (not a `freescale prepare` output)")
+    manifests = {}
+    if spec.input is not None:
+        if not is_prepared(spec.input):
+            raise InputError(f"--input {spec.input}: no {METADATA_NAME} (not a `freescale prepare` output)")
         from balancing.strategies import STRATEGIES
 
-        if args.strategy not in STRATEGIES or args.strategy == "contiguous":
-            raise InputError(f"--strategy {args.strategy!r}: choose one of "
+        strategy = spec.balanced["strategy"]
+        if strategy not in STRATEGIES or strategy == "contiguous":
+            raise InputError(f"--strategy {strategy!r}: choose one of "
                              f"{', '.join(s for s in STRATEGIES if s != 'contiguous')}")
-        shard_set_specs(args, Path(args.input))  # the balanced variant's values, checked as balance checks them
+        shard_set_specs(spec, Path(spec.input))  # the balanced variant's values, checked as balance checks them
     else:
-        args.shard_sets = parse_shard_sets(args.shards, args.control)
-        args.manifests = check_shard_sets(args.shard_sets, args.world_size, args.local_batch_size)
-    for flag, path in (("--cost-model", args.cost_model), ("--config", args.config)):
+        manifests = check_shard_sets(parse_shard_sets(spec.shards, spec.control), spec.world_size,
+                                     spec.local_batch_size)
+    for flag, path in (("--cost-model", spec.cost_model), ("--config", spec.config)):
         if path is not None and not Path(path).is_file():
             raise InputError(f"{flag} {path}: no such file")
-    if args.summary_json and Path(args.summary_json).is_dir():
-        raise InputError(f"--summary-json {args.summary_json} is a directory")
+    if spec.summary_json and Path(spec.summary_json).is_dir():
+        raise InputError(f"--summary-json {spec.summary_json} is a directory")
     # A bad key or value in the training config, or a kernel its ranks would refuse here: one line, now.
-    check_attention_kernel(load_config(args.config, overrides))
+    check_attention_kernel(load_config(spec.config, overrides))
+    return manifests
 
 
 # ----------------------------------------------------------------------- names
@@ -195,7 +215,7 @@ class StageFailed(Exception):
         self.code, self.message = code, message
 
 
-def shard_set_specs(args: argparse.Namespace, work: Path) -> dict[str, BalanceSpec]:
+def shard_set_specs(args: CompareSpec, work: Path) -> dict[str, BalanceSpec]:
     """Each variant's shard set, to build into ``work``: the same input, sizes, seed and cost model
     (comparable predicted bubbles), the balanced one with the options compare was given."""
     common = {"input": str(args.input), "world_size": args.world_size, "local_batch_size": args.local_batch_size,
@@ -207,7 +227,7 @@ def shard_set_specs(args: argparse.Namespace, work: Path) -> dict[str, BalanceSp
             for variant, plan in plans.items()}
 
 
-def build_shard_sets(args: argparse.Namespace, work: Path, tracking: Tracking) -> dict[str, Path]:
+def build_shard_sets(args: CompareSpec, work: Path, tracking: Tracking) -> dict[str, Path]:
     """The real balance job, once per variant, into ``work``; their MLflow runs carry the comparison's tags."""
     from jobs import balance
 
@@ -240,7 +260,7 @@ def train_once(shards: Path, out: Path, settings: list[str]) -> dict:
     return read_run_summary(out)
 
 
-def run_trainings(args: argparse.Namespace, overrides: list[str], sets: dict[str, Path], steps: int | None,
+def run_trainings(args: CompareSpec, overrides: list[str], sets: dict[str, Path], steps: int | None,
                   work: Path, uri: str, experiment: str, name: str, comparison: str,
                   parent_run_id: str | None) -> dict[str, list[dict]]:
     """Every repeat, variants alternating, the same seed per repeat; the summaries per variant."""
@@ -325,7 +345,7 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> Path
 
 @dataclass
 class Comparison:
-    """One comparison's names and sizes, fixed before its parent run opens."""
+    """One comparison's names, sizes and shard sets, fixed before its parent run opens."""
 
     name: str
     comparison: str
@@ -334,28 +354,30 @@ class Comparison:
     work: Path
     world_size: int
     local_batch_size: int
-    variants: tuple[str, ...]
+    strategy: str
+    """The balanced variant's."""
+    given_sets: dict[str, Path]
+    """--shards' sets, by variant ({} with --input: they are built)."""
+    control: str | None
 
-    @property
-    def control(self) -> str | None:
-        return "mirror" if "control" in self.variants else None
 
-
-def describe(args: argparse.Namespace, uri: str) -> Comparison:
+def describe(spec: CompareSpec, manifests: dict, tracking: Tracking) -> Comparison:
     """The comparison's name (and so its MLflow names and folder) from its sizes and the time."""
-    if args.input is not None:
-        prepared, world_size, batch = Path(args.input), args.world_size, args.local_batch_size
+    if spec.input is not None:
+        prepared, world_size, batch = Path(spec.input), spec.world_size, spec.local_batch_size
+        strategy, given = spec.balanced["strategy"], {}
     else:
-        balanced = args.manifests["balanced"]
-        world_size, batch = balanced.world_size, balanced.local_batch_size
-        prepared = prepared_of(balanced)
-        args.strategy = balanced.strategy
+        balanced = manifests["balanced"]
+        world_size, batch, strategy = balanced.world_size, balanced.local_batch_size, balanced.strategy
+        sets = parse_shard_sets(spec.shards, spec.control)
+        # In VARIANTS' order, whatever the order given: the runs alternate in it.
+        prepared, given = prepared_of(balanced), {v: sets[v] for v in VARIANTS if v in sets}
     name = f"compare-k{world_size}-b{batch}"
     comparison = f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    work = Path(args.workdir or Path("out") / "compare" / comparison)
-    variants = VARIANTS if (args.control or "control" in getattr(args, "shard_sets", {})) else VARIANTS[:2]
-    return Comparison(name, comparison, args.experiment or f"freescale-{dataset_name(prepared)}", uri, work,
-                      world_size, batch, variants)
+    work = Path(spec.workdir or Path("out") / "compare" / comparison)
+    control = "mirror" if spec.control or "control" in given else None
+    return Comparison(name, comparison, tracking.experiment or f"freescale-{dataset_name(prepared)}", tracking.uri,
+                      work, world_size, batch, strategy, given, control)
 
 
 @contextlib.contextmanager
@@ -375,20 +397,20 @@ def sigterm_raises_stopped() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_comparison(args: argparse.Namespace, overrides: list[str], cmp: Comparison, started: float) -> dict:
+def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, started: float) -> dict:
     """The parent run: the shard sets, every training, the medians and the plot; the comparison's summary."""
     from jobs.tracking import job_run, run_tags
 
     params = {"input": args.input, "shards": args.shards, "world_size": cmp.world_size,
-              "local_batch_size": cmp.local_batch_size, **args.balanced, "strategy": args.strategy,
+              "local_batch_size": cmp.local_batch_size, **args.balanced, "strategy": cmp.strategy,
               "cost_model": args.cost_model, "control": cmp.control, "repeats": args.repeats,
               "max_steps": args.max_steps, "epochs": args.epochs, "seed": args.seed, "config": args.config,
               "comm_mode": args.comm_mode, "overrides": " ".join(overrides), "workdir": str(cmp.work)}
-    tags = {**run_tags(args.strategy, cmp.control, cmp.comparison), "freescale.world_size": str(cmp.world_size)}
+    tags = {**run_tags(cmp.strategy, cmp.control, cmp.comparison), "freescale.world_size": str(cmp.world_size)}
     with job_run("compare", tracking_uri=cmp.uri, experiment=cmp.experiment, params=params, run_name=cmp.name,
                  tags=tags) as run:
         sets = (build_shard_sets(args, cmp.work, Tracking(cmp.uri, cmp.experiment, cmp.comparison))
-                if args.input is not None else {v: args.shard_sets[v] for v in cmp.variants})
+                if args.input is not None else cmp.given_sets)
         steps = args.max_steps
         if steps is None and args.epochs is not None:
             from shards.manifest import load_manifest
@@ -402,7 +424,7 @@ def run_comparison(args: argparse.Namespace, overrides: list[str], cmp: Comparis
         run.log_artifact(plot)
         summary = {"comparison": cmp.comparison, "name": cmp.name, "experiment": cmp.experiment,
                    "experiment_id": run.experiment_id, "parent_run_id": run.run_id, "tracking_uri": cmp.uri,
-                   "world_size": cmp.world_size, "local_batch_size": cmp.local_batch_size, "strategy": args.strategy,
+                   "world_size": cmp.world_size, "local_batch_size": cmp.local_batch_size, "strategy": cmp.strategy,
                    "control": cmp.control, "repeats": args.repeats, "max_steps": steps, "workdir": str(cmp.work),
                    "shards": {v: str(d) for v, d in sets.items()}, "metrics": metrics, "runs": runs,
                    "plot": str(plot), "seconds": time.time() - started}
@@ -410,18 +432,19 @@ def run_comparison(args: argparse.Namespace, overrides: list[str], cmp: Comparis
     return summary
 
 
-def compare(args: argparse.Namespace, overrides: list[str]) -> int:
-    check_args(args, overrides)  # before anything heavy
+def compare(spec: CompareSpec, overrides: list[str], tracking: Tracking) -> int:
+    manifests = check_args(spec, overrides)  # before anything heavy
 
     from jobs.tracking import reachable_tracking_uri
 
     # One check for every stage: they get the answer (or 'none'), never a second warning.
-    cmp = describe(args, reachable_tracking_uri("compare", args.tracking_uri))
+    tracking = dataclasses.replace(tracking, uri=reachable_tracking_uri("compare", tracking.uri))
+    cmp = describe(spec, manifests, tracking)
     cmp.work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     try:
         with sigterm_raises_stopped():
-            summary = run_comparison(args, overrides, cmp, started)
+            summary = run_comparison(spec, overrides, cmp, started)
     except StageFailed as failed:
         if failed.message:
             error_line("compare", failed.message, details=False)
@@ -432,19 +455,25 @@ def compare(args: argparse.Namespace, overrides: list[str]) -> int:
         return 128 + signum
     text = json.dumps(summary, indent=1)
     (cmp.work / "comparison.json").write_text(text)
-    if args.summary_json:
-        Path(args.summary_json).write_text(text)
-    print(f"\n{cmp.name}: {args.repeats} repeats, {summary['max_steps'] or 'one pass of'} steps, strategy "
-          f"{args.strategy}; MLflow experiment {cmp.experiment}"
+    if spec.summary_json:
+        Path(spec.summary_json).write_text(text)
+    print(f"\n{cmp.name}: {spec.repeats} repeats, {summary['max_steps'] or 'one pass of'} steps, strategy "
+          f"{cmp.strategy}; MLflow experiment {cmp.experiment}"
           + (f", parent run {summary['parent_run_id']}" if summary["parent_run_id"] else ", untracked") + "\n")
     print(format_table(summary["runs"], summary["metrics"]))
     print(f"\n(total {time.time() - started:.0f} s; logs, summaries and {PLOT_NAME} in {cmp.work})", flush=True)
     return 0
 
 
+def run(spec_of: Callable[[], CompareSpec], overrides: list[str], tracking: Tracking) -> int:
+    """The comparison of ``spec_of()`` (built inside the job's error handling), ``overrides`` on every
+    training's config; its exit status. `freescale pipeline` calls it in-process."""
+    return run_job("compare", lambda: compare(spec_of(), overrides, tracking))
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = build_parser().parse_known_args(argv)
-    return run_job("compare", lambda: compare(args, overrides))
+    return run(lambda: spec_of_args(args), overrides, Tracking(args.tracking_uri, args.experiment))
 
 
 if __name__ == "__main__":

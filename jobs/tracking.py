@@ -36,7 +36,8 @@ class Tracking:
     ``--experiment``, and the `freescale compare` it belongs to (MLflow tag freescale.comparison)."""
 
     uri: str | None = None
-    experiment: str = DEFAULT_EXPERIMENT
+    experiment: str | None = DEFAULT_EXPERIMENT
+    """None: the job names it (compare: freescale-<dataset>)."""
     comparison: str | None = None
 
     @classmethod

@@ -3,10 +3,10 @@ TOML, safe to rerun from cron, Airflow or any scheduler.
 
     freescale pipeline --config configs/demo_pipeline.toml [--fresh] [--section.key VALUE ...]
 
-Each stage calls its job in-process, each still runnable by itself: prepare, balance and train
-through their typed entries (`jobs.prepare.run`, `jobs.balance.run`, `jobs.launch.run`, each with the
-spec built from its section), calibrate and compare with a command line (`jobs.calibrate.main`,
-`jobs.compare.main`).
+Each stage calls its job in-process, each still runnable by itself: prepare, balance, train and
+compare through their typed entries (`jobs.prepare.run`, `jobs.balance.run`, `jobs.launch.run`,
+`jobs.compare.run`, each with the spec built from its section), calibrate with a command line
+(`jobs.calibrate.main`).
 A stage that finishes leaves a record next to its output in the working directory,
 `<workdir>/<stage>.fingerprint.json`: the fingerprint of everything the stage's arguments are
 built from (its config section, the shared sizes, the identity of its input files: path,
@@ -48,6 +48,7 @@ from pipeline import locks, options
 from pipeline.errors import InputError
 from pipeline.json_files import write_json
 from pipeline.stages import LOCK, Stage, file_identity, json_damage, read_record, record_path, run_stages
+from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 
 STAGES = ("prepare", "calibrate", "balance", "train", "compare")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
@@ -241,30 +242,35 @@ def train_stage(config: WorkflowConfig, work: Workdir) -> Stage:
                  before_run=checkpoints)
 
 
-def compare_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
-    p, tr, cmp_cfg, bal = config.pipeline, config.train, config.compare, config.balance
-    argv = ["--input", str(work.prepared), "--world-size", str(p.world_size),
-            "--local-batch-size", str(p.local_batch_size), "--repeats", str(cmp_cfg.repeats),
-            "--strategy", cmp_cfg.strategy, "--window-steps", str(bal.window_steps),
-            "--workdir", str(work.compare), "--summary-json", str(work.compare_summary), *tracking_argv(config)]
-    argv += ["--control"] if cmp_cfg.control else []
-    argv += ["--config", tr.config] if tr.config else []
-    cost_model = used_cost_model(config, work)
-    argv += ["--cost-model", cost_model] if cost_model else []
-    steps = cmp_cfg.max_steps or tr.max_steps
-    argv += (["--max-steps", str(steps)] if steps else []) + override_argv(tr.overrides)
-    params = {"world_size": p.world_size, "local_batch_size": p.local_batch_size, **asdict(cmp_cfg),
-              "window_steps": bal.window_steps, "max_steps": steps, **train_inputs(config),
-              **{key: toml_text(value) for key, value in tr.overrides.items()},
-              **({"cost_model identity": file_identity(config.calibrate.cost_model)}
-                 if config.calibrate.cost_model else {})}
-    return argv, params
+def compare_values(config: WorkflowConfig, work: Workdir) -> dict[str, Any]:
+    """The compare stage's spec values: [compare], the shared sizes, the cost model, and the balanced
+    variant's plan options: [balance]'s, with [compare]'s strategy."""
+    p, tr, cmp_cfg = config.pipeline, config.train, config.compare
+    from_balance = options.section_values(config.balance)
+    balanced = {f.name: from_balance.get(f.name, f.default) for f in options.on_surface(BalanceSpec, "compare")}
+    return {"input": str(work.prepared), "world_size": p.world_size, "local_batch_size": p.local_batch_size,
+            "repeats": cmp_cfg.repeats, "control": cmp_cfg.control, "config": tr.config or None,
+            "cost_model": used_cost_model(config, work), "max_steps": cmp_cfg.max_steps or tr.max_steps or None,
+            "workdir": str(work.compare), "summary_json": str(work.compare_summary),
+            "balanced": {**balanced, "strategy": cmp_cfg.strategy}}
 
 
 def compare_stage(config: WorkflowConfig, work: Workdir) -> Stage:
-    argv, params = compare_argv(config, work)
-    return Stage("compare", _job("jobs.compare", argv), params, work.compare_summary,
-                 json_damage(work.compare_summary, "comparison summary"),
+    values, overrides = compare_values(config, work), override_argv(config.train.overrides)
+    balanced = {k: v for k, v in values["balanced"].items() if k != "strategy"}  # [compare] has the strategy
+    params = {"world_size": config.pipeline.world_size, "local_batch_size": config.pipeline.local_batch_size,
+              **asdict(config.compare), **balanced, "max_steps": config.compare.max_steps or config.train.max_steps,
+              **train_inputs(config),
+              **{key: toml_text(value) for key, value in config.train.overrides.items()},
+              **({"cost_model identity": file_identity(config.calibrate.cost_model)}
+                 if config.calibrate.cost_model else {})}
+
+    def run() -> int:
+        from jobs import compare
+
+        return compare.run(lambda: options.from_values(compare.CompareSpec, values), overrides,
+                           tracking_of(config))
+    return Stage("compare", run, params, work.compare_summary, json_damage(work.compare_summary, "comparison summary"),
                  off=None if config.compare.enabled else "[compare] enabled = false")
 
 

@@ -46,6 +46,8 @@ class Option:
     """The title of the argument group it is listed under on a command line (None: the options)."""
     show_default: bool = True
     """Name the default in the command line's help (unless the help already speaks of it)."""
+    exclusive: str | None = None
+    """Options of one spec with the same name here are mutually exclusive on a command line."""
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **settings: Any) -> Any:  # noqa: A002
@@ -89,17 +91,22 @@ def _base(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def add_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, spec: type, surface: str = "cli",
-                  choices: bool = True) -> None:
-    """One ``--flag`` per option on ``surface``: required when the field has no default, a switch for a
-    bool, the Literal's values as choices (unless ``choices`` is False: the job checks them), the
-    default named in the help unless the help already speaks of it."""
-    hints, groups = _hints(spec), {}
+def add_arguments(parser: argparse.ArgumentParser, spec: type, surface: str = "cli", choices: bool = True,
+                  only: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per option on ``surface`` (``only`` those, none of ``skip``): required when the
+    field has no default, a switch for a bool, the Literal's values as choices (unless ``choices`` is
+    False: the job checks them), the default named in the help unless the help already speaks of it."""
+    hints, groups, exclusive = _hints(spec), {}, {}
     top = parser
     for field in on_surface(spec, surface):
+        if (only is not None and field.name not in only) or field.name in skip:
+            continue
         opt = option_of(field)
         parser = top if opt.group is None else groups.get(opt.group) or groups.setdefault(
             opt.group, top.add_argument_group(opt.group))
+        if opt.exclusive is not None:
+            parser = exclusive.get(opt.exclusive) or exclusive.setdefault(
+                opt.exclusive, parser.add_mutually_exclusive_group())
         base, _ = _base(hints[field.name])
         text = opt.helps.get(surface, opt.help)
         required = field.default is dataclasses.MISSING

@@ -54,9 +54,11 @@ for name, text in (("pipeline", "[balance]\nmax_moves = 4\n"), ("pipeline_defaul
     loaded = workflow.load_workflow_config(str(config), [])
     specs = []
     balance.run = lambda spec_of, tracking: specs.append(spec_of()) or 0  # the stage's call, not the job
-    [stage] = [s for s in workflow.build_stages(loaded) if s.name == "balance"]
-    assert stage.run() == 0
+    compare.run = lambda spec_of, overrides, tracking: specs.append(spec_of()) or 0
+    stages = {s.name: s for s in workflow.build_stages(loaded)}
+    assert stages["balance"].run() == 0 and stages["compare"].run() == 0
     seen[name] = specs[0].max_moves
+    seen[name + "_compare"] = specs[1].balanced["max_moves"]
 seen["pipeline_override"] = workflow.load_workflow_config(str(config), ["--balance.max_moves", "5"]).balance.max_moves
 
 (tmp / "prepared").mkdir()
@@ -64,8 +66,9 @@ seen["pipeline_override"] = workflow.load_workflow_config(str(config), ["--balan
 for name, extra in (("compare", ["--max-moves", "6"]), ("compare_default", [])):
     args, overrides = compare.build_parser().parse_known_args(
         ["--input", str(tmp / "prepared"), "--world-size", "2", "--local-batch-size", "4", *extra])
-    compare.check_args(args, overrides)
-    specs = compare.shard_set_specs(args, tmp / "compare")
+    spec = compare.spec_of_args(args)
+    compare.check_args(spec, overrides)
+    specs = compare.shard_set_specs(spec, tmp / "compare")
     seen[name] = specs["balanced"].max_moves
     seen[name + "_baseline"] = specs["contiguous"].max_moves
 print(json.dumps(seen))
@@ -81,6 +84,8 @@ def test_a_new_option_reaches_the_cli_the_pipeline_and_compare_from_its_declarat
     assert seen == {"cli_help": True, "cli": 3, "cli_default": 7,
                     "cli_refused": "--max-moves must be a positive integer, got 0",
                     "pipeline": 4, "pipeline_default": 7, "pipeline_override": 5,
+                    # the pipeline's compare stage plans its balanced variant with [balance]'s options
+                    "pipeline_compare": 4, "pipeline_default_compare": 7,
                     "compare": 6, "compare_default": 7,
                     # the contiguous baseline is the same shard set whatever the balanced variant's options
                     "compare_baseline": 7, "compare_default_baseline": 7}

@@ -284,3 +284,22 @@ def test_shard_sets_are_checked_against_their_labels_and_each_other(tmp_path):
     sets = {"contiguous": contiguous, "balanced": kk, "control": mirror}
     assert {v: m.strategy for v, m in check_shard_sets(sets, 2, None).items()} == {
         "contiguous": "contiguous", "balanced": "kk", "control": "contiguous"}
+
+
+def test_given_shard_sets_run_in_variant_order_with_their_own_strategy(tmp_path):
+    """--shards in any order: the comparison takes its strategy from the balanced set's manifest and
+    its variants in contiguous, balanced, control order (the order the runs alternate in)."""
+    from jobs import compare
+    from jobs.tracking import Tracking
+
+    sets = {"control": fake_shard_set(tmp_path / "mirror", "contiguous", "mirror", seed=2),
+            "balanced": fake_shard_set(tmp_path / "lpt", "lpt", seed=1),
+            "contiguous": fake_shard_set(tmp_path / "contiguous", "contiguous")}
+    args, _ = compare.build_parser().parse_known_args(
+        ["--shards", ",".join(f"{v}={d}" for v, d in sets.items()), "--workdir", str(tmp_path / "work")])
+    spec = compare.spec_of_args(args)
+    manifests = compare.check_shard_sets(compare.parse_shard_sets(spec.shards, spec.control), None, None)
+    cmp = compare.describe(spec, manifests, Tracking("none", None))
+    assert list(cmp.given_sets) == ["contiguous", "balanced", "control"] and cmp.control == "mirror"
+    assert (cmp.strategy, cmp.world_size, cmp.local_batch_size, cmp.work) == ("lpt", 2, 1, tmp_path / "work")
+    assert cmp.name == "compare-k2-b1" and cmp.experiment == "freescale-shards"  # no prepared folder to name it

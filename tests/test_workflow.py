@@ -275,9 +275,8 @@ def test_a_failing_stage_stops_the_pipeline_with_its_own_status_and_line(failing
 
 
 def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
-    """What the pipeline hands each job is the job's own: prepare's and balance's values make their specs, the other
-    stages' command lines parse with their jobs' parsers (compare and calibrate are too slow to run
-    here)."""
+    """What the pipeline hands each job is the job's own: its values make the job's spec (calibrate's
+    command line parses with its parser); compare and calibrate are too slow to run here."""
     from jobs import calibrate, compare
     from jobs.launch import LaunchSpec
     from pipeline import options
@@ -304,10 +303,9 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     trained = options.from_values(LaunchSpec, values)
     assert (trained.shards, trained.nproc_per_node, trained.max_steps) == (str(work.shards), 1, None)
     assert overrides[:2] == ["--checkpoint.folder", str(work.checkpoints)] and "--model.hstu.num_layers" in overrides
-    cmp_args, cmp_rest = compare.build_parser().parse_known_args(workflow.compare_argv(loaded, work)[0])
-    assert cmp_args.control and cmp_args.input == str(tmp_path / "work" / "prepared") and cmp_args.repeats == 1
-    assert cmp_args.cost_model == cal[0].output and cmp_rest == ["--model.hstu.num_layers", "1",
-                                                                 "--training.precision", "bf16", "--training.seed", "3"]
+    compared = options.from_values(compare.CompareSpec, workflow.compare_values(loaded, work))
+    assert compared.control and compared.input == str(work.prepared) and compared.repeats == 1
+    assert compared.cost_model == cal[0].output and compared.balanced == {"strategy": "kk", "window_steps": 4}
 
 
 # ------------------------------------------------------------------ stopped and killed runs
