@@ -1,6 +1,8 @@
-"""The typed config of `freescale pipeline` (jobs/workflow.py): one dataclass per TOML section, a
-docstring per field, every choice a ``Literal``, loaded with the training config's checks
-(``training.config.apply_table``: a bad key or value is one line naming it). No torch, no Spark.
+"""The typed config of `freescale pipeline` (jobs/workflow.py): one dataclass per TOML section, every
+choice a ``Literal``, loaded with the training config's checks (``training.config.apply_table``: a
+bad key or value is one line naming it). No torch, no Spark. [prepare], [balance] and [train] are
+derived from their jobs' specs (``pipeline.options.section``: PrepareSpec, BalanceSpec, LaunchSpec),
+whose options say what each key means; the others are declared here, a docstring per field.
 
     [pipeline]  workdir, tracking_uri, world_size, local_batch_size
     [prepare]   the input (or the synthetic generator)       [calibrate]  the cost model (optional)
