@@ -125,12 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser, spec: type, surface: str = "c
                             **({} if required else {"default": field.default}), **kwargs)
 
 
-def from_values(spec: type, values: dict[str, Any], **given: Any) -> Any:
-    """The spec from parsed values (``vars(args)``: keys that are not fields are ignored) and
-    ``given`` ones: every ``positive`` option checked (one line naming its flag), then each
-    option's ``parse`` applied to text, then the spec's own ``check()`` when it has one."""
+def from_values(spec: type, values: dict[str, Any]) -> Any:
+    """The spec from parsed values (``vars(args)``: keys that are not fields are ignored): every
+    ``positive`` option checked (one line naming its flag), then each option's ``parse`` applied to
+    text, then the spec's own ``check()`` when it has one."""
     fields = {f.name: f for f in dataclasses.fields(spec)}
-    chosen = {k: v for k, v in {**values, **given}.items() if k in fields}
+    chosen = {k: v for k, v in values.items() if k in fields}
     for name, value in chosen.items():
         opt = option_of(fields[name])
         if opt is not None and opt.positive and value is not None and value <= 0:
