@@ -190,3 +190,18 @@ def test_resume_refuses_another_shape_and_warns_about_changed_hyperparameters(mo
     rc, err = train("--training.max_steps", "4", "--optimizer.dense_lr", "0.002")
     assert rc == 0, err[-20:]
     assert len([line for line in err if "optimizer.dense_lr 0.001 -> 0.002" in line]) == 1, err[-20:]
+
+
+def test_a_resume_at_another_precision_is_named_and_an_older_checkpoint_is_not(tmp_path):
+    """The weights are fp32 either way, so the resume goes on, but its steps will not match an
+    uninterrupted run's: the change is named like any hyperparameter's. A checkpoint from before
+    training.precision existed records no such key and gets no warning."""
+    saved = to_flat_dict(TrainConfig())
+    checkpointer = Checkpointer(str(tmp_path), rank=0)
+    for step, recorded in ((2, saved), (4, {k: v for k, v in saved.items() if k != "training.precision"})):
+        checkpointer.step_dir(step).mkdir(parents=True)
+        (checkpointer.step_dir(step) / CONFIG).write_text(json.dumps(recorded))
+    bf16 = {**saved, "training.precision": "bf16"}
+    assert checkpointer.check_config(2, bf16) == ["training.precision fp32 -> bf16"]
+    assert checkpointer.check_config(4, bf16) == []
+

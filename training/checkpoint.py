@@ -48,7 +48,7 @@ LOCK = "LOCK"
 # Keys (prefixes) that change what the saved numbers mean without changing their shapes:
 # a resume with any of them changed continues, with a warning naming them. Everything
 # else (steps, logging, comm mode, tracking, paths) may change freely.
-HYPERPARAMETER_KEYS = ("model.", "loss.", "optimizer.", "training.seed")
+HYPERPARAMETER_KEYS = ("model.", "loss.", "optimizer.", "training.seed", "training.precision")
 # Keys that decide which rank holds which table. The fused sparse optimizer's state is
 # saved per rank, for the tables that rank held, so it cannot be restored into another
 # placement (TorchRec's KeyedOptimizer: "Parameter ... not found"): refused as well.
