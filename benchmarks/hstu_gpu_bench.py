@@ -32,7 +32,6 @@ import argparse
 import datetime
 import os
 import platform
-import subprocess
 import sys
 import time
 import typing
@@ -42,9 +41,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.report import Markdown, commit, loaded_gpu_machine_lacks  # noqa: E402  (standard library only)
 from training.config import ConfigError, Precision, load_config  # noqa: E402  (the standard library only)
 
-HEAVY = ("torchrec", "fbgemm_gpu", "pyspark", "mlflow", "ortools", "pandas", "pyarrow", "torchdata")
 LOGNORMAL_MU, LOGNORMAL_SIGMA = 4.2, 0.9  # benchmarks/balance_bench.py's synthetic lengths
 
 
@@ -121,20 +120,21 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text("")
     Bench(args).run()
-    loaded = sorted(m for m in sys.modules if m.split(".")[0] in HEAVY)
+    loaded = loaded_gpu_machine_lacks()
     if loaded:
         print(f"hstu_gpu_bench: error: loaded {', '.join(loaded)}; the GPU machine has none of them", file=sys.stderr)
         return 1
     return 0
 
 
-class Bench:
+class Bench(Markdown):
     def __init__(self, args: argparse.Namespace) -> None:
         import numpy as np
         import torch
 
         self.np, self.torch = np, torch
         self.args = args
+        Markdown.__init__(self, args.output)
         self.smoke = args.smoke
         if not self.smoke and not torch.cuda.is_available():
             raise SystemExit("hstu_gpu_bench: no CUDA device (use --smoke to rehearse the script on CPU)")
@@ -150,19 +150,6 @@ class Bench:
         self.started = time.perf_counter()
 
     # ------------------------------------------------------------------ plumbing
-
-    def emit(self, line: str = "") -> None:
-        print(line, flush=True)
-        if self.args.output:
-            with open(self.args.output, "a") as handle:
-                handle.write(line + "\n")
-
-    def table(self, header: list[str], rows: list[list[str]]) -> None:
-        self.emit("| " + " | ".join(header) + " |")
-        self.emit("|" + "|".join("---" for _ in header) + "|")
-        for row in rows:
-            self.emit("| " + " | ".join(row) + " |")
-        self.emit()
 
     def config(self, kernel: str):
         from training.config import HSTUConfig
@@ -567,17 +554,6 @@ def relative_error(actual, expected) -> float:
 
 def verdict(ok: bool) -> str:
     return "yes" if ok else "**no**"
-
-
-def commit() -> str:
-    # A copied working tree may carry stale git metadata: the caller's word comes first.
-    if os.environ.get("FREESCALE_COMMIT"):
-        return os.environ["FREESCALE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git here; set FREESCALE_COMMIT)"
 
 
 if __name__ == "__main__":

@@ -37,9 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file on a machine where the project is not installed
     sys.path.insert(0, str(REPO))
 
+from benchmarks.report import Markdown, commit, loaded_gpu_machine_lacks  # noqa: E402  (standard library only)
+
 LENGTHS_FILE = REPO / "benchmarks" / "data" / "movielens100k_history_lengths.json"
 DEFAULT_CONFIG = REPO / "benchmarks" / "configs" / "gpu_virtual_ranks.toml"
-HEAVY = ("torchrec", "fbgemm_gpu", "pyspark", "mlflow", "ortools", "pandas", "pyarrow", "torchdata")
 PLANS = ("contiguous", "flops_kk", "kk")
 # Log-normal lengths with a mean of about 500 before the cap: exp(mu + sigma^2 / 2) = 500.
 SIGMA = 1.0
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text("")
     Bench(args).run()
-    loaded = sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))
+    loaded = loaded_gpu_machine_lacks()
     if loaded:
         print(f"virtual_ranks_gpu: error: loaded {', '.join(loaded)}; the GPU machine has none of them",
               file=sys.stderr)
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class Bench:
+class Bench(Markdown):
     def __init__(self, args: argparse.Namespace) -> None:
         import numpy as np
         import torch
@@ -107,6 +108,7 @@ class Bench:
         from training.config import load_config
 
         self.np, self.torch, self.args = np, torch, args
+        Markdown.__init__(self, args.output)
         self.smoke = args.smoke
         if not self.smoke and not torch.cuda.is_available():
             raise SystemExit("virtual_ranks_gpu: no CUDA device (use --smoke to rehearse the script on CPU)")
@@ -119,19 +121,6 @@ class Bench:
         self.in_seconds = self.cost_model.unit == "seconds"  # else simulate has nothing to predict times with
         self.rng = np.random.default_rng(args.seed)
         self.started = time.perf_counter()
-
-    def emit(self, line: str = "") -> None:
-        print(line, flush=True)
-        if self.args.output:
-            with open(self.args.output, "a") as handle:
-                handle.write(line + "\n")
-
-    def table(self, header: list[str], rows: list[list[str]]) -> None:
-        self.emit("| " + " | ".join(header) + " |")
-        self.emit("|" + "|".join("---" for _ in header) + "|")
-        for row in rows:
-            self.emit("| " + " | ".join(row) + " |")
-        self.emit()
 
     def run(self) -> None:
         self.header()
@@ -152,8 +141,6 @@ class Bench:
         if self.smoke:
             self.emit("**SMOKE RUN on CPU: toy sizes, nothing here is a GPU measurement.**")
             self.emit()
-        from benchmarks.hstu_gpu_bench import commit  # the same commit rule as the kernel bench
-
         self.emit(f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}")
         self.emit(f"- commit: {commit()}")
         self.emit(f"- machine: {platform.node()}, GPU: {gpu}")

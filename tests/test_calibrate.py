@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.report import GPU_MACHINE_LACKS  # what the GPU benchmarks refuse to have loaded
 from jobs import calibrate, cli
 from pipeline import rank_speeds
 from pipeline.calibration import (
@@ -383,8 +384,6 @@ def test_rank_speeds_with_two_ranks(tmp_path, capsys) -> None:
     assert "Rank speeds" in captured.out
 
 
-# What a bare GPU machine lacks (benchmarks/hstu_gpu_bench.py refuses to report if any got loaded).
-GPU_MACHINE_LACKS = ("torchrec", "fbgemm_gpu", "pyspark", "mlflow", "ortools", "pandas", "pyarrow", "torchdata")
 
 
 @pytest.mark.spawns
