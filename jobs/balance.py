@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from jobs.job_errors import run_job
-from jobs.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 
@@ -53,7 +53,7 @@ def balance(spec: BalanceSpec, tracking: Tracking) -> int:
 
     from pipeline.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from pipeline.hadoop_fs import HadoopFS
-    from jobs.tracking import job_run, reachable_tracking_uri, run_tags
+    from training.tracking import job_run, reachable_tracking_uri, run_tags
     from pipeline.cost_model import CostModel, default_cost_model
     from pipeline.session import build_spark_session, checkpoints_removed
     from shards import spark_balance

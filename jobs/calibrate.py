@@ -47,7 +47,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
+from training.tracking import add_tracking_arguments  # noqa: E402  (no mlflow import until a run opens)
 from pipeline.calibration import check_lengths  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 
@@ -332,7 +332,7 @@ def calibrate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     import numpy as np
 
-    from jobs.tracking import job_run, reachable_tracking_uri
+    from training.tracking import job_run, reachable_tracking_uri
     from pipeline.calibration import default_lengths
     from pipeline.cost_model import KINDS
     from pipeline.rank_speeds import estimate_rank_speeds, rank_speeds_document, write_rank_speeds

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 from jobs.job_errors import error_line, run_job
 from pipeline.stops import Stopped
-from jobs.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from pipeline.errors import InputError
 from pipeline.options import option
@@ -399,7 +399,7 @@ def sigterm_raises_stopped() -> Iterator[None]:
 
 def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, started: float) -> dict:
     """The parent run: the shard sets, every training, the medians and the plot; the comparison's summary."""
-    from jobs.tracking import job_run, run_tags
+    from training.tracking import job_run, run_tags
 
     params = {"input": args.input, "shards": args.shards, "world_size": cmp.world_size,
               "local_batch_size": cmp.local_batch_size, **args.balanced, "strategy": cmp.strategy,
@@ -435,7 +435,7 @@ def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, sta
 def compare(spec: CompareSpec, overrides: list[str], tracking: Tracking) -> int:
     manifests = check_args(spec, overrides)  # before anything heavy
 
-    from jobs.tracking import reachable_tracking_uri
+    from training.tracking import reachable_tracking_uri
 
     # One check for every stage: they get the answer (or 'none'), never a second warning.
     tracking = dataclasses.replace(tracking, uri=reachable_tracking_uri("compare", tracking.uri))

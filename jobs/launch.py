@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from jobs.tracking import TRACKING_URI_HELP
+from training.tracking import TRACKING_URI_HELP
 from pipeline import options
 from pipeline.options import option
 from shards.schema import MANIFEST_NAME

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from jobs.job_errors import run_job
-from jobs.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from pipeline.prepare_spec import PrepareSpec  # standard library only
 
@@ -55,7 +55,7 @@ def prepare(spec: PrepareSpec, tracking: Tracking) -> int:
 
     from pipeline.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from pipeline.hadoop_fs import HadoopFS
-    from jobs.tracking import job_run, reachable_tracking_uri
+    from training.tracking import job_run, reachable_tracking_uri
     from pipeline import spark_prepare
     from pipeline.prepared import METADATA_NAME, metadata_text
     from pipeline.session import build_spark_session, checkpoints_removed

@@ -36,7 +36,7 @@ from balancing.time_model import (  # numpy only
     check_same_cost_model, describe_cost_model, fit_time_model, mirror_noise, predict, read_run, reductions,
     runs_cost_model)
 from jobs.job_errors import run_job
-from jobs.tracking import add_tracking_arguments  # no mlflow import until a run opens
+from training.tracking import add_tracking_arguments  # no mlflow import until a run opens
 from pipeline.errors import InputError, one_line
 
 LENGTHS_SPEC = re.compile(r"^lognormal:([^,]+),([^,]+)$")
@@ -381,7 +381,7 @@ def plot_bubbles(rows: list[dict], path: Path, title: str) -> Path:
 
 
 def simulate_job(args: argparse.Namespace) -> int:
-    from jobs.tracking import job_run, reachable_tracking_uri
+    from training.tracking import job_run, reachable_tracking_uri
     from pipeline.json_files import write_json
 
     check_args(args)

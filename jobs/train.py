@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 from pipeline.stops import Stopped
-from jobs.mlflow_sink import MLflowSink, build_sink  # no mlflow import until used
+from training.mlflow_sink import MLflowSink, build_sink  # no mlflow import until used
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # how torchrun (and a terminal) stop the ranks
 
@@ -94,7 +94,7 @@ def train(argv: list[str]) -> int:
 def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     import torch.distributed as dist
 
-    from jobs.tracking import DISABLED, reachable_tracking_uri
+    from training.tracking import DISABLED, reachable_tracking_uri
     from pipeline.run_summary import write_run_summary
     from training.bubbles import TIMING_FIELDS
     from training.trainer import NullSink, Trainer

@@ -86,7 +86,7 @@ def tracking_argv(config: WorkflowConfig) -> list[str]:
 
 def tracking_of(config: WorkflowConfig):
     """The tracking of a stage whose job takes a typed spec."""
-    from jobs.tracking import Tracking
+    from training.tracking import Tracking
 
     return Tracking(config.pipeline.tracking_uri or None, config.pipeline.experiment)
 
@@ -364,7 +364,7 @@ def run(config: WorkflowConfig, fresh: bool = False) -> int:
     exit status. `freescale demo` calls it with the shipped config."""
     from jobs.job_errors import EXIT_ENVIRONMENT, error_line
     from pipeline.stops import stop_of, stops_on_signals
-    from jobs.tracking import PIPELINE_ENV
+    from training.tracking import PIPELINE_ENV
 
     work = Path(config.pipeline.workdir)
     lock = work / LOCK
@@ -403,12 +403,12 @@ def run(config: WorkflowConfig, fresh: bool = False) -> int:
 def _end_orphaned_runs(config: WorkflowConfig, workdir: str) -> None:
     """End FAILED the MLflow runs a killed run of this workdir left RUNNING; one note line, or one
     warning when that fails (tracking never stops the pipeline)."""
-    from jobs.tracking import fail_orphaned_runs, resolve_tracking_uri
+    from training.tracking import fail_orphaned_runs, resolve_tracking_uri
 
     try:
         orphans = fail_orphaned_runs(resolve_tracking_uri(config.pipeline.tracking_uri or None), workdir)
     except Exception as exc:  # noqa: BLE001 - tracking never stops the pipeline
-        from jobs.tracking import failure
+        from training.tracking import failure
 
         print(f"freescale pipeline: warning: could not end the MLflow runs a killed run left RUNNING "
               f"({failure(exc)})", file=sys.stderr, flush=True)

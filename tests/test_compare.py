@@ -290,7 +290,7 @@ def test_given_shard_sets_run_in_variant_order_with_their_own_strategy(tmp_path)
     """--shards in any order: the comparison takes its strategy from the balanced set's manifest and
     its variants in contiguous, balanced, control order (the order the runs alternate in)."""
     from jobs import compare
-    from jobs.tracking import Tracking
+    from training.tracking import Tracking
 
     sets = {"control": fake_shard_set(tmp_path / "mirror", "contiguous", "mirror", seed=2),
             "balanced": fake_shard_set(tmp_path / "lpt", "lpt", seed=1),

@@ -1,9 +1,9 @@
-"""jobs/mlflow_sink.py's resume: a resumed training continues its run with every point once."""
+"""training/mlflow_sink.py's resume: a resumed training continues its run with every point once."""
 from __future__ import annotations
 
 import pytest
 
-from jobs.mlflow_sink import MLflowSink
+from training.mlflow_sink import MLflowSink
 
 
 def series(sink: MLflowSink, key: str) -> list[tuple[int, float]]:

@@ -314,7 +314,7 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
 def _fake_prepare(uri: str, then) -> object:
     """A prepare job that opens its MLflow run, as the job does, then calls ``then()`` (no Spark)."""
     def run(spec_of, tracking) -> int:
-        from jobs.tracking import job_run
+        from training.tracking import job_run
 
         with job_run("prepare", tracking_uri=uri, experiment="pipeline-test"):
             then()

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from jobs.tracking import failure as tracking_failure  # no mlflow import until a run opens
+from training.tracking import failure as tracking_failure  # no mlflow import until a run opens
 
 BATCH_METRICS = 1000  # MLflow's log_batch limit per request
 DRAIN_TIMEOUT_S = 15.0  # the most a run's end waits for unsent step metrics
@@ -63,7 +63,7 @@ class MLflowSink:
     def _start(self, experiment: str, run_name: str, parent_run_id: str):
         from mlflow.tracking.context.registry import resolve_tags  # the user/source tags of mlflow.start_run
 
-        from jobs.tracking import PARENT_TAG, find_or_create_experiment
+        from training.tracking import PARENT_TAG, find_or_create_experiment
 
         experiment_id = find_or_create_experiment(self.client, experiment)
         # Nested under `freescale compare`'s parent run when it names one (the UI groups them).
@@ -188,7 +188,7 @@ def warn(message: str) -> None:
 
 def build_sink(config, trainer, uri: str) -> MLflowSink | None:
     """Rank 0's run (continuing the resumed job's), or None: other ranks, tracking off or failing."""
-    from jobs.tracking import DISABLED, code_version, run_tags
+    from training.tracking import DISABLED, code_version, run_tags
     from training.config import to_flat_dict
 
     manifest = trainer.manifest
