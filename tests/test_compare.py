@@ -59,7 +59,7 @@ def test_repeats_alternate_the_variants_with_one_seed_per_repeat(tmp_path, monke
     come back per variant in repeat order."""
     import argparse
 
-    from jobs import compare
+    from training import comparison
 
     calls = []
 
@@ -69,11 +69,11 @@ def test_repeats_alternate_the_variants_with_one_seed_per_repeat(tmp_path, monke
         return {"summary": {"bubble_fraction": 0.1 * len(calls), "idle_fraction": 0.0, "step_time_s": 0.01,
                             "hr_at_10": 0.0}, "mlflow_run_id": f"run{len(calls)}"}
 
-    monkeypatch.setattr(compare, "train_once", fake_train_once)
+    monkeypatch.setattr(comparison, "train_once", fake_train_once)
     sets = {"contiguous": tmp_path / "c", "balanced": tmp_path / "b", "control": tmp_path / "m"}
     monkeypatch.setattr("shards.manifest.load_manifest", lambda path: argparse.Namespace(world_size=2))
     args = argparse.Namespace(repeats=3, seed=5, config=None, comm_mode=None)
-    runs = compare.run_trainings(args, [], sets, 8, tmp_path / "work", "none", "exp", "cmp", "cmp-id", None)
+    runs = comparison.run_trainings(args, [], sets, 8, tmp_path / "work", "none", "exp", "cmp", "cmp-id", None)
     assert [run_name.rsplit("-", 2)[1] for _, run_name, _ in calls] == ["contiguous", "balanced", "control"] * 3
     assert [seed for _, _, seed in calls] == [5, 5, 5, 6, 6, 6, 7, 7, 7]
     assert [name for name, _, _ in calls] == ["c", "b", "m"] * 3
@@ -81,7 +81,7 @@ def test_repeats_alternate_the_variants_with_one_seed_per_repeat(tmp_path, monke
         "contiguous": [(0, 5, "run1"), (1, 6, "run4"), (2, 7, "run7")],
         "balanced": [(0, 5, "run2"), (1, 6, "run5"), (2, 7, "run8")],
         "control": [(0, 5, "run3"), (1, 6, "run6"), (2, 7, "run9")]}
-    medians = compare.medians(runs)
+    medians = comparison.medians(runs)
     assert medians["balanced"]["bubble_fraction"] == pytest.approx(0.5)  # runs 2, 5, 8: 0.2, 0.5, 0.8
 
 
@@ -279,7 +279,7 @@ def test_shard_sets_are_checked_against_their_labels_and_each_other(tmp_path):
         assert line.startswith(f"freescale compare: error: {message}"), (shards, line)
     assert not work.exists()
     # Sets planned as labelled pass these checks (the run then fails later, on the fake files).
-    from jobs.compare import check_shard_sets
+    from shards.shard_sets import check_shard_sets
 
     sets = {"contiguous": contiguous, "balanced": kk, "control": mirror}
     assert {v: m.strategy for v, m in check_shard_sets(sets, 2, None).items()} == {
@@ -290,6 +290,8 @@ def test_given_shard_sets_run_in_variant_order_with_their_own_strategy(tmp_path)
     """--shards in any order: the comparison takes its strategy from the balanced set's manifest and
     its variants in contiguous, balanced, control order (the order the runs alternate in)."""
     from jobs import compare
+    from shards.shard_sets import check_shard_sets, parse_shard_sets
+    from training.comparison import describe
     from training.tracking import Tracking
 
     sets = {"control": fake_shard_set(tmp_path / "mirror", "contiguous", "mirror", seed=2),
@@ -298,8 +300,8 @@ def test_given_shard_sets_run_in_variant_order_with_their_own_strategy(tmp_path)
     args, _ = compare.build_parser().parse_known_args(
         ["--shards", ",".join(f"{v}={d}" for v, d in sets.items()), "--workdir", str(tmp_path / "work")])
     spec = compare.spec_of_args(args)
-    manifests = compare.check_shard_sets(compare.parse_shard_sets(spec.shards, spec.control), None, None)
-    cmp = compare.describe(spec, manifests, Tracking("none", None))
+    manifests = check_shard_sets(parse_shard_sets(spec.shards, spec.control), None, None)
+    cmp = describe(spec, manifests, Tracking("none", None))
     assert list(cmp.given_sets) == ["contiguous", "balanced", "control"] and cmp.control == "mirror"
     assert (cmp.strategy, cmp.world_size, cmp.local_batch_size, cmp.work) == ("lpt", 2, 1, tmp_path / "work")
     assert cmp.name == "compare-k2-b1" and cmp.experiment == "freescale-shards"  # no prepared folder to name it
