@@ -16,26 +16,24 @@ into the repository), and (b) synthetic log-normal lengths clip(round(lognormal(
 sigma=0.9)), 20, 1024). Global batches sample lengths with replacement (seeded). Cost per sample
 is the project's default model L^2 + 160 L + 1000.
 
-Usage: python benchmarks/balance_bench.py [--quick] [--repeats N] [--time-limit S]
+Usage (from the repository root): python -m benchmarks.balance_bench [--quick] [--repeats N] [--time-limit S]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+import ortools
+
+from balancing import STRATEGIES, partition, plan
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-import ortools  # noqa: E402
-
-from balancing import STRATEGIES, partition, plan  # noqa: E402
 
 MOVIELENS = REPO_ROOT / ".." / "shared" / "data" / "movielens-100k" / "ratings.parquet"
 LOGNORMAL_MU, LOGNORMAL_SIGMA, MIN_LEN, MAX_LEN = 4.2, 0.9, 20, 1024

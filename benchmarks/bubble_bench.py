@@ -15,9 +15,8 @@ i.e. balancing removes at least 90% of the removable bubble. Quality: HR@10 and
 NDCG@10 of contiguous and balanced agree within the spread across seeds and beat
 the most-popular baseline.
 
-Usage: python benchmarks/bubble_bench.py [--repeats 3] [--epochs 4] [--local-batch-size 16]
-                                        [--calibrate] [--strategy kk] [--no-user-features]
-                                        [--workdir out/bubble-bench]
+Usage (from the repository root): python -m benchmarks.bubble_bench [--repeats 3] [--epochs 4]
+           [--local-batch-size 16] [--calibrate] [--strategy kk] [--no-user-features] [--workdir out/bubble-bench]
 """
 from __future__ import annotations
 
@@ -26,92 +25,17 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 import typing
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from benchmarks.common import REPO, add_run_arguments, build_shards, spread, train
 
-from training.config import CommMode  # noqa: E402  (no torch)
-
-MOVIELENS = (REPO / ".." / "shared" / "data" / "movielens-100k" / "ratings.parquet").resolve()
-MOVIELENS_USERS = MOVIELENS.with_name("users.parquet")
 VARIANTS = ("contiguous", "balanced", "flops_kk", "control")
 
 
-def run(cmd: list[str], log: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(log, "w") as out:
-        rc = subprocess.call(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    if rc:
-        raise SystemExit(f"command failed ({rc}): {' '.join(cmd)}; see {log}")
-
-
-def freescale(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jobs.cli", *args]
-
-
-def build_shards(work: Path, args: argparse.Namespace) -> dict[str, Path]:
-    prepared = work / "prepared"
-    if not (prepared / "prepare.json").exists():
-        users = ["--user-features", str(MOVIELENS_USERS), "--user-feature-cols", args.user_feature_cols] \
-            if args.user_features else []
-        run(freescale("prepare", "--input", str(MOVIELENS), *users, "--output", str(prepared), "--overwrite",
-                      "--tracking-uri", "none"), work / "prepare.log")
-    balance_extra: list[str] = []
-    cost_model_args: list[str] = []
-    if args.calibrate:
-        cost_model, speeds = work / "cost_model.json", work / "rank_speeds.json"
-        if not cost_model.exists():
-            run(freescale("calibrate", "--output", str(cost_model), "--rank-speeds-output", str(speeds),
-                          "--nproc-per-node", "2", "--overwrite", "--tracking-uri", "none"),
-                work / "calibrate.log")
-        cost_model_args = ["--cost-model", str(cost_model)]  # every variant: comparable predicted bubbles
-        if speeds.exists() and json.loads(speeds.read_text()).get("significant"):
-            balance_extra += ["--capacities", f"@{speeds}"]
-    common = ["--input", str(prepared), "--world-size", "2", "--local-batch-size", str(args.local_batch_size),
-              "--seed", "0", "--overwrite", "--tracking-uri", "none", *cost_model_args]
-    shards = {
-        "contiguous": (["--strategy", "contiguous"], work / "shards-contiguous"),
-        "balanced": (["--strategy", args.strategy, *balance_extra], work / f"shards-{args.strategy}"),
-        "flops_kk": (["--strategy", "flops_kk"], work / "shards-flops_kk"),  # the default model's width, 64
-        "control": (["--strategy", "contiguous", "--control", "mirror"], work / "shards-control"),
-    }
-    for name, (extra, out) in shards.items():
-        run(freescale("balance", *common, "--output", str(out), *extra), work / f"balance-{name}.log")
-    return {name: out for name, (_, out) in shards.items()}
-
-
-def train(shards: Path, steps: int, seed: int, out: Path, args: argparse.Namespace, *extra: str) -> dict:
-    from jobs.compare import train_once  # the one `freescale train` child process, as `freescale compare` runs it
-
-    steps_args = ["--max-steps", str(steps)] if steps else []  # 0: as the config says (its epochs)
-    return train_once(shards, out, ["--nproc-per-node", "2", *steps_args, "--tracking-uri",
-                                    args.tracking_uri, "--run-name", out.stem, "--training.seed", str(seed),
-                                    "--training.log_every", "1000", *extra])["summary"]
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
-
-
-def add_run_arguments(parser: argparse.ArgumentParser, workdir: str) -> None:
-    """The options every 2-rank MovieLens benchmark shares (shards, runs, reporting)."""
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=4, help="passes over the shards per run")
-    parser.add_argument("--local-batch-size", type=int, default=16)
-    parser.add_argument("--strategy", default="kk")
-    parser.add_argument("--calibrate", action="store_true", help="cost model and rank speeds from freescale calibrate")
-    parser.add_argument("--workdir", default=workdir)
-    parser.add_argument("--tracking-uri", default="none", help="MLflow URI for the runs (default: none)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="print the tables from the summaries a finished run left in --workdir")
-
-
 def main() -> None:
+    from training.config import CommMode  # no torch
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, "out/bubble-bench")
     parser.add_argument("--user-features", action=argparse.BooleanOptionalAction, default=True,

@@ -1,7 +1,7 @@
 """Measured communication of real 2-rank training: plain vs overlap vs prioritized, and all of FreeScale.
 
 Same data (MovieLens-100K with its user features), same steps, same seed per repeat.
-The shards are the bubble benchmark's (`benchmarks/bubble_bench.py` builds them with
+The shards are the bubble benchmark's (`benchmarks.common.build_shards` builds them with
 the real jobs): `balanced` (kk, calibrated cost model when --calibrate) and
 `contiguous` (what every framework does), and `control` (--control mirror: both
 ranks get the same samples every step, so its bubble is this machine's noise
@@ -21,7 +21,8 @@ Targets: prioritized exposes at most half of plain's exposed communication and i
 step time is lower than plain's; contiguous+plain -> balanced+prioritized removes
 90% of the idle fraction (FreeScale's paper reports up to 90.3%).
 
-Usage: python benchmarks/comm_bench.py [--repeats 3] [--epochs 4] [--calibrate] [--workdir out/comm-bench]
+Usage (from the repository root): python -m benchmarks.comm_bench [--repeats 3] [--epochs 4] [--calibrate]
+           [--workdir out/comm-bench]
 """
 from __future__ import annotations
 
@@ -30,14 +31,9 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bubble_bench  # noqa: E402  (the shards and the training runs are the bubble benchmark's)
+from benchmarks.common import REPO, add_run_arguments, build_shards, train
 
 VARIANTS = (("contiguous", "plain"), ("balanced", "plain"), ("balanced", "overlap"), ("balanced", "prioritized"),
             ("control", "prioritized"))
@@ -59,16 +55,16 @@ def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bubble_bench.add_run_arguments(parser, "out/comm-bench")
+    add_run_arguments(parser, "out/comm-bench")
     args = parser.parse_args()
-    # The bubble benchmark's shard builder reads these.
+    # The shard builder reads these.
     args.user_features, args.user_feature_cols = True, "age,gender,occupation,zip_code"
     work = (REPO / args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     results: dict[tuple[str, str], list[dict]] = {v: [] for v in VARIANTS}
     if not args.report_only:
-        shards = bubble_bench.build_shards(work, args)
+        shards = build_shards(work, args)
         steps = args.epochs * json.loads((shards["balanced"] / "manifest.json").read_text())["num_steps"]
     for rep in range(args.repeats):
         for variant in VARIANTS:
@@ -76,7 +72,7 @@ def main() -> None:
             if args.report_only:
                 summary = json.loads(out.read_text())["summary"]
             else:
-                summary = bubble_bench.train(shards[variant[0]], steps, rep, out, args, "--comm-mode", variant[1])
+                summary = train(shards[variant[0]], steps, rep, out, args, "--comm-mode", variant[1])
                 print(f"repeat {rep} {name(variant):22s} step {summary['step_time_s'] * 1e3:6.1f} ms  exposed comm "
                       f"{summary['exposed_comm_s'] * 1e3:5.1f} ms of {summary['comm_s'] * 1e3:5.1f} ms  "
                       f"idle {summary['idle_fraction']:.3f}", flush=True)

@@ -9,7 +9,7 @@ last, having left nothing at its output and no temporary folder behind; a case t
 a job with SIGTERM expects 128 + 15 and the same single line. At the end, no MLflow run
 may be left RUNNING, and no lock.
 
-Usage: python benchmarks/fault_sweep.py [--workdir out/fault-sweep] [--only NAME ...]
+Usage (from the repository root): python -m benchmarks.fault_sweep [--workdir out/fault-sweep] [--only NAME ...]
 
 Prints a markdown table; exits 1 when any case misses its target.
 """
@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-MOVIELENS = (REPO / ".." / "shared" / "data" / "movielens-100k").resolve()
-FREESCALE = str(Path(sys.executable).parent / "freescale")
+from benchmarks.common import FREESCALE, MOVIELENS_DIR, REPO
+
 UNREACHABLE = "http://127.0.0.1:9/"  # the discard port: nothing listens there
 READ_ONLY = "sqlite:////sys/mlflow.db"  # a system folder no process may create files in
 # Spark's progress lines (pipeline/progress.py) are not errors: off, as in the test suite, so a
@@ -136,7 +135,7 @@ def setup(s: Sweep) -> None:
     assert ok.code == 0, ok.stderr[-5:]
     raw = s.path("raw")
     raw.mkdir()
-    shutil.copy(MOVIELENS / "ratings.parquet", raw / "ratings.parquet")
+    shutil.copy(MOVIELENS_DIR / "ratings.parquet", raw / "ratings.parquet")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -176,7 +175,6 @@ def copy_shards(s: Sweep, name: str, edit: Callable[[dict], None] | None = None,
         manifest = json.loads((dst / "manifest.json").read_text())
         edit(manifest)
         if reseal:
-            sys.path.insert(0, str(REPO))
             from shards.manifest import seal
 
             manifest = seal(manifest)
@@ -454,7 +452,6 @@ def within(seconds: float) -> Callable[[Sweep, Outcome], str]:
 
 
 def manifest_ok(s: Sweep, out: Path, world_size: int = 2) -> str:
-    sys.path.insert(0, str(REPO))
     from shards.manifest import ShardError, load_manifest
 
     try:

@@ -1,7 +1,7 @@
 """The GPU check: the Triton HSTU kernel against the grouped path, the cost model it yields, and
 what balancing buys on a GPU. One command, markdown tables, under 5 minutes on one H200:
 
-    python benchmarks/hstu_gpu_bench.py --output $OUT/hstu_gpu.md
+    python -m benchmarks.hstu_gpu_bench --output $OUT/hstu_gpu.md     # from the repository root
 
 It needs only torch, triton and numpy (a bare GPU machine: no torchrec, fbgemm, pyspark,
 mlflow or ortools; it refuses to report if any of them got loaded), and the repository.
@@ -38,11 +38,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.report import Markdown, commit, loaded_gpu_machine_lacks  # noqa: E402  (standard library only)
-from training.config import ConfigError, Precision, load_config  # noqa: E402  (the standard library only)
+from benchmarks.common import Markdown, commit, loaded_gpu_machine_lacks  # standard library only
+from training.config import ConfigError, Precision, load_config  # the standard library only
 
 LOGNORMAL_MU, LOGNORMAL_SIGMA = 4.2, 0.9  # benchmarks/balance_bench.py's synthetic lengths
 
@@ -256,7 +253,7 @@ class Bench(Markdown):
         self.emit(f"- machine: {platform.node()}, GPU: {gpu}")
         self.emit(f"- versions: torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}, "
                   f"python {platform.python_version()}")
-        self.emit(f"- command: python benchmarks/hstu_gpu_bench.py {' '.join(sys.argv[1:])}".rstrip())
+        self.emit(f"- command: python -m benchmarks.hstu_gpu_bench {' '.join(sys.argv[1:])}".rstrip())
         arithmetic = ("TF32 matmuls" if self.precision == "fp32"
                       else f"the encoder under {self.precision} autocast")
         self.emit(f"- model: D={s.embedding_dim}, {s.num_layers} layers, {s.num_heads} heads of {s.head_dim}, "

@@ -1,6 +1,6 @@
 """Benchmark: the jagged HSTU encoder's step time follows cost(L) = a*L^2 + b*L + c.
 
-Usage: python benchmarks/jagged_cost_bench.py [--repeats 7]
+Usage (from the repository root): python -m benchmarks.jagged_cost_bench [--repeats 7]
 
 Prints the fitted coefficients and every measured time; exits 1 when the measurement does not
 support the per-sample cost model. tests/test_jagged_cost.py checks the analysis on timings it
@@ -39,15 +39,11 @@ import ctypes
 import itertools
 import math
 import statistics
-import time
-
 import sys
-from pathlib import Path
+import time
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cost_model import CostModel, default_cost_model
 from training.config import HSTUConfig, ModelConfig

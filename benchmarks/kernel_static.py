@@ -1,6 +1,6 @@
 """What the HSTU attention kernels compile to on an H100/H200 (sm_90), measured without a GPU.
 
-    python benchmarks/kernel_static.py [--configs 64/4/2,64/8/2] [--output FILE]
+    python -m benchmarks.kernel_static [--configs 64/4/2,64/8/2] [--output FILE]     # from the repository root
 
 Triton compiles for a GPU it does not have: its ``compile`` takes a target, and its wheel
 carries ``ptxas`` and ``nvdisasm``. For each kernel and autotune config (``BLOCK/num_warps/
@@ -10,7 +10,7 @@ issues per thread along its cheapest path (the kernels branch per tile only to a
 64-bit path), per tile entry, and the SFU, global-load, atomic, GPU-wide fence and local-memory (spill)
 instructions among them.
 
-These are static counts, not times: a GPU run of ``benchmarks/hstu_gpu_bench.py`` is the
+These are static counts, not times: a GPU run of ``benchmarks.hstu_gpu_bench`` is the
 measurement. They say whether a config compiles, spills or fits an SM, and how much work a
 tile entry costs, which is what a kernel change moves. The model's shapes: heads of 64, 64
 buckets, fp32 with TF32 dots; ``--dtype bf16`` compiles the kernels as ``training.precision =
@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import commit as repo_commit
 
 SHARED_PER_BLOCK = 227 * 1024
 """Most shared memory one block may use on sm_90."""
@@ -206,13 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
         lines.append(line)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
+    commit = repo_commit()
     emit("## HSTU attention kernels compiled for sm_90 (static; no GPU ran them)")
     emit()
     emit(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit: {commit}; "
          f"machine: {platform.machine()} CPU, triton {triton.__version__} (its ptxas and nvdisasm)")
-    emit(f"- command: python benchmarks/kernel_static.py --configs "
+    emit(f"- command: python -m benchmarks.kernel_static --configs "
          f"{','.join('/'.join(map(str, c)) for c in args.configs)}" + (f" --dtype {args.dtype}" if args.dtype != "fp32"
                                                                          else ""))
     emit("- loop rows: one iteration (one tile) along the cheapest path; `per entry` is instructions issued per "

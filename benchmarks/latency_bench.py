@@ -1,6 +1,6 @@
 """Benchmark: how long the quick answers take -- the wall-clock targets the test suite used to assert.
 
-Usage: python benchmarks/latency_bench.py [--repeats 3]
+Usage (from the repository root): python -m benchmarks.latency_bench [--repeats 3]
 
 Each row is the best of --repeats fresh tries, against its target:
 - `freescale balance --world-size 0`: an argument error before any heavy import (< 1 s);
@@ -21,9 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-FREESCALE = str(Path(sys.executable).parent / "freescale")
+from benchmarks.common import FREESCALE, REPO
+
 DEAD_URI = "http://127.0.0.1:9/"  # the discard port: nothing listens, the connection is refused
 
 

@@ -12,7 +12,7 @@ The data is seeded synthetic with the shape of a real short-history dataset (31,
 workdir; the model is ``configs/short_history.toml``'s. Checkpoints and MLflow are off;
 early stopping is off so every run trains its steps.
 
-Usage: python benchmarks/memory_soak.py [--steps 20000] [--modes plain,overlap,prioritized]
+Usage (from the repository root): python -m benchmarks.memory_soak [--steps 20000] [--modes plain,overlap,prioritized]
            [--workdir out/memory-soak] [--local-batch-size 16] [--warmup 2000] [--parallel]
            [--json FILE] [--section.key value ...: passed to freescale train]
 
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-FREESCALE = str(Path(sys.executable).parent / "freescale")
+from benchmarks.common import FREESCALE, REPO
+
 MODES = ("plain", "overlap", "prioritized")
 TARGET_MB_PER_1000 = 20.0
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)")

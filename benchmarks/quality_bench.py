@@ -12,8 +12,8 @@ negatives (the same for every model of a seed).
 Targets (issue 16): SASRec beats most-popular under both protocols; HSTU beats SASRec on NDCG@10
 under both protocols by more than the seed spread.
 
-Usage: python benchmarks/quality_bench.py [--repeats 3] [--local-batch-size 32] [--models hstu,sasrec]
-                                         [--workdir out/quality-bench] [--report-only] [--section.key=value ...]
+Usage (from the repository root): python -m benchmarks.quality_bench [--repeats 3] [--local-batch-size 32]
+           [--models hstu,sasrec] [--workdir out/quality-bench] [--report-only] [--section.key=value ...]
 
 ``--models hstu`` trains one model only (a sweep's probe of that model's settings; the comparison
 lines need both).
@@ -24,14 +24,10 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bubble_bench  # noqa: E402  (the shards and the training launch are the bubble benchmark's)
+from benchmarks.common import REPO, add_run_arguments, build_shards, spread, train
 
 CONFIG = "configs/ml100k_recipe.toml"
 MODELS = {"hstu": [], "sasrec": ["--model.encoder", "sasrec"]}
@@ -41,7 +37,7 @@ PROTOCOLS = (("", "full catalog"), ("sampled_", "100 sampled negatives"))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    bubble_bench.add_run_arguments(parser, "out/quality-bench")
+    add_run_arguments(parser, "out/quality-bench")
     parser.set_defaults(local_batch_size=32)
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"which models to train, comma-separated (default {','.join(MODELS)})")
@@ -56,13 +52,13 @@ def main() -> None:
     started = time.time()
     results: dict[str, list[dict]] = {name: [] for name in models}
     minutes: dict[str, list[float]] = {name: [] for name in models}
-    shards = None if args.report_only else bubble_bench.build_shards(work, args)["balanced"]
+    shards = None if args.report_only else build_shards(work, args)["balanced"]
     for rep in range(args.repeats):
         for name, extra in models.items():
             out = work / f"{name}-{rep}.json"
             if not args.report_only:
                 began = time.time()
-                bubble_bench.train(shards, 0, rep, out, args, "--config", CONFIG, *extra, *args.overrides)
+                train(shards, 0, rep, out, args, "--config", CONFIG, *extra, *args.overrides)
                 minutes[name].append((time.time() - began) / 60)
             summary = json.loads(out.read_text())["summary"]
             results[name].append(summary)
@@ -73,7 +69,6 @@ def main() -> None:
 
 def report(results: dict[str, list[dict]], minutes: dict[str, list[float]], args, work: Path,
            total_s: float) -> None:
-    spread = bubble_bench.spread
     first_rows = next(iter(results.values()))  # most-popular is scored on every run's queries alike
     first = first_rows[0]
     print(f"\n#### Model quality: MovieLens-100K, 2 gloo ranks x {args.local_batch_size} samples, "

@@ -14,7 +14,7 @@ For each: wall time, rows/s (interactions in / second) and the driver's peak RSS
 0.2 s over the job's process tree (the Python driver and its JVM; in local mode the JVM holds the
 executors, so this is the whole job's memory). Prints one markdown table.
 
-Usage: python benchmarks/scale_bench.py [--users 1000000] [--items 10000] [--seed 1]
+Usage (from the repository root): python -m benchmarks.scale_bench [--users 1000000] [--items 10000] [--seed 1]
        [--world-size 1024] [--local-batch-size 16] [--window-steps 32] [--workdir DIR] [--keep]
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# Run as a file by this interpreter, the repository on its PYTHONPATH (run() sets it).
 REFERENCE = textwrap.dedent("""\
     import sys
-    sys.path.insert(0, {root!r})
     from pyspark.sql import functions as F
     from pipeline.session import build_spark_session
     spark = build_spark_session(None, "freescale-scale-reference")
@@ -79,7 +79,8 @@ def _tree_rss(pid: int) -> int:
 
 def run(cmd: list[str], log: Path) -> tuple[float, int]:
     """Run `cmd`; return (wall seconds, peak RSS bytes of its process tree). Fails loudly."""
-    env = {**os.environ, "FREESCALE_PROGRESS": "0"}
+    path = os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "FREESCALE_PROGRESS": "0", "PYTHONPATH": path}
     started = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -127,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     ref_script = work / "reference.py"
-    ref_script.write_text(REFERENCE.format(root=str(REPO_ROOT)))
+    ref_script.write_text(REFERENCE)
     load_before = os.getloadavg()
     rows = []
     try:
         prepared = work / "prepared"
-        wall, rss = run([py, "jobs/prepare.py", "--output", str(prepared), "--synthetic-users", str(args.users),
+        wall, rss = run([py, "-m", "jobs.prepare", "--output", str(prepared), "--synthetic-users", str(args.users),
                          "--synthetic-items", str(args.items), "--seed", str(args.seed), "--overwrite",
                          "--tracking-uri", "none"], work / "prepare.log")
         meta = json.loads((prepared / "prepare.json").read_text())
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{meta['duplicates_dropped']} duplicates dropped"))
 
         shards = work / "shards"
-        wall, rss = run([py, "jobs/balance.py", "--input", str(prepared), "--output", str(shards),
+        wall, rss = run([py, "-m", "jobs.balance", "--input", str(prepared), "--output", str(shards),
                          "--world-size", str(args.world_size), "--local-batch-size", str(args.local_batch_size),
                          "--window-steps", str(args.window_steps), "--overwrite", "--tracking-uri", "none"],
                         work / "balance.log")

@@ -1,6 +1,6 @@
 """`freescale simulate` against real 2-rank training: predicted vs measured bubbles, idle time, step time.
 
-MovieLens-100K (with its user features, as benchmarks/bubble_bench.py), 2 gloo ranks, 16 and 32
+MovieLens-100K (with its user features, as benchmarks.bubble_bench), 2 gloo ranks, 16 and 32
 samples per rank, three shard sets per batch size from the real balance job (contiguous, kk
 balanced, the mirror control), the cost model from `freescale calibrate`. Runs alternate
 (control, contiguous, balanced per batch size, then the next repeat) so drift in machine load
@@ -17,8 +17,8 @@ Then the published predictions: 256 and 1,024 ranks on MovieLens-100K lengths an
 lengths (the synthetic generator's mu=4.2, sigma=0.9), contiguous vs balanced, with repeat 0's
 fit.
 
-Usage: python benchmarks/simulate_validation.py [--repeats 3] [--epochs 4] [--workdir out/simulate-validation]
-                                               [--report-only]
+Usage (from the repository root): python -m benchmarks.simulate_validation [--repeats 3] [--epochs 4]
+           [--workdir out/simulate-validation] [--report-only]
 """
 from __future__ import annotations
 
@@ -27,15 +27,10 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import bubble_bench  # noqa: E402  (MovieLens paths, running freescale commands, training runs)
-from bubble_bench import freescale, run  # noqa: E402
+from benchmarks.common import MOVIELENS, MOVIELENS_USERS, REPO, freescale, run, train
 
 BATCH_SIZES = (16, 32)
 VARIANTS = ("control", "contiguous", "balanced")
@@ -49,8 +44,8 @@ LOGNORMAL = "lognormal:4.2,0.9"  # pipeline/synthetic.py's defaults: median ~67,
 def build(work: Path) -> tuple[Path, Path, dict[tuple[int, str], Path]]:
     prepared, cost_model = work / "prepared", work / "cost_model.json"
     if not (prepared / "prepare.json").exists():
-        run(freescale("prepare", "--input", str(bubble_bench.MOVIELENS), "--user-features",
-                      str(bubble_bench.MOVIELENS_USERS), "--output", str(prepared), "--overwrite",
+        run(freescale("prepare", "--input", str(MOVIELENS), "--user-features",
+                      str(MOVIELENS_USERS), "--output", str(prepared), "--overwrite",
                       "--tracking-uri", "none"), work / "prepare.log")
     if not cost_model.exists():
         run(freescale("calibrate", "--output", str(cost_model), "--overwrite", "--tracking-uri", "none"),
@@ -108,7 +103,7 @@ def main() -> None:
                 out = summary_path(work, b, variant, rep)
                 if args.report_only and out.exists():
                     continue
-                s = bubble_bench.train(shards[b, variant], steps, rep, out, train_args)
+                s = train(shards[b, variant], steps, rep, out, train_args)
                 print(f"repeat {rep} B={b} {variant:10s} bubble {s['bubble_fraction']:.4f} idle "
                       f"{s['idle_fraction']:.4f} step {s['step_time_s'] * 1e3:.1f} ms", flush=True)
 

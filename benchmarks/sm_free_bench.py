@@ -3,7 +3,7 @@
 Part (a) has run on one H200 (docs/results/sm_free_bench.md); part (b) needs several GPUs and
 is unmeasured.
 
-(a) One GPU (``python benchmarks/sm_free_bench.py``): bf16 GEMM throughput alone, and beside a
+(a) One GPU (``python -m benchmarks.sm_free_bench``): bf16 GEMM throughput alone, and beside a
     copy of ``--copy-mib`` MiB running concurrently on another stream, one copy kind at a time:
 
     * ``sm-kernel``: ``dst.copy_(src)`` with ``src`` a strided view (every other row of a
@@ -23,7 +23,7 @@ is unmeasured.
     bandwidth. ``sm-kernel`` and ``d2d-memcpy`` move the same HBM bytes, so their difference
     is the SM part; ``ce-host`` is bounded by PCIe and moves far fewer HBM bytes per second.
 
-(b) Several GPUs (``torchrun --nproc-per-node N benchmarks/sm_free_bench.py --multi``): the
+(b) Several GPUs (``torchrun --nproc-per-node N -m benchmarks.sm_free_bench --multi``): the
     embedding all-to-all (rows of ``--dim`` floats, uneven splits around ``--rows-per-peer``)
     through ``comm.backend.build_backend("nccl" | "copy_engine")``, alone and beside the same
     GEMM on the caller's stream, reporting GEMM slowdown and all-to-all time.
@@ -42,13 +42,9 @@ import random
 import statistics
 import sys
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 NO_GPU = "sm_free_bench: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured"
 

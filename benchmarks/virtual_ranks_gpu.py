@@ -2,7 +2,9 @@
 
     python -m jobs.cli calibrate --device cuda --config benchmarks/configs/gpu_virtual_ranks.toml \
         --output $OUT/cost_model.json --tracking-uri none
-    python benchmarks/virtual_ranks_gpu.py --cost-model $OUT/cost_model.json --output $OUT/virtual_ranks.md
+    python -m benchmarks.virtual_ranks_gpu --cost-model $OUT/cost_model.json --output $OUT/virtual_ranks.md
+
+Both from the repository root (the project need not be installed there).
 
 For K ranks x B samples and a window of steps, sample lengths are drawn (log-normal with a mean of
 about 500, capped at 4,096; and MovieLens-100K's history lengths) and planned three ways:
@@ -33,11 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a file on a machine where the project is not installed
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.report import Markdown, commit, loaded_gpu_machine_lacks  # noqa: E402  (standard library only)
+from benchmarks.common import REPO, Markdown, commit, loaded_gpu_machine_lacks  # standard library only
 
 LENGTHS_FILE = REPO / "benchmarks" / "data" / "movielens100k_history_lengths.json"
 DEFAULT_CONFIG = REPO / "benchmarks" / "configs" / "gpu_virtual_ranks.toml"
@@ -145,7 +143,7 @@ class Bench(Markdown):
         self.emit(f"- commit: {commit()}")
         self.emit(f"- machine: {platform.node()}, GPU: {gpu}")
         self.emit(f"- versions: torch {torch.__version__}, CUDA {torch.version.cuda}, triton {triton.__version__}")
-        self.emit(f"- command: python benchmarks/virtual_ranks_gpu.py {' '.join(sys.argv[1:])}".rstrip())
+        self.emit(f"- command: python -m benchmarks.virtual_ranks_gpu {' '.join(sys.argv[1:])}".rstrip())
         self.emit(f"- model: {self.config.model.encoder}, D={self.config.model.embedding_dim}, "
                   f"{hstu.num_layers} layers, "
                   f"{hstu.num_heads} heads of {hstu.attention_dim}, {training.precision}; dense forward+backward "

@@ -23,7 +23,7 @@ from comm import cuda
 from comm.backend import BackendUnavailable, build_backend
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "benchmarks" / "sm_free_bench.py"
+BENCH = [sys.executable, "-m", "benchmarks.sm_free_bench"]  # run from the repository root
 NO_GPU_LINE = "sm_free_bench: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured"
 CUDA_BACKENDS = ("nccl", "copy_engine")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -55,7 +55,7 @@ def test_build_backend_without_cuda_is_one_line_naming_cuda(name):
 @cpu_only
 @pytest.mark.parametrize("extra", [[], ["--multi"]])
 def test_bench_without_cuda_exits_with_one_line(extra):
-    done = subprocess.run([sys.executable, str(BENCH), *extra], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([*BENCH, *extra], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0
     assert (done.stdout + done.stderr).strip() == NO_GPU_LINE
@@ -181,7 +181,7 @@ def test_backend_all_to_all_and_all_reduce_on_the_gpus(name, tmp_path):
 
 @needs_gpu
 def test_bench_single_gpu_prints_its_table():
-    done = subprocess.run([sys.executable, str(BENCH), "--repeats", "5", "--gemm-n", "2048", "--gemms", "4",
+    done = subprocess.run([*BENCH, "--repeats", "5", "--gemm-n", "2048", "--gemms", "4",
                            "--copy-mib", "16"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "| nothing (baseline) |" in done.stdout and "| sm-kernel x" in done.stdout

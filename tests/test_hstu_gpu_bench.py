@@ -16,16 +16,15 @@ import pytest
 from tests.helpers import spawns
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "hstu_gpu_bench.py"
+BENCH = [sys.executable, "-m", "benchmarks.hstu_gpu_bench"]  # run from the repository root
 
 
 @pytest.fixture(scope="module")
 @spawns
 def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
     output = tmp_path_factory.mktemp("gpu_bench") / "hstu_gpu.md"
-    # From another directory: the script finds the repository (and its data) by itself.
-    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--output", str(output)], cwd=output.parent,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([*BENCH, "--smoke", "--output", str(output)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     return run, output.read_text() if output.exists() else ""
 
 
@@ -56,16 +55,12 @@ def test_smoke_numerics_agree(smoke) -> None:
     assert all(float(cells[4]) <= 1e-4 for cells in rows), rows
 
 
-def test_precision_is_the_trainers_key(tmp_path, capsys, monkeypatch) -> None:
+def test_precision_is_the_trainers_key(tmp_path, capsys) -> None:
     """``--precision`` and a trainer config's ``training.precision`` choose the encoder's arithmetic,
     through the trainer's loader and its check; the interpreter's rehearsal refuses bf16 (its dots
     have none) before it runs anything. The script's argument parsing, in this process."""
-    import importlib.util
+    from benchmarks import hstu_gpu_bench as bench
 
-    spec = importlib.util.spec_from_file_location("hstu_gpu_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
-    spec.loader.exec_module(bench)
     bf16, bad = tmp_path / "bf16.toml", tmp_path / "bad.toml"
     bf16.write_text('[training]\nprecision = "bf16"\n')
     bad.write_text('[training]\nprecision = "fp8"\n')
@@ -87,5 +82,5 @@ def test_without_a_gpu_the_real_check_refuses() -> None:
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the real check would run")
-    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(BENCH, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "no CUDA device" in run.stderr

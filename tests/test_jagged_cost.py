@@ -4,21 +4,15 @@ that pads every batch to its longest member. The measurement itself is the bench
 as a test on loaded CI machines)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "jagged_cost_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("jagged_cost_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import jagged_cost_bench
+
+    return jagged_cost_bench
 
 
 A, B, C, D = 2e-8, 3e-6, 4e-5, 1e-3  # per L^2, per token, per sample, per step (seconds)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.spawns  # every test compiles in a subprocess
 def compile_rows(tmp_path_factory, *extra: str) -> list[dict]:
     out = tmp_path_factory.mktemp("static") / "rows.json"
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "benchmarks/kernel_static.py", "--configs", "32/4/2", "--json", str(out), *extra],
+    subprocess.run([sys.executable, "-m", "benchmarks.kernel_static", "--configs", "32/4/2", "--json", str(out), *extra],
                    cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=300)
     return json.loads(out.read_text())
 

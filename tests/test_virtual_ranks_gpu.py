@@ -9,18 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.virtual_ranks_gpu import DEFAULT_CONFIG, SMOKE  # standard library only at import
 from tests.helpers import spawns
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "virtual_ranks_gpu.py"
 
 
 @pytest.fixture(scope="module")
 @spawns
 def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
-    sys.path.insert(0, str(REPO))
-    from benchmarks.virtual_ranks_gpu import DEFAULT_CONFIG, SMOKE
-
     work = tmp_path_factory.mktemp("virtual_ranks")
     cost_model, output = work / "cost_model.json", work / "virtual_ranks.md"
     calibrated = subprocess.run([sys.executable, "-m", "jobs.cli", "calibrate", "--output", str(cost_model),
@@ -28,8 +25,9 @@ def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
                                  "--device", "cpu", "--tracking-uri", "none", "--config", str(DEFAULT_CONFIG),
                                  *SMOKE.overrides], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert calibrated.returncode == 0, calibrated.stderr[-2000:]
-    run = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--cost-model", str(cost_model), "--output",
-                          str(output)], cwd=work, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.virtual_ranks_gpu", "--smoke", "--cost-model",
+                          str(cost_model), "--output", str(output)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     return run, output.read_text() if output.exists() else ""
 
 
