@@ -3,10 +3,9 @@ TOML, safe to rerun from cron, Airflow or any scheduler.
 
     freescale pipeline --config configs/demo_pipeline.toml [--fresh] [--section.key VALUE ...]
 
-Each stage calls its job in-process, each still runnable by itself: prepare, balance, train and
-compare through their typed entries (`jobs.prepare.run`, `jobs.balance.run`, `jobs.launch.run`,
-`jobs.compare.run`, each with the spec built from its section), calibrate with a command line
-(`jobs.calibrate.main`).
+Each stage calls its job in-process, each still runnable by itself, through its typed entry
+(`jobs.prepare.run`, `jobs.calibrate.run`, `jobs.balance.run`, `jobs.launch.run`, `jobs.compare.run`,
+each with the spec built from its section).
 A stage that finishes leaves a record next to its output in the working directory,
 `<workdir>/<stage>.fingerprint.json`: the fingerprint of everything the stage's arguments are
 built from (its config section, the shared sizes, the identity of its input files: path,
@@ -41,7 +40,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from jobs.workflow_config import WorkflowConfig, load_workflow_config, override_argv, toml_text
 from pipeline import locks, options
@@ -68,20 +67,6 @@ class Workdir:
             root / name for name in ("prepared", "shards", "checkpoints", "compare"))
         self.cost_model, self.rank_speeds = root / "cost_model.json", root / "rank_speeds.json"
         self.summary, self.compare_summary = root / "train_summary.json", root / "compare_summary.json"
-
-
-def _job(module: str, argv: list[str], function: str = "main") -> Callable[[], int]:
-    """A job that takes a command line, imported when the stage runs (a skipped stage loads nothing)."""
-    def run() -> int:
-        import importlib
-
-        return getattr(importlib.import_module(module), function)(argv)
-    return run
-
-
-def tracking_argv(config: WorkflowConfig) -> list[str]:
-    p = config.pipeline
-    return (["--tracking-uri", p.tracking_uri] if p.tracking_uri else []) + ["--experiment", p.experiment]
 
 
 def tracking_of(config: WorkflowConfig):
@@ -147,24 +132,35 @@ def prepare_stage(config: WorkflowConfig, work: Workdir) -> Stage:
     return Stage("prepare", run, prepare_params(config), work.prepared, damage)
 
 
-def calibrate_argv(config: WorkflowConfig, work: Workdir) -> tuple[list[str], dict[str, Any]]:
-    """calibrate times the trained model: its shape, its loss and the encoder's arithmetic."""
-    cal, train_cfg = config.calibrate, config.train.config
-    overrides = {k: v for k, v in config.train.overrides.items()
-                 if k.startswith(("model.", "loss.", "training.precision"))}
-    argv = ["--output", str(work.cost_model), "--repeats", str(cal.repeats),
-            "--held-out-batches", str(cal.held_out_batches), "--overwrite"]
-    argv += (["--config", train_cfg] if train_cfg else []) + override_argv(overrides)
+def calibrate_values(config: WorkflowConfig, work: Workdir) -> tuple[dict[str, Any], list[str]]:
+    """The calibrate stage's spec values ([calibrate], the training config, into the workdir) and the
+    overrides on the timed config: calibrate times the trained model, so [train.overrides]' keys of its
+    shape, its loss and the encoder's arithmetic (``TIMED_KEYS``)."""
+    cal = config.calibrate
+    values: dict[str, Any] = {"output": str(work.cost_model), "config": config.train.config or None,
+                              "repeats": cal.repeats, "held_out_batches": cal.held_out_batches, "overwrite": True}
     if cal.rank_speeds:
-        argv += ["--rank-speeds-output", str(work.rank_speeds), "--nproc-per-node", str(config.pipeline.world_size)]
-    params = {"repeats": cal.repeats, "held_out_batches": cal.held_out_batches, "rank_speeds": cal.rank_speeds,
-              **train_inputs(config), **{key: toml_text(value) for key, value in overrides.items()}}
-    return argv + tracking_argv(config), params
+        values.update(rank_speeds_output=str(work.rank_speeds), nproc_per_node=config.pipeline.world_size)
+    return values, override_argv(timed_overrides(config))
+
+
+def timed_overrides(config: WorkflowConfig) -> dict[str, Any]:
+    from training.calibrate_spec import TIMED_KEYS  # standard library only
+
+    return {k: v for k, v in config.train.overrides.items() if k.startswith(TIMED_KEYS)}
 
 
 def calibrate_stage(config: WorkflowConfig, work: Workdir) -> Stage:
     cal = config.calibrate
-    argv, params = calibrate_argv(config, work)
+    values, overrides = calibrate_values(config, work)
+    params = {"repeats": cal.repeats, "held_out_batches": cal.held_out_batches, "rank_speeds": cal.rank_speeds,
+              **train_inputs(config), **{key: toml_text(value) for key, value in timed_overrides(config).items()}}
+
+    def run() -> int:
+        from jobs import calibrate
+        from training.calibrate_spec import CalibrateSpec
+
+        return calibrate.run(lambda: options.from_values(CalibrateSpec, values), overrides, tracking_of(config))
 
     def damage() -> str | None:
         from pipeline.cost_model import CostModel
@@ -176,7 +172,7 @@ def calibrate_stage(config: WorkflowConfig, work: Workdir) -> Stage:
         return json_damage(work.rank_speeds, "rank speeds file")() if cal.rank_speeds else None
     off = None if cal.enabled else (f"[calibrate] enabled = false; balance uses {cal.cost_model}" if cal.cost_model
                                     else "[calibrate] enabled = false; balance uses the built-in cost model")
-    return Stage("calibrate", _job("jobs.calibrate", argv), params, work.cost_model, damage, off=off)
+    return Stage("calibrate", run, params, work.cost_model, damage, off=off)
 
 
 def balance_values(config: WorkflowConfig, work: Workdir) -> dict[str, Any]:

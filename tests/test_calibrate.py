@@ -4,10 +4,12 @@ The fitting tests time nothing: batch times are computed from a known cost, so
 they are deterministic. The end-to-end tests time a tiny model for real and only
 hold the results to loose bounds (the machine is shared and noisy). The import
 tests hold the layering: the fits and the rank-speeds file are read without torch,
-and a bad argument is reported before torch is loaded.
+and a bad argument is reported before torch is loaded. The job's options are
+``training.calibrate_spec.CalibrateSpec``'s; `freescale pipeline` calls ``jobs.calibrate.run`` with one.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.report import GPU_MACHINE_LACKS  # what the GPU benchmarks refuse to have loaded
+from benchmarks.common import GPU_MACHINE_LACKS  # what the GPU benchmarks refuse to have loaded
 from jobs import calibrate, cli
 from pipeline import rank_speeds
 from pipeline.calibration import (
@@ -287,6 +289,23 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, extra, words) -> None:
     assert not (tmp_path / "cm.json").exists()
 
 
+def test_the_options_are_the_specs_and_its_typed_entry_checks_them(tmp_path, capsys) -> None:
+    """The command line is derived from CalibrateSpec (plus the tracking options); the pipeline's entry,
+    ``run`` with a spec built from values, reports a bad value as the command line does: one line, exit 2."""
+    from pipeline import options
+    from training.calibrate_spec import CalibrateSpec
+    from training.tracking import Tracking
+
+    flags = {a.dest for a in calibrate.build_parser()._actions} - {"help", "tracking_uri", "experiment"}
+    assert flags == {f.name for f in dataclasses.fields(CalibrateSpec)}
+    values = {"output": str(tmp_path / "cm.json"), "held_out_batches": 2}
+    rc = calibrate.run(lambda: options.from_values(CalibrateSpec, values), [], Tracking("none"))
+    assert rc == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "freescale calibrate: error: --held-out-batches must be 0 or at least 3 (a correlation needs them), got 2"]
+    spec = options.from_values(CalibrateSpec, {"output": str(tmp_path / "cm.json"), "lengths": "64, 16,16,32"})
+    assert spec.length_grid == [16, 32, 64] and (spec.repeats, spec.device, spec.nproc_per_node) == (7, "auto", 2)
+
+
 def test_existing_output_needs_overwrite(tmp_path, capsys) -> None:
     out = tmp_path / "cm.json"
     out.write_text("{}")
@@ -360,6 +379,25 @@ def test_calibration_times_the_configs_precision(tmp_path, capsys, monkeypatch) 
     prov = CostModel.load(out).provenance
     assert prov["precision"] == "bf16" and prov["config"]["training"] == {"precision": "bf16"}
     assert "precision bf16" in report and "encoder in bf16" in report
+
+
+@pytest.mark.spawns  # in process, but its provenance runs uname -p (platform.processor)
+def test_failed_rank_speeds_keep_the_cost_model_and_exit_1(tmp_path, capsys, monkeypatch) -> None:
+    """Ranks that fail end the job with its error line and exit 1 after the cost model was written."""
+    from training import rank_speed_ranks
+
+    def fail(spec, overrides):
+        raise rank_speed_ranks.RankSpeedsFailed("rank-speed ranks failed (exit 1):\nboom")
+
+    monkeypatch.setattr(rank_speed_ranks, "measure_rank_speeds", fail)
+    out, speeds = tmp_path / "cost_model.json", tmp_path / "rank_speeds.json"
+    rc = calibrate.main(["--output", str(out), "--lengths", "16,64,256", "--repeats", "3", "--warmup", "1",
+                         "--replicates", "1", "--held-out-batches", "0", "--device", "cpu", "--tracking-uri", "none",
+                         "--rank-speeds-output", str(speeds), *TINY_MODEL])
+    err = capsys.readouterr().err
+    assert rc == 1 and out.exists() and not speeds.exists()
+    assert (f"freescale calibrate: error: rank-speed ranks failed (exit 1):\nboom\n(the cost model {out} was "
+            "written; no rank speeds were)") in err
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Calibrating the balancer's cost model on this machine: design batches, time them, fit, validate.
 
-``freescale calibrate`` (jobs/calibrate.py) runs ``run_calibration``. This
+``freescale calibrate`` runs ``run_calibration`` (training/calibration_run.py). This
 module is the half that needs torch: the batches, their timing and the
 provenance of the result. The fitting, the choice of form and the rank-speed
 statistics are pure NumPy and live beside the cost model they produce
