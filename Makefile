@@ -30,7 +30,7 @@ test-fast: install
 	$(PY) -m pytest -q --fast tests
 
 bench: install
-	$(PY) benchmarks/balance_bench.py
+	$(PY) -m benchmarks.balance_bench
 
 # The wheel and sdist (`freescale` for a machine's venv), and the executors' zip for
 # spark-submit --py-files: the wheel's packages without its metadata (a pure wheel is a zip

@@ -3,7 +3,7 @@
 What has run (one H200, docs/results/sm_free_bench.md): both backends build and exchange on
 a single GPU (``tests/test_comm_cuda.py``), and a copy-engine copy leaves a concurrent GEMM's
 throughput alone where an SM copy costs it 14.5%. Unmeasured: the exchange between two or
-more GPUs (``torchrun --nproc-per-node N benchmarks/sm_free_bench.py --multi``).
+more GPUs (``torchrun --nproc-per-node N -m benchmarks.sm_free_bench --multi``).
 
 Why ``copy_engine``: NCCL moves bytes with kernels that occupy SMs, so an exchange overlapped
 with the dense compute slows that compute down. A GPU also has copy (DMA) engines that move
