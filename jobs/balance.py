@@ -53,7 +53,8 @@ def balance(spec: BalanceSpec, tracking: Tracking) -> int:
 
     from pipeline.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from pipeline.hadoop_fs import HadoopFS
-    from training.tracking import job_run, reachable_tracking_uri, run_tags
+    from training.tracking import DataRef, job_run, reachable_tracking_uri, run_tags
+    from pipeline.prepared import METADATA_NAME
     from pipeline.cost_model import CostModel, default_cost_model
     from pipeline.session import build_spark_session, checkpoints_removed
     from shards import spark_balance
@@ -81,6 +82,9 @@ def balance(spec: BalanceSpec, tracking: Tracking) -> int:
                          "leftover_samples": planned.leftover, "moved_samples": planned.moved_samples,
                          "job_seconds": time.perf_counter() - started})
         run.log_text(manifest.dumps(), MANIFEST_NAME)
+        metadata = f"{input_uri}/{METADATA_NAME}"
+        run.log_inputs({**({"input": DataRef.prepared(input_uri, fs.read_text(metadata))} if fs.exists(metadata)
+                           else {}), "output": DataRef.shards(output_uri, manifest.dumps())})
     print(f"freescale balance: wrote {planned.planned_samples} samples ({planned.num_rows} rows) in "
           f"{planned.num_steps} steps x {spec.world_size} ranks to {output_uri}; strategy {spec.strategy}"
           f"{' (control ' + spec.control + ')' if spec.control else ''}, predicted bubble "

@@ -39,6 +39,7 @@ from training.comparison import (  # no torch
     CompareSpec,
     StageFailed,
     comparison_metrics,
+    comparison_note,
     describe,
     format_table,
     medians,
@@ -136,7 +137,8 @@ def build_shard_sets(args: CompareSpec, work: Path, tracking: Tracking) -> dict[
 
 def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, started: float) -> dict:
     """The parent run: the shard sets, every training, the medians and the plot; the comparison's summary."""
-    from training.tracking import job_run, run_tags
+    from shards.schema import MANIFEST_NAME
+    from training.tracking import NOTE_TAG, DataRef, job_run, run_tags
 
     params = {"input": args.input, "shards": args.shards, "world_size": cmp.world_size,
               "local_batch_size": cmp.local_batch_size, **args.balanced, "strategy": cmp.strategy,
@@ -153,8 +155,13 @@ def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, sta
             from shards.manifest import load_manifest
 
             steps = args.epochs * load_manifest(sets["balanced"]).num_steps
+        run.log_inputs({v: DataRef.shards(str(d.resolve()), (d / MANIFEST_NAME).read_text()) for v, d in sets.items()})
+
+        def tag(variant: str, row: dict) -> None:  # MLflow's charts group the nested runs by these
+            if row["run_id"]:
+                run.set_tags({"variant": variant, "repeat": str(row["repeat"])}, run_id=row["run_id"])
         runs = run_trainings(args, overrides, sets, steps, cmp.work, cmp.uri, cmp.experiment, cmp.name,
-                             cmp.comparison, run.run_id)
+                             cmp.comparison, run.run_id, on_run=tag)
         metrics = comparison_metrics(medians(runs))
         run.log_metrics(metrics)
         plot = plot_comparison(runs, cmp.work / PLOT_NAME, title=f"{cmp.comparison} ({cmp.experiment})")
@@ -166,6 +173,7 @@ def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, sta
                    "shards": {v: str(d) for v, d in sets.items()}, "metrics": metrics, "runs": runs,
                    "plot": str(plot), "seconds": time.time() - started}
         run.log_text(json.dumps(summary, indent=1), "comparison.json")
+        run.set_tags({NOTE_TAG: comparison_note(summary)})
     return summary
 
 

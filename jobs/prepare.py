@@ -55,7 +55,7 @@ def prepare(spec: PrepareSpec, tracking: Tracking) -> int:
 
     from pipeline.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from pipeline.hadoop_fs import HadoopFS
-    from training.tracking import job_run, reachable_tracking_uri
+    from training.tracking import DataRef, job_run, reachable_tracking_uri
     from pipeline import spark_prepare
     from pipeline.prepared import METADATA_NAME, metadata_text
     from pipeline.session import build_spark_session, checkpoints_removed
@@ -79,6 +79,8 @@ def prepare(spec: PrepareSpec, tracking: Tracking) -> int:
         run.log_metrics({**{k: v for k, v in prepared.stats.items() if isinstance(v, (int, float))},
                          "job_seconds": time.perf_counter() - started})
         run.log_text(metadata_text(prepared.meta).rstrip("\n"), METADATA_NAME)
+        run.log_inputs({"source": DataRef.logs(inputs.source),
+                        "output": DataRef.prepared(output_uri, metadata_text(prepared.meta))})
     print(summary_line(spec, inputs, prepared, output_uri) + stale_note(stale_removed))
     return 0
 

@@ -53,6 +53,52 @@ def test_the_parent_run_holds_the_training_runs(movielens_comparison):
     assert [r.info.run_name.rsplit("-", 2)[1] for r in ordered] == ["contiguous", "balanced", "control"]
 
 
+@pytest.mark.slow
+def test_mlflow_shows_the_comparison_and_the_data_each_run_used(movielens_comparison):
+    """The parent's description holds the table and the verdict on the floor; the experiment opens in
+    MLflow's training-runs view; nested runs carry variant and repeat; every run names its shards by
+    the manifest's digest, the same digest on the balance run that wrote them."""
+    import hashlib
+
+    cmp = movielens_comparison
+    client = client_of(cmp.tracking_uri)
+    note = client.get_run(cmp.parent_run_id).data.tags["mlflow.note.content"]
+    assert "| shards | bubble |" in note and "| contiguous |" in note and "| control |" in note
+    assert "- bubble_reduction:" in note and "- signal:" in note and "comparison_timelines.png" in note
+    assert client.get_experiment(cmp.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    digests = {v: hashlib.sha256((Path(d) / "manifest.json").read_bytes()).hexdigest()[:32]
+               for v, d in cmp.summary["shards"].items()}
+    assert len(set(digests.values())) == 3
+    for variant, (run_id,) in cmp.child_run_ids.items():
+        run = client.get_run(run_id)
+        assert (run.data.tags["variant"], run.data.tags["repeat"]) == (variant, "0")
+        (used,) = run.inputs.dataset_inputs
+        assert used.dataset.digest == digests[variant] and used.tags[0].value == "training"
+    parent_inputs = {i.tags[0].value: i.dataset.digest for i in client.get_run(cmp.parent_run_id).inputs.dataset_inputs}
+    assert parent_inputs == digests
+    comparison = cmp.summary["comparison"]
+    balance_runs = client.search_runs([cmp.experiment_id], f"tags.`freescale.job` = 'balance' and "
+                                      f"tags.`freescale.comparison` = '{comparison}'")
+    written = {next(i.dataset.digest for i in r.inputs.dataset_inputs if i.tags[0].value == "output")
+               for r in balance_runs}
+    assert written == set(digests.values())
+
+
+def test_the_verdict_on_the_floor_reads_the_repeats_ranges():
+    from training.comparison import floor_verdict
+
+    def runs(**bubbles):
+        return {v: [{"summary": {"bubble_fraction": b}} for b in values] for v, values in bubbles.items()}
+
+    assert floor_verdict(runs(contiguous=[0.2, 0.3], balanced=[0.1, 0.12])).startswith("unknown: no control")
+    assert floor_verdict(runs(contiguous=[0.2, 0.3], balanced=[0.05, 0.06], control=[0.04, 0.05])).startswith(
+        "above the floor")
+    assert floor_verdict(runs(contiguous=[0.04, 0.3], balanced=[0.05, 0.06], control=[0.04, 0.05])).startswith(
+        "within the noise floor")
+    assert "overlap" in floor_verdict(runs(contiguous=[0.2, 0.3], balanced=[0.1, 0.25], control=[0.04, 0.05]))
+    assert "1 repeat" in floor_verdict(runs(contiguous=[0.2], balanced=[0.1], control=[0.04]))
+
+
 def test_repeats_alternate_the_variants_with_one_seed_per_repeat(tmp_path, monkeypatch):
     """Three repeats, in process with the trainings stubbed out (train_once records its settings):
     the variants alternate, every variant of a repeat gets the repeat's seed, and the summaries

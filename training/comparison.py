@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipeline import options
 from pipeline.errors import InputError
@@ -135,8 +135,10 @@ def train_once(shards: Path, out: Path, settings: list[str]) -> dict:
 
 def run_trainings(args: CompareSpec, overrides: list[str], sets: dict[str, Path], steps: int | None,
                   work: Path, uri: str, experiment: str, name: str, comparison: str,
-                  parent_run_id: str | None) -> dict[str, list[dict]]:
-    """Every repeat, variants alternating, the same seed per repeat; the summaries per variant."""
+                  parent_run_id: str | None,
+                  on_run: Callable[[str, dict], None] = lambda variant, row: None) -> dict[str, list[dict]]:
+    """Every repeat, variants alternating, the same seed per repeat; the summaries per variant.
+    ``on_run(variant, row)`` as each training ends (the parent tags its run)."""
     runs: dict[str, list[dict]] = {v: [] for v in sets}
     (work / "runs").mkdir(parents=True, exist_ok=True)
     from shards.manifest import load_manifest
@@ -155,6 +157,7 @@ def run_trainings(args: CompareSpec, overrides: list[str], sets: dict[str, Path]
             summary = result["summary"]
             runs[variant].append({"repeat": rep, "seed": args.seed + rep, "run_id": result.get("mlflow_run_id"),
                                   "summary_json": str(work / "runs" / f"{variant}-{rep}.json"), "summary": summary})
+            on_run(variant, runs[variant][-1])
             print(f"freescale compare: repeat {rep} {variant:10s} bubble {summary['bubble_fraction']:.4f}  "
                   f"idle {summary['idle_fraction']:.3f}  step {summary['step_time_s'] * 1e3:.1f} ms  "
                   f"hr@10 {summary['hr_at_10']:.4f}", flush=True)
@@ -189,8 +192,37 @@ def format_table(runs: dict[str, list[dict]], metrics: dict[str, float | None]) 
                                       f"({metrics['contiguous/samples_per_s']:.0f} -> "
                                       f"{metrics['balanced/samples_per_s']:.0f})"),
               "quality, balanced - contiguous (medians): "
-              + ", ".join(f"{k[len('delta_'):]} {v:+.4f}" for k, v in metrics.items() if k.startswith("delta_"))]
+              + ", ".join(f"{k[len('delta_'):]} {v:+.4f}" for k, v in metrics.items() if k.startswith("delta_")),
+              f"signal:           {floor_verdict(runs)}"]
     return "\n".join(lines)
+
+
+def floor_verdict(runs: dict[str, list[dict]]) -> str:
+    """Whether the bubble balancing removed is above the machine's noise floor, from the repeats'
+    ranges: the contiguous bubbles against the control's (the floor) and the balanced ones."""
+    bubbles = {v: [float(r["summary"]["bubble_fraction"]) for r in rows] for v, rows in runs.items()}
+    if "control" not in bubbles:
+        return "unknown: no control, so no noise floor was measured (run with --control and --repeats 3 or more)"
+    con, bal, ctl = bubbles["contiguous"], bubbles["balanced"], bubbles["control"]
+    spread = "" if min(map(len, bubbles.values())) > 1 else " (1 repeat: no spread, so a weak verdict)"
+    if min(con) <= max(ctl):
+        return ("within the noise floor: some contiguous repeat's bubble is at or under a control's; "
+                "more steps or repeats are needed to tell" + spread)
+    if max(bal) >= min(con):
+        return ("the contiguous bubble is above the floor, but the balanced and contiguous repeats overlap"
+                + spread)
+    return ("above the floor: every contiguous repeat's bubble exceeds every control's and every balanced "
+            "repeat's" + spread)
+
+
+def comparison_note(summary: dict) -> str:
+    """The parent run's description (Markdown): what was compared, the table and the reductions."""
+    table, _, lines = format_table(summary["runs"], summary["metrics"]).partition("\n\n")
+    return (f"**{summary['comparison']}**: {summary['repeats']} repeats of "
+            f"{summary['max_steps'] or 'one pass of'} steps on {summary['world_size']} ranks x "
+            f"{summary['local_batch_size']} samples, balanced with `{summary['strategy']}`, variants alternating.\n\n"
+            + table + "\n\n" + "\n".join(f"- {line.replace('  ', '')}" for line in lines.splitlines())
+            + f"\n\nPer-rank timelines: `{PLOT_NAME}` (artifacts); every number: `comparison.json`.\n")
 
 
 def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> Path:

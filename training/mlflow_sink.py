@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from training.tracking import failure as tracking_failure  # no mlflow import until a run opens
+from training.tracking import failure as tracking_failure, log_datasets  # no mlflow import until a run opens
 
 BATCH_METRICS = 1000  # MLflow's log_batch limit per request
 DRAIN_TIMEOUT_S = 15.0  # the most a run's end waits for unsent step metrics
@@ -33,7 +33,7 @@ class MLflowSink:
     """
 
     def __init__(self, uri: str, experiment: str, run_name: str, params: dict, tags: dict,
-                 resumed: dict | None = None, parent_run_id: str = ""):
+                 resumed: dict | None = None, parent_run_id: str = "", inputs: dict | None = None):
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -46,6 +46,8 @@ class MLflowSink:
         for key, value in tags.items():
             self.client.set_tag(self.run_id, key, value)
         self._log_new_params(params)
+        if inputs:
+            log_datasets(self.client, self.run_id, inputs)
         self.resumed_through = {series: self._last_logged_step(key) for series, key in SERIES.items()}
         self.failed = False
         self._unsent: collections.deque[tuple[int, int, dict[str, float]]] = collections.deque()
@@ -188,8 +190,9 @@ def warn(message: str) -> None:
 
 def build_sink(config, trainer, uri: str) -> MLflowSink | None:
     """Rank 0's run (continuing the resumed job's), or None: other ranks, tracking off or failing."""
-    from training.tracking import DISABLED, code_version, run_tags
+    from shards.schema import MANIFEST_NAME
     from training.config import to_flat_dict
+    from training.tracking import DISABLED, DataRef, code_version, run_tags
 
     manifest = trainer.manifest
     if trainer.env.rank != 0 or uri == DISABLED:
@@ -202,7 +205,9 @@ def build_sink(config, trainer, uri: str) -> MLflowSink | None:
             "freescale.comm_path": trainer.describe_comm()}
     try:
         return MLflowSink(uri, config.tracking.experiment, run_name, to_flat_dict(config), tags,
-                          trainer.resumed_sink_state, config.tracking.parent_run_id)
+                          trainer.resumed_sink_state, config.tracking.parent_run_id,
+                          inputs={"training": DataRef.shards(str(manifest.root.resolve()),
+                                                             (manifest.root / MANIFEST_NAME).read_text())})
     except Exception as exc:  # noqa: BLE001 - it answered the check, then failed: run untracked
         warn(f"MLflow at {uri} failed opening the run ({tracking_failure(exc)}); running untracked")
         return None

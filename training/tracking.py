@@ -71,6 +71,63 @@ PIPELINE_TAG, PIPELINE_ENV = "freescale.pipeline", "FREESCALE_PIPELINE_WORKDIR"
 # left RUNNING (one run per output at a time, the assumption its staging folder's removal makes).
 OUTPUT_TAG = "freescale.output"
 PARAMS_PER_REQUEST = 90  # under MLflow's cap of params per log_batch
+# MLflow 3's UI opens an experiment in the view this tag names (without it: the GenAI one).
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # a run's description on its page (Markdown)
+DIGEST_CHARS = 32  # of a sha256; MLflow keeps at most 36 characters of a dataset digest
+
+
+@dataclass(frozen=True)
+class DataRef:
+    """A dataset a run read or wrote, as MLflow's run inputs list it: name, content digest (the first
+    DIGEST_CHARS of a sha256), source URI, and a profile of its counts."""
+
+    name: str
+    digest: str
+    source: str
+    profile: dict[str, Any]
+
+    @classmethod
+    def prepared(cls, uri: str, metadata_text: str) -> DataRef:
+        """A `freescale prepare` output, by its prepare.json (which the job writes last)."""
+        import hashlib
+        import json
+
+        meta = json.loads(metadata_text)
+        keys = ("users", "num_items", "interactions", "max_seq_len")
+        return cls(f"prepared:{Path(uri.rstrip('/')).name}",
+                   hashlib.sha256(metadata_text.encode()).hexdigest()[:DIGEST_CHARS], uri,
+                   {k: meta[k] for k in keys if k in meta})
+
+    @classmethod
+    def shards(cls, uri: str, manifest_text: str) -> DataRef:
+        """A shard set, by its manifest.json (whose sha256 is shards.manifest.Manifest.sha256)."""
+        import hashlib
+        import json
+
+        raw = json.loads(manifest_text)
+        keys = ("world_size", "local_batch_size", "num_steps", "strategy", "control")
+        return cls(f"shards:{Path(uri.rstrip('/')).name}",
+                   hashlib.sha256(manifest_text.encode()).hexdigest()[:DIGEST_CHARS], uri,
+                   {k: raw.get(k) or "none" for k in keys})
+
+    @classmethod
+    def logs(cls, source: dict[str, Any]) -> DataRef:
+        """prepare's input: a file by its URI and (local) size and modification time, or the generator's settings."""
+        import hashlib
+        import json
+
+        from pipeline.paths import local_path
+
+        uri = source.get("uri")
+        local = local_path(uri) if uri else None
+        identity = dict(source)
+        if local and Path(local).exists():
+            stat = Path(local).stat()
+            identity.update(bytes=stat.st_size, mtime_ns=stat.st_mtime_ns)
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:DIGEST_CHARS]
+        name = f"logs:{Path(uri.rstrip('/')).name}" if uri else f"synthetic:{source.get('users')}u"
+        return cls(name, digest, uri or "synthetic", {k: v for k, v in source.items() if k != "uri"})
 
 
 def run_tags(strategy: str | None = None, control: str | None = None, comparison: str | None = None) -> dict[str, str]:
@@ -159,11 +216,17 @@ class JobRun:
                 self.client.log_batch(self.run_id, metrics=values[first:first + 1000])
         self._guarded("logging metrics", send)
 
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        self._guarded("setting tags", lambda: [self.client.set_tag(self.run_id, k, str(v)) for k, v in tags.items()])
+    def set_tags(self, tags: Mapping[str, str], run_id: str | None = None) -> None:
+        """Tags on this run, or on ``run_id`` (a run this job started, e.g. a nested training)."""
+        self._guarded("setting tags", lambda: [self.client.set_tag(run_id or self.run_id, k, str(v))
+                                               for k, v in tags.items()])
 
     def log_text(self, text: str, name: str) -> None:
         self._guarded(f"logging {name}", lambda: self.client.log_text(self.run_id, text, name))
+
+    def log_inputs(self, refs: Mapping[str, DataRef]) -> None:
+        """The datasets the run read or wrote, by context (training, input, output, ...)."""
+        self._guarded("logging its datasets", lambda: log_datasets(self.client, self.run_id, refs))
 
     def log_artifact(self, path: str | Path) -> None:
         self._guarded(f"logging {Path(path).name}", lambda: self.client.log_artifact(self.run_id, str(path)))
@@ -208,18 +271,33 @@ class JobRun:
             sys.stderr.flush()
 
 
+def log_datasets(client, run_id: str, refs: Mapping[str, DataRef]) -> None:
+    """``refs`` as the run's dataset inputs, each with its context tag (MLflow's mlflow.data.context)."""
+    import json
+
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    client.log_inputs(run_id, datasets=[
+        DatasetInput(Dataset(ref.name, ref.digest, "path", json.dumps({"uri": ref.source}),
+                             profile=json.dumps(ref.profile)), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+        for context, ref in refs.items()])
+
+
 def find_or_create_experiment(client, name: str) -> str:
-    """The id of experiment `name`, created when missing (every job's and training's run)."""
+    """The id of experiment `name`, created when missing (every job's and training's run), in MLflow's
+    training-runs view (EXPERIMENT_KIND_TAG; set on one made before it had that tag, never changed)."""
     found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    try:
-        return client.create_experiment(name)
-    except Exception:  # noqa: BLE001 - another job created it first: use theirs
-        found = client.get_experiment_by_name(name)
-        if found is None:
-            raise
-        return found.experiment_id
+    if found is None:
+        try:
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except Exception:  # noqa: BLE001 - another job created it first: use theirs
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise
+    if EXPERIMENT_KIND_TAG not in found.tags:
+        client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return found.experiment_id
 
 
 @contextlib.contextmanager
