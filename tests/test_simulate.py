@@ -298,17 +298,17 @@ def test_a_k_too_large_for_memory_is_refused_up_front_in_one_line(tmp_path):
 
 
 def test_the_memory_bound_is_the_largest_k_against_what_is_available(monkeypatch):
-    from jobs import simulate as job
+    from balancing import simulation_run as run
     from balancing.simulate import plan_memory_bytes
 
-    monkeypatch.setattr(job, "available_memory_bytes", lambda: plan_memory_bytes(1000, 16, 16))
-    job.check_plan_memory([8, 1000], 16, 16)  # exactly fits
-    with pytest.raises(job.InputError, match=r"K=1001 needs about"):
-        job.check_plan_memory([1001, 8], 16, 16)
-    with pytest.raises(job.InputError, match=r"K=1000 needs about .* x 32 samples x 16 steps"):
-        job.check_plan_memory([1000], 32, 16)
-    monkeypatch.setattr(job, "available_memory_bytes", lambda: None)  # unknown (no /proc): no bound
-    job.check_plan_memory([10**9], 16, 16)
+    monkeypatch.setattr(run, "available_memory_bytes", lambda: plan_memory_bytes(1000, 16, 16))
+    run.check_plan_memory([8, 1000], 16, 16)  # exactly fits
+    with pytest.raises(run.InputError, match=r"K=1001 needs about"):
+        run.check_plan_memory([1001, 8], 16, 16)
+    with pytest.raises(run.InputError, match=r"K=1000 needs about .* x 32 samples x 16 steps"):
+        run.check_plan_memory([1000], 32, 16)
+    monkeypatch.setattr(run, "available_memory_bytes", lambda: None)  # unknown (no /proc): no bound
+    run.check_plan_memory([10**9], 16, 16)
 
 
 def test_plan_memory_bytes_covers_what_planning_and_simulating_take():
@@ -327,3 +327,62 @@ def test_plan_memory_bytes_covers_what_planning_and_simulating_take():
     finally:
         tracemalloc.stop()
     assert 0.5 * plan_memory_bytes(k, b, steps) < peak <= plan_memory_bytes(k, b, steps)
+
+
+# ------------------------------------------------------------------ the library the command calls
+
+
+def simulation_spec(**values):
+    from balancing.simulation_spec import SimulationSpec
+    from pipeline import options
+
+    return options.from_values(SimulationSpec, {"lengths": "lognormal:4.2,0.9", **values})
+
+
+def test_the_spec_checks_in_the_commands_order_and_gives_the_planned_sizes():
+    from pipeline.errors import InputError
+
+    spec = simulation_spec(world_sizes="64, 8,8", calibrate_from=["a.json"])
+    assert spec.planned_world_sizes == [8, 64] and spec.planned_batch_size == 16
+    assert spec.planned_window_steps == 16 and spec.calibrate_from == ("a.json",)
+    assert simulation_spec(strategy="flops_kk").planned_window_steps == 1
+    # --steps is checked before --local-batch-size (the parser lists them the other way round)
+    with pytest.raises(InputError, match=r"^--steps must be a positive integer, got 0$"):
+        simulation_spec(steps=0, local_batch_size=0)
+    with pytest.raises(InputError, match=r"^--comm-latency-s is in seconds"):
+        simulation_spec(comm_latency_s=0.1)
+    with pytest.raises(InputError, match=r"^--world-sizes: 'x' is not an integer$"):
+        simulation_spec(world_sizes="8,x")
+
+
+def test_built_plans_resample_a_small_dataset_and_say_so(tmp_path):
+    from balancing.simulation_run import built_plans
+
+    spec = simulation_spec(world_sizes="2,8", local_batch_size=4, steps=2, lengths=None, input=str(tmp_path))
+    pool = np.arange(20, 60)  # 40 samples: enough for K=2 (16), not for K=8 (64)
+    plans, what = built_plans(spec, default_cost_model(), pool)
+    assert {k: {name: loads.shape for name, loads in by_plan.items()} for k, by_plan in plans.items()} == {
+        2: {"contiguous": (2, 2), "balanced": (2, 2)}, 8: {"contiguous": (2, 8), "balanced": (2, 8)}}
+    assert what["source"] == "input" and what["lengths"] == str(tmp_path)
+    assert what["dataset_samples"] == 40 and what["resampled_world_sizes"] == [8]
+    assert what["balanced"] == "kk, window 2 steps"
+
+
+def test_the_report_prints_the_tables_and_names_the_metrics(capsys):
+    from balancing.simulation_report import plot_title, print_report, reduction_metrics, row_metrics
+
+    what = {"source": "lengths", "lengths": "lognormal:4.2,0.9", "local_batch_size": 16, "cost_model": "analytic"}
+    described = {"noise": "none", "seconds_per_cost": 1.0, "comm_latency_s": 0.0, "comm_seconds_per_sample": 0.0,
+                 "times_in": "cost units"}
+    rows = [{"world_size": 8, "plan": plan, "plan_bubble": b, "step_time_s": t, "bubble_fraction": b,
+             "idle_fraction": b, "noise_max_factor": 1.0} for plan, b, t in (("contiguous", 0.2, 10.0),
+                                                                             ("balanced", 0.05, 8.0))]
+    reduced = [{"world_size": 8, "bubble_reduction": 0.75, "idle_reduction": 0.75, "speedup": 1.25}]
+    print_report(what, described, rows, reduced)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("freescale simulate: lengths lognormal:4.2,0.9, B=16, cost model analytic; noise none")
+    assert "| 8 | balanced | 0.0500 | 8 | 0.0500 | 0.0500 | x1.000 |" in out
+    assert out[-1] == "| 8 | 75.0% | 75.0% | x1.250 |"
+    assert row_metrics(rows)["k8/balanced/step_time_s"] == 8.0 and len(row_metrics(rows)) == 8
+    assert reduction_metrics(reduced) == {"k8/bubble_reduction": 0.75, "k8/idle_reduction": 0.75, "k8/speedup": 1.25}
+    assert plot_title(what) == "lengths lognormal:4.2,0.9, B=16"
