@@ -289,7 +289,7 @@ def without_torchrun(cmd):
 
 
 class _OneRankSubprocess:
-    """`subprocess` as jobs.launch sees it once ``one_rank_without_torchrun`` is on."""
+    """`subprocess` as training.launcher sees it once ``one_rank_without_torchrun`` is on."""
 
     def __getattr__(self, name: str):
         return getattr(subprocess, name)
@@ -303,12 +303,12 @@ def one_rank_without_torchrun(monkeypatch=None) -> None:
     """`freescale train` of one rank starts that rank itself instead of torchrun (the pipeline tests'
     trainings: what they check is the stage engine, and a 1-rank torchrun launch is two processes
     and seconds more for nothing). With `monkeypatch`, undone after the test."""
-    from jobs import launch
+    from training import launcher
 
     if monkeypatch is None:
-        launch.subprocess = _OneRankSubprocess()
+        launcher.subprocess = _OneRankSubprocess()
     else:
-        monkeypatch.setattr(launch, "subprocess", _OneRankSubprocess())
+        monkeypatch.setattr(launcher, "subprocess", _OneRankSubprocess())
 
 
 # ------------------------------------------------------------------ MLflow

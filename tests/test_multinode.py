@@ -19,7 +19,7 @@ STEPS = 20
 
 
 class NoProcesses:
-    """jobs.launch's `subprocess` for launches that must stop before starting torchrun."""
+    """training.launcher's `subprocess` for launches that must stop before starting torchrun."""
 
     def __getattr__(self, name: str):
         raise AssertionError(f"the launcher used subprocess.{name}")
@@ -39,9 +39,10 @@ class NoProcesses:
      "--rdzv-timeout must be a positive number of seconds, got 0"),
 ])
 def test_a_bad_launch_is_one_line_before_torchrun(movielens_shards, monkeypatch, capsys, args, message):
-    from jobs import cli, launch
+    from jobs import cli
+    from training import launcher
 
-    monkeypatch.setattr(launch, "subprocess", NoProcesses())
+    monkeypatch.setattr(launcher, "subprocess", NoProcesses())
     if "--shards" not in args:
         args = ["--shards", str(movielens_shards), *args]
     assert cli.main(["train", *args, "--tracking-uri", "none"]) == 2
@@ -50,9 +51,10 @@ def test_a_bad_launch_is_one_line_before_torchrun(movielens_shards, monkeypatch,
 
 
 def test_nodes_must_divide_the_manifests_ranks(movielens_shards_1, monkeypatch, capsys):
-    from jobs import cli, launch
+    from jobs import cli
+    from training import launcher
 
-    monkeypatch.setattr(launch, "subprocess", NoProcesses())
+    monkeypatch.setattr(launcher, "subprocess", NoProcesses())
     assert cli.main(["train", "--shards", str(movielens_shards_1), "--nnodes", "2",
                      "--rdzv-endpoint", "127.0.0.1:29400", "--tracking-uri", "none"]) == 2
     lines = capsys.readouterr().err.splitlines()
@@ -64,7 +66,7 @@ def test_nodes_must_divide_the_manifests_ranks(movielens_shards_1, monkeypatch, 
 def test_the_default_rdzv_timeout_is_torchruns():
     from torch.distributed.launcher.api import LaunchConfig
 
-    from jobs.launch import RDZV_TIMEOUT_S
+    from training.launcher import RDZV_TIMEOUT_S
 
     assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).rdzv_configs["timeout"] == RDZV_TIMEOUT_S
 
@@ -94,7 +96,7 @@ IN_USE = ("torch.distributed.DistNetworkError: The server socket has failed to l
      "failed: torchrun exited with status 1 before the 2 nodes met", 1),
 ])
 def test_a_failed_rendezvous_says_what_torchrun_knew(said, gave_up, reason, code):
-    from jobs.launch import RendezvousWait
+    from training.launcher import RendezvousWait
 
     waiting = RendezvousWait("127.0.0.1:29517", 2, 10, say=print)
     waiting.gave_up = gave_up
