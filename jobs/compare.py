@@ -138,7 +138,7 @@ def build_shard_sets(args: CompareSpec, work: Path, tracking: Tracking) -> dict[
 def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, started: float) -> dict:
     """The parent run: the shard sets, every training, the medians and the plot; the comparison's summary."""
     from shards.schema import MANIFEST_NAME
-    from training.tracking import NOTE_TAG, DataRef, job_run, run_tags
+    from training.tracking import NOTE_TAG, DataRef, job_run, run_tags, run_url
 
     params = {"input": args.input, "shards": args.shards, "world_size": cmp.world_size,
               "local_batch_size": cmp.local_batch_size, **args.balanced, "strategy": cmp.strategy,
@@ -171,7 +171,9 @@ def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, sta
                    "world_size": cmp.world_size, "local_batch_size": cmp.local_batch_size, "strategy": cmp.strategy,
                    "control": cmp.control, "repeats": args.repeats, "max_steps": steps, "workdir": str(cmp.work),
                    "shards": {v: str(d) for v, d in sets.items()}, "metrics": metrics, "runs": runs,
-                   "plot": str(plot), "seconds": time.time() - started}
+                   "plot": str(plot), "seconds": time.time() - started,
+                   "experiment_url": run_url(cmp.uri, run.experiment_id),
+                   "parent_run_url": run_url(cmp.uri, run.experiment_id, run.run_id)}
         run.log_text(json.dumps(summary, indent=1), "comparison.json")
         run.set_tags({NOTE_TAG: comparison_note(summary)})
     return summary
@@ -204,7 +206,8 @@ def compare(spec: CompareSpec, overrides: list[str], tracking: Tracking) -> int:
         Path(spec.summary_json).write_text(text)
     print(f"\n{cmp.name}: {spec.repeats} repeats, {summary['max_steps'] or 'one pass of'} steps, strategy "
           f"{cmp.strategy}; MLflow experiment {cmp.experiment}"
-          + (f", parent run {summary['parent_run_id']}" if summary["parent_run_id"] else ", untracked") + "\n")
+          + (f", parent run {summary['parent_run_id']}" if summary["parent_run_id"] else ", untracked")
+          + (f"\n{summary['parent_run_url']}" if summary["parent_run_url"] else "") + "\n")
     print(format_table(summary["runs"], summary["metrics"]))
     print(f"\n(total {time.time() - started:.0f} s; logs, summaries and {PLOT_NAME} in {cmp.work})", flush=True)
     return 0

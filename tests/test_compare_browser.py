@@ -252,3 +252,51 @@ def check_compare_view(comparison, browser: str, workdir: Path) -> tuple[Path, d
 def test_compare_view_shows_both_runs_metrics_in_chromium(movielens_comparison, tmp_path):
     screenshot, seconds = check_compare_view(movielens_comparison, BROWSER, tmp_path)
     print(f"compare view screenshot: {screenshot}; seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()))
+
+
+def page_text_when(tools: DevTools, url: str, condition: str, what: str) -> str:
+    """Loads ``url`` (once more after a reload if needed) until the page script ``condition`` holds;
+    the page's text."""
+    for attempt in range(2):
+        tools.call("Page.navigate" if attempt == 0 else "Page.reload", **({"url": url} if attempt == 0 else {}))
+        deadline = time.monotonic() + PAGE_READY_S
+        while time.monotonic() < deadline:
+            if tools.evaluate(f"!!document.body && ({condition})"):
+                return tools.evaluate("document.body.innerText")
+            time.sleep(0.5)
+    text = tools.evaluate("document.body ? document.body.innerText : ''") or ""
+    pytest.fail(f"{url} never showed {what}; page text: {text[:1500]!r}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BROWSER is None, reason=f"chromium not installed: none of {', '.join(BROWSERS)} on PATH "
+                    "(apt-get install chromium; .ci/run does)")
+def test_run_pages_show_the_comparison_its_timelines_and_the_data_used(movielens_comparison, tmp_path):
+    """The pages a person opens from compare's printed links: the experiment in the training-runs view,
+    the parent run's description (the table and the verdict), its timelines image previewed, and a
+    training run's dataset input named with its manifest's digest."""
+    import hashlib
+
+    cmp = movielens_comparison
+    summary, server = cmp.summary, cmp.tracking_uri
+    with headless_chromium(BROWSER, tmp_path) as tools:
+        text = page_text_when(tools, summary["experiment_url"], "document.body.innerText.includes('compare-k2-b16')",
+                              "the runs table")
+        assert "Run Name" in text and "Usage" not in text and "Token Usage" not in text  # not the GenAI overview
+
+        text = page_text_when(tools, summary["parent_run_url"], "document.body.innerText.includes('bubble_reduction')",
+                              "the description")
+        for shown in ("contiguous", "balanced", "control", "bubble_reduction", "signal", summary["comparison"]):
+            assert shown in text, f"{shown!r} not on the parent run's page"
+
+        artifact = summary["parent_run_url"].replace("?", "/artifacts/comparison_timelines.png?")
+        page_text_when(tools, artifact, "[...document.images].some(i => i.src.startsWith('blob:') && i.naturalWidth > 600)",
+                       "the timelines image")
+
+        variant, (run_id,) = "balanced", cmp.child_run_ids["balanced"]
+        digest = hashlib.sha256((Path(summary["shards"][variant]) / "manifest.json").read_bytes()).hexdigest()[:32]
+        run_page = summary["parent_run_url"].replace(cmp.parent_run_id, run_id)
+        text = page_text_when(tools, run_page, f"document.body.innerText.includes({json.dumps(digest)})",
+                              f"the dataset input with digest {digest}")
+        assert f"shards:shards-{variant} ({digest})" in text and "Training" in text
+    assert server.startswith("http")

@@ -71,8 +71,11 @@ PIPELINE_TAG, PIPELINE_ENV = "freescale.pipeline", "FREESCALE_PIPELINE_WORKDIR"
 # left RUNNING (one run per output at a time, the assumption its staging folder's removal makes).
 OUTPUT_TAG = "freescale.output"
 PARAMS_PER_REQUEST = 90  # under MLflow's cap of params per log_batch
-# MLflow 3's UI opens an experiment in the view this tag names (without it: the GenAI one).
+# What an experiment holds, for MLflow UIs that choose their view by it. MLflow 3.17's own UI does
+# not (its bundle reads the GenAI / model-training switch, a URL parameter kept per browser), so
+# the links FreeScale prints carry TRAINING_VIEW: run_url.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+TRAINING_VIEW = "workflowType=machine_learning"
 NOTE_TAG = "mlflow.note.content"  # a run's description on its page (Markdown)
 DIGEST_CHARS = 32  # of a sha256; MLflow keeps at most 36 characters of a dataset digest
 
@@ -269,6 +272,15 @@ class JobRun:
             sys.stderr.write(f"freescale {self.job}: warning: MLflow at {self.uri} failed {what} ({failure(exc)}); "
                              "the job continues untracked\n")
             sys.stderr.flush()
+
+
+def run_url(uri: str, experiment_id: str | None, run_id: str | None = None) -> str | None:
+    """The MLflow UI page of a run (or, without one, of its experiment's runs) in the training-runs
+    view; None unless ``uri`` is a tracking server (http, https)."""
+    if not uri.startswith(("http://", "https://")) or not experiment_id:
+        return None
+    page = f"runs/{run_id}" if run_id else "runs"
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/{page}?{TRAINING_VIEW}"
 
 
 def log_datasets(client, run_id: str, refs: Mapping[str, DataRef]) -> None:
