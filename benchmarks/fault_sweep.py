@@ -233,7 +233,7 @@ def kill_training_soak(s: Sweep) -> Outcome:
     """kill -9 of a whole training (launcher, torchrun and ranks) at a random step, five times.
     Each resume must give the uninterrupted run's losses, take over the stale lock, and continue
     its MLflow run -- not a new one -- to FINISHED with every step's loss exactly once. (The test
-    suite does this once, killing one rank: tests/test_tracking.py.)"""
+    suite does this once, killing one rank: tests/training/test_tracking.py.)"""
     import random
 
     from mlflow.tracking import MlflowClient

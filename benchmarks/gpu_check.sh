@@ -27,6 +27,6 @@ fi
 timeout 180 python -m benchmarks.hstu_gpu_bench --precision bf16 --output "$out/hstu_gpu.md" 2>&1 | tail -n 200 \
   > "$out/hstu_gpu.log" || status=1
 cat "$out/hstu_gpu.md" 2>/dev/null || tail -n 40 "$out/hstu_gpu.log"
-timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/test_comm_cuda.py tests/test_hstu_kernel_cuda.py \
+timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/comm/test_comm_cuda.py tests/training/test_hstu_kernel_cuda.py \
   2>&1 | tee "$out/gpu_tests.txt" | tail -n 15 || status=1
 exit $status

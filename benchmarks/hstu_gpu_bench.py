@@ -24,7 +24,7 @@ checks both dtypes whatever it is. Times are medians of ``--repeats`` round-robi
 batch once per pass).
 
 ``--smoke`` runs every section at toy sizes on CPU through the Triton interpreter: it checks the
-script, not the GPU, and says so on every table (tests/test_hstu_gpu_bench.py runs it).
+script, not the GPU, and says so on every table (tests/benchmarks/test_hstu_gpu_bench.py runs it).
 """
 from __future__ import annotations
 

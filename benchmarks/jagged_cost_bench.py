@@ -3,7 +3,7 @@
 Usage (from the repository root): python -m benchmarks.jagged_cost_bench [--repeats 7]
 
 Prints the fitted coefficients and every measured time; exits 1 when the measurement does not
-support the per-sample cost model. tests/test_jagged_cost.py checks the analysis on timings it
+support the per-sample cost model. tests/benchmarks/test_jagged_cost.py checks the analysis on timings it
 constructs; the timing itself is too noisy on a shared machine to be a test.
 
 The offline balancer splits users over ranks by that cost. It is only the

@@ -21,7 +21,7 @@ time, no noise: the measurement takes medians).
 
 It needs only torch, triton and numpy (it refuses to report if torchrec, fbgemm, pyspark, mlflow,
 ortools, pandas, pyarrow or torchdata got loaded). ``--smoke`` runs toy sizes on CPU: it checks the
-script, not the GPU, and says so in its tables (tests/test_virtual_ranks_gpu.py runs it).
+script, not the GPU, and says so in its tables (tests/benchmarks/test_virtual_ranks_gpu.py runs it).
 """
 from __future__ import annotations
 

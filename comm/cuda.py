@@ -1,7 +1,7 @@
 """CUDA collective backends: ``nccl`` (NCCL's SM kernels) and ``copy_engine`` (the GPU's copy engines).
 
 What has run (one H200, docs/results/sm_free_bench.md): both backends build and exchange on
-a single GPU (``tests/test_comm_cuda.py``), and a copy-engine copy leaves a concurrent GEMM's
+a single GPU (``tests/comm/test_comm_cuda.py``), and a copy-engine copy leaves a concurrent GEMM's
 throughput alone where an SM copy costs it 14.5%. Unmeasured: the exchange between two or
 more GPUs (``torchrun --nproc-per-node N -m benchmarks.sm_free_bench --multi``).
 

@@ -52,7 +52,7 @@ class LocalLookup:
 
 
 def local_lookup(sharded_module: nn.Module, pooled: bool) -> LocalLookup:
-    """The module's TorchRec kernel: its private ``_lookups`` (tests/test_torchrec_private.py pins it)."""
+    """The module's TorchRec kernel: its private ``_lookups`` (tests/training/test_torchrec_private.py pins it)."""
     lookups = list(sharded_module._lookups)
     if len(lookups) != 1:
         raise ValueError(f"{type(sharded_module).__name__} mixes {len(lookups)} sharding types; the exchange "

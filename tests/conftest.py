@@ -21,10 +21,10 @@ from types import SimpleNamespace
 
 import pytest
 
-# The Triton kernel's CPU tests (tests/test_hstu_kernel.py) run in Triton's interpreter, which
+# The Triton kernel's CPU tests (tests/training/test_hstu_kernel.py) run in Triton's interpreter, which
 # triton fixes when it is first imported in a process -- and torchrec imports it, so any test
 # module could be first. Chosen here, before every import; a machine with a GPU runs the
-# compiled kernel instead (tests/test_hstu_kernel_cuda.py). Jobs the tests launch inherit it:
+# compiled kernel instead (tests/training/test_hstu_kernel_cuda.py). Jobs the tests launch inherit it:
 # they run the grouped kernel on CPU, which it does not touch.
 if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
     import torch
@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MOVIELENS_DIR = (REPO_ROOT / ".." / "shared" / "data" / "movielens-100k").resolve()
 
 # Jobs' Spark progress lines (pipeline/progress.py) off: tests count a job's stderr lines, and a
-# loaded machine would make a stage long enough to print one. tests/test_progress.py turns it on.
+# loaded machine would make a stage long enough to print one. tests/pipeline/test_progress.py turns it on.
 os.environ.setdefault("FREESCALE_PROGRESS", "0")
 
 
