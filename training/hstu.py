@@ -43,7 +43,7 @@ from training.encoders import Encoder
 from training.jagged import check_jagged
 from training.ops.attention import BiasSpec, hstu_attention
 from training.ops.hstu_attention_reference import GroupedAttention
-from training.ops.relative_buckets import log_bucket  # noqa: F401 -- tests/test_model.py takes it from here
+from training.ops.relative_buckets import log_bucket  # noqa: F401 -- tests/training/test_model.py takes it from here
 
 
 class AttentionPlan(Protocol):

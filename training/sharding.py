@@ -87,7 +87,7 @@ def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parall
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters not updated by a fused in-backward optimizer: the replicated dense part.
 
-    ``_in_backward_optimizers`` is TorchRec's private mark (tests/test_torchrec_private.py pins it)."""
+    ``_in_backward_optimizers`` is TorchRec's private mark (tests/training/test_torchrec_private.py pins it)."""
     return [p for _, p in model.named_parameters()
             if p.requires_grad and getattr(p, "_in_backward_optimizers", None) is None]
 

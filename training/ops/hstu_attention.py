@@ -8,7 +8,7 @@ position ``i`` of it::
 with ``pb``/``tb`` the log buckets of ``training.ops.relative_buckets`` and ``n``
 the sample's length (or ``max_seq_len``). ``training.ops.hstu_attention_reference`` computes the
 same numbers in PyTorch and is this kernel's reference; ``training.ops.attention.hstu_attention`` runs
-either (``tests/test_hstu_kernel.py`` runs both under ``TRITON_INTERPRET=1``).
+either (``tests/training/test_hstu_kernel.py`` runs both under ``TRITON_INTERPRET=1``).
 
 Why a kernel: the grouped path issues a few dozen small ops per distinct length,
 so on a GPU a batch costs a fixed few milliseconds per distinct length and the
