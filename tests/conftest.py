@@ -7,17 +7,11 @@ leaves out the tests marked ``slow`` or ``spawns`` (a test using a fixture decla
 marked here), and fails the run if a test it kept started a process or Spark anyway."""
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 import resource
-import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -33,6 +27,8 @@ if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 from tests import helpers  # noqa: E402
+from tests.scenarios import *  # noqa: E402,F401,F403  (the end-to-end scenarios: fixtures of every test module)
+from tests.scenarios import SCENARIOS  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MOVIELENS_DIR = (REPO_ROOT / ".." / "shared" / "data" / "movielens-100k").resolve()
@@ -51,6 +47,7 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "spawns: starts a JVM (Spark) or another process (by hand, or for a fixture "
                                        "declared @spawns); --fast leaves it out")
+    config.addinivalue_line("markers", "e2e: uses an end-to-end scenario (tests/scenarios.py); -m e2e runs that tier")
     helpers.count_launches()
 
 
@@ -59,6 +56,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if helpers.SPAWNING_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.spawns)
+        if set(SCENARIOS) & set(item.fixturenames):
+            item.add_marker(pytest.mark.e2e)
     if config.getoption("fast"):
         kept = [item for item in items if not any(item.iter_markers("slow")) and not any(item.iter_markers("spawns"))]
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
@@ -152,36 +151,6 @@ def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
     return _balanced_shards(movielens_prepared, tmp_path_factory.mktemp("ml-shards") / "kk", world_size=2)
 
 
-@pytest.fixture(scope="session")
-def movielens_comparison(spark, movielens_prepared, mlflow_server, tmp_path_factory):
-    """One real `freescale compare` (jobs.compare.main) on MovieLens-100K: 2 ranks x 16 samples,
-    one repeat of contiguous / balanced (kk) / mirror control (3 launches; how repeats alternate and
-    are summarized is test_compare's in-process check), a few steps of a one-layer model
-    (evaluated on 64 samples per rank),
-    recorded on the session's mlflow server (its own experiment). Attributes: tracking_uri, experiment_id,
-    parent_run_id, child_run_ids ({variant: [run id per repeat]}), summary (the --summary-json
-    content), workdir."""
-    import json
-    from types import SimpleNamespace
-
-    from jobs import compare
-
-    root = tmp_path_factory.mktemp("comparison")
-    tracking_uri = mlflow_server
-    summary_json = root / "comparison.json"
-    rc = compare.main(["--input", str(movielens_prepared), "--world-size", "2", "--local-batch-size", "16",
-                       "--repeats", "1", "--control", "--max-steps", "8", "--workdir", str(root / "work"),
-                       "--summary-json", str(summary_json), "--tracking-uri", tracking_uri,
-                       "--model.hstu.num_layers", "1", "--loss.num_negatives", "32",
-                       "--training.eval_max_samples", "64", "--training.log_every", "1000"])
-    assert rc == 0, f"freescale compare exited {rc} (logs in {root / 'work'})"
-    summary = json.loads(summary_json.read_text())
-    return SimpleNamespace(
-        tracking_uri=tracking_uri, experiment_id=summary["experiment_id"],
-        parent_run_id=summary["parent_run_id"], workdir=root / "work", summary=summary,
-        child_run_ids={variant: [run["run_id"] for run in runs] for variant, runs in summary["runs"].items()})
-
-
 @pytest.fixture
 @helpers.spawns
 def other_process():
@@ -216,206 +185,3 @@ def _balanced_shards(prepared: Path, out: Path, world_size: int) -> Path:
     assert balance.main(["--input", str(prepared), "--output", str(out), "--world-size", str(world_size),
                          "--local-batch-size", "16", "--tracking-uri", "none"]) == 0
     return out
-
-
-# ------------------------------------------------------------------ the session's 2-rank trainings
-#
-# Each fixture below is one launch of `freescale train` (2 gloo ranks under torchrun), started the
-# first time a test asks for it. Between them they serve the resume, MLflow, comm-order,
-# evaluation, signal and failure checks of test_train, test_comm, test_checkpoint,
-# test_tracking, test_evaluation and test_failures.
-
-STEPS = 8  # the reference runs' length
-
-
-@pytest.fixture(scope="session")
-def e2e_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("e2e")
-
-
-@pytest.fixture(scope="session")
-def row_run(movielens_shards, mlflow_server, e2e_dir):
-    """Row-wise, prioritized, 8 steps, recorded on the session's server (experiment e2e-row, run
-    e2e), evaluated on every user by both protocols: the row-wise reference losses."""
-    out = e2e_dir / "row.json"
-    run = helpers.freescale_train(
-        movielens_shards, "--max-steps", str(STEPS), "--comm-mode", "prioritized", "--parallel.sharding", "row_wise",
-        "--tracking-uri", mlflow_server, "--tracking.experiment", "e2e-row", "--run-name", "e2e",
-        "--summary-json", str(out), "--model.hstu.num_layers", "1", "--loss.num_negatives", "32",
-        "--training.eval_max_samples", "0", "--evaluation.sampled_negatives", "100")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return SimpleNamespace(run=run, log=json.loads(out.read_text()), uri=mlflow_server, experiment="e2e-row")
-
-
-@pytest.fixture(scope="session")
-def table_run(movielens_shards, e2e_dir):
-    """Table-wise, overlap, 8 steps, untracked: the table-wise reference losses."""
-    run = helpers.freescale_train(movielens_shards, "--max-steps", str(STEPS), "--comm-mode", "overlap",
-                                  *helpers.small_run_args(e2e_dir, "table", "--parallel.sharding", "table_wise"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    return SimpleNamespace(run=run, log=json.loads((e2e_dir / "table.json").read_text()))
-
-
-@pytest.fixture(scope="session")
-def stopped_run(movielens_shards, mlflow_server, e2e_dir):
-    """Row-wise, plain, checkpointed every step, recorded on the session's server (experiment
-    e2e-stopped), stopped with Ctrl-C (SIGINT to its process group) after step 3. While it ran: its
-    MLflow run and steps so far, and a second training on its checkpoint folder (one rank, in this
-    process), which must be refused."""
-    folder = e2e_dir / "stopped-ckpt"
-    proc = helpers.start_train(movielens_shards, "--max-steps", "100000", "--comm-mode", "plain",
-                               "--parallel.sharding", "row_wise", "--tracking-uri", mlflow_server,
-                               "--tracking.experiment", "e2e-stopped", "--training.log_every", "1",
-                               "--checkpoint.folder", str(folder), "--checkpoint.every_steps", "1", *helpers.SMALL_RUN)
-    seen = SimpleNamespace(folder=folder, uri=mlflow_server, experiment="e2e-stopped")
-    try:
-        helpers.read_until_step(proc, 3)
-        helpers.wait_for_logged_steps(mlflow_server, "e2e-stopped", 3)
-        seen.alive = proc.poll() is None
-        [run] = helpers.runs_of(mlflow_server, "e2e-stopped")
-        seen.status_while_running = run.info.status
-        seen.logged_while_running = helpers.logged_losses(mlflow_server, run.info.run_id)
-        seen.holder = json.loads((folder / "LOCK").read_text())
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            seen.second_rc = helpers.train_in_process(*helpers.in_process_args(
-                movielens_shards, "--training.max_steps", "2", "--checkpoint.folder", str(folder)))
-        seen.second_err = err.getvalue()
-        os.killpg(proc.pid, signal.SIGINT)  # a terminal signals the whole foreground group
-        seen.output = proc.communicate(timeout=90)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    seen.returncode = proc.returncode
-    [run] = helpers.runs_of(mlflow_server, "e2e-stopped")
-    seen.run_id, seen.final_status = run.info.run_id, run.info.status
-    seen.logged = helpers.logged_losses(mlflow_server, run.info.run_id)
-    return seen
-
-
-@pytest.fixture(scope="session")
-def row_resume(movielens_shards, stopped_run, e2e_dir):
-    """The stopped run's checkpoint of step 3 (a copy holding that step only), resumed to step 8 in
-    overlap mode, untracked."""
-    folder = e2e_dir / "row-resume-ckpt"
-    folder.mkdir()
-    shutil.copytree(stopped_run.folder / "step_3", folder / "step_3")
-    run = helpers.freescale_train(movielens_shards, "--max-steps", str(STEPS), "--comm-mode", "overlap",
-                                  "--checkpoint.folder", str(folder),
-                                  *helpers.small_run_args(e2e_dir, "row-resume", "--parallel.sharding", "row_wise"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    return SimpleNamespace(run=run, log=json.loads((e2e_dir / "row-resume.json").read_text()), folder=folder)
-
-
-@pytest.fixture(scope="session")
-def killed_run(movielens_shards, e2e_dir):
-    """Table-wise, prioritized, 8 steps, checkpointed every step, recorded in a sqlite store; rank
-    1 is killed (kill -9, the suite's one) after step 2, then the job is resumed in plain mode."""
-    folder, uri = e2e_dir / "killed-ckpt", f"sqlite:///{e2e_dir / 'killed.db'}"
-    common = ("--max-steps", str(STEPS), "--parallel.sharding", "table_wise", "--checkpoint.folder", str(folder),
-              "--checkpoint.every_steps", "1", "--tracking-uri", uri, *helpers.SMALL_RUN)
-    proc = helpers.start_train(movielens_shards, "--comm-mode", "prioritized", "--training.log_every", "1",
-                               *common)
-    seen = SimpleNamespace(folder=folder, uri=uri)
-    try:
-        helpers.read_until_step(proc, 2)
-        os.kill(helpers.rank_process(1, str(folder)), signal.SIGKILL)
-        seen.output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            helpers.kill_tree(proc.pid)
-            proc.wait()
-    seen.returncode = proc.returncode
-    [run] = helpers.runs_of(uri)
-    seen.status_after_kill = run.info.status
-    seen.resumed = helpers.freescale_train(movielens_shards, "--comm-mode", "plain", *common,
-                                           "--summary-json", str(e2e_dir / "killed-resumed.json"))
-    assert seen.resumed.returncode == 0, seen.resumed.stderr[-3000:]
-    seen.log = json.loads((e2e_dir / "killed-resumed.json").read_text())
-    [run] = helpers.runs_of(uri)
-    seen.run_id, seen.final_status = run.info.run_id, run.info.status
-    seen.logged = helpers.logged_losses(uri, run.info.run_id)
-    return seen
-
-
-@pytest.fixture(scope="session")
-def hung_run(movielens_shards, e2e_dir):
-    """Row-wise, prioritized, recorded in a sqlite store, a 15 s collective timeout (5 s timed out
-    a loaded machine's first steps); rank 1 is stopped (SIGSTOP: alive but silent) after step 2,
-    so rank 0's next collective times out."""
-    uri = f"sqlite:///{e2e_dir / 'hung.db'}"
-    marker = str(e2e_dir / "hung.json")
-    proc = helpers.start_train(movielens_shards, "--max-steps", "100000", "--comm-mode", "prioritized",
-                               "--parallel.sharding", "row_wise", "--training.log_every", "1",
-                               "--parallel.collective_timeout_s", "15", "--tracking-uri", uri,
-                               "--summary-json", marker, *helpers.SMALL_RUN)
-    seen = SimpleNamespace(uri=uri)
-    try:
-        helpers.read_until_step(proc, 2)
-        rank0, rank1 = helpers.rank_process(0, marker), helpers.rank_process(1, marker)
-        os.kill(rank1, signal.SIGSTOP)
-        # Once rank 0 has given up, the stopped rank is let go: it takes the SIGTERM torchrun sent
-        # it at once, instead of torchrun waiting 30 s to kill it.
-        helpers.wait_until_gone(rank0, timeout=120)
-        os.kill(rank1, signal.SIGCONT)
-        seen.output = proc.communicate(timeout=120)[0]
-    finally:
-        if proc.poll() is None:
-            helpers.kill_tree(proc.pid)
-            proc.wait()
-    seen.returncode = proc.returncode
-    [run] = helpers.runs_of(uri)
-    seen.run_id, seen.final_status = run.info.run_id, run.info.status
-    seen.logged = helpers.logged_losses(uri, run.info.run_id)
-    return seen
-
-
-@pytest.fixture(scope="session")
-def failed_launches(tmp_path_factory, movielens_shards):
-    """Two failing launches, each gathered by the launcher into its last line: no manifest.json on
-    either rank (--verbose), and a corrupt Parquet file on rank 1 only (rank 0 is stopped too)."""
-    root = tmp_path_factory.mktemp("failed-launches")
-    empty = root / "no-shards"
-    empty.mkdir()
-    env = {k: v for k, v in helpers.train_env().items()
-           if k not in ("FREESCALE_LOG_FILE", "FREESCALE_VERBOSE", "FREESCALE_DEBUG")}
-
-    def freescale_train(shards: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "2",
-               "--max-steps", "2", "--tracking-uri", "none", *helpers.SMALL_RUN, *extra]
-        return subprocess.run(cmd, cwd=helpers.REPO, env={**env, "FREESCALE_LOG_DIR": str(root / name / "logs")},
-                              capture_output=True, text=True, timeout=helpers.TIMEOUT_S)
-
-    corrupt = helpers.copy_shards(movielens_shards, root / "corrupt")
-    victim = sorted((corrupt / "rank=1").glob("*.parquet"))[0]
-    victim.write_bytes(b"\x00" * victim.stat().st_size)
-    return SimpleNamespace(
-        empty=empty, no_manifest=freescale_train(empty, "no-manifest", "--verbose"), no_manifest_logs=root / "no-manifest" / "logs",
-        victim=victim, corrupt=freescale_train(corrupt, "corrupt"), corrupt_logs=root / "corrupt" / "logs")
-
-
-@pytest.fixture(scope="session")
-@helpers.spawns
-def dist(tmp_path_factory):
-    """`make dist` into a temporary folder, with this venv as it is (its install step not rerun):
-    the wheel and sdist `python -m build` made, and the executors' zip. Attributes: wheel, sdist,
-    zip (paths)."""
-    out = tmp_path_factory.mktemp("dist") / "dist"
-    venv = Path(sys.prefix)
-    run = subprocess.run(["make", "--no-print-directory", "-o", str(venv / ".installed-cpu"), "dist",
-                          f"VENV={venv}", f"DIST={out}"], cwd=REPO_ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    [wheel], [sdist] = out.glob("freescale-*.whl"), out.glob("freescale-*.tar.gz")
-    return SimpleNamespace(wheel=wheel, sdist=sdist, zip=out / "freescale.zip")
-
-
-@pytest.fixture(scope="session")
-@helpers.spawns
-def spark_cluster(tmp_path_factory):
-    """A Spark standalone cluster, a master and two workers of 1 core each (tests/helpers.py's
-    SparkCluster), stopped with nothing of it left running. A worker a test kills is not replaced."""
-    cluster = helpers.SparkCluster(tmp_path_factory.mktemp("spark-cluster"))
-    yield cluster
-    cluster.stop()
