@@ -7,6 +7,7 @@
     freescale compare ...   contiguous vs balanced (vs mirror control) training, one MLflow parent run (jobs/compare.py)
     freescale pipeline ...  prepare, calibrate, balance, train [, compare] from one TOML, rerun-safe (jobs/workflow.py)
     freescale simulate ...  predicted step time and bubbles of a plan on K ranks (jobs/simulate.py)
+    freescale export ...    a training checkpoint -> one model folder and an MLflow model (jobs/export.py)
     freescale demo          the pipeline on the embedded synthetic default, ending with a comparison
 
 A failing job prints one line last, `freescale JOB: error: MESSAGE (details: LOG)`, and exits
@@ -21,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline", "simulate", "demo")
+SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline", "simulate", "export", "demo")
 
 
 def shipped_configs() -> Path:
@@ -108,6 +109,8 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from jobs.workflow import main as run
     elif command == "simulate":
         from jobs.simulate import main as run
+    elif command == "export":
+        from jobs.export import main as run
     else:
         run = demo
     return run(rest)
