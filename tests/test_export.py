@@ -301,6 +301,7 @@ def metrics_of(tops: list[list[str]], targets: list[str]) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 def test_a_fresh_process_predicts_the_trainers_ranking_without_torchrec(trained, exported, movielens_prepared,
                                                                         movielens_dir, tmp_path):
     rows, top, sums = reference(trained, movielens_prepared, movielens_dir / "users.parquet")
@@ -330,6 +331,7 @@ def test_a_fresh_process_predicts_the_trainers_ranking_without_torchrec(trained,
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 def test_the_model_is_logged_on_the_trainings_run_and_the_folder_is_complete(trained, exported):
     from mlflow.tracking import MlflowClient
 
@@ -348,6 +350,7 @@ def test_the_model_is_logged_on_the_trainings_run_and_the_folder_is_complete(tra
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 def test_registering_twice_gives_versions_1_and_2(trained, fresh_log, capsys):
     from mlflow.tracking import MlflowClient
 
@@ -373,6 +376,7 @@ def broken_copy(trained, root: Path, edit) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 @pytest.mark.parametrize("case", ["config no longer loads", "half-written", "metadata missing", "output exists"])
 def test_bad_checkpoints_are_one_line_and_exit_2_with_nothing_written(trained, fresh_log, tmp_path, capsys, case):
     def config(step: Path):

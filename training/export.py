@@ -28,13 +28,12 @@ from typing import Any, Iterator
 
 import torch
 
-from pipeline.errors import InputError, ServiceUnavailable
+from pipeline.errors import InputError, ServiceUnavailable, one_line
 from training.checkpoint import COMPLETE, CONFIG, STEP_DIR, Checkpointer
 from training.config import ConfigError, TrainConfig, apply_table, moved_flat, to_flat_dict
 from training.export_spec import ExportSpec
-from training.exported_model import (ARTIFACT, EVALUATION_FILE, FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE, USER_FEATURES_FILE,
-                                     USER_TABLE, WEIGHTS_FILE, DEFAULT_K, ExportedModel, Query,
-                                     nested)
+from training.exported_model import (ARTIFACT, DEFAULT_K, EVALUATION_FILE, FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE,
+                                     USER_FEATURES_FILE, USER_TABLE, WEIGHTS_FILE, ExportedModel, Query, nested)
 from training.model import ITEM_TABLE as CHECKPOINT_ITEM_TABLE, USER_TABLE as CHECKPOINT_USER_TABLE
 from training.tracking import Tracking
 
@@ -132,7 +131,8 @@ def load_weights(source: Source) -> dict[str, torch.Tensor]:
     except CheckpointException as failed:  # a BaseException: a job's one line would miss it
         first = next(iter(failed.failures.values()))[0]
         raise (first if isinstance(first, InputError) else
-               InputError(f"checkpoint {source.folder} cannot be read: {first}")) from None
+               InputError(f"checkpoint {source.folder} cannot be read ({one_line(first).split('. ')[0][:160]}): "
+                          "it is damaged; export another step")) from None
     return {key[len(prefix):]: value.float().contiguous() for key, value in state.items()}
 
 
@@ -316,6 +316,8 @@ def export(spec: ExportSpec, tracking: Tracking) -> int:
         with staged(spec.output, spec.overwrite) as folder:
             write_folder(folder, source, vocab, state, metrics)
             logged = None
+            if spec.register is not None and not run.active:  # its warning line said why
+                raise ServiceUnavailable(f"--register {spec.register}: MLflow at {uri} failed; nothing was written")
             if run.active:
                 target = training_run.info.run_id if training_run is not None else run.run_id
                 logged = log_model(folder, uri, target, spec.register)
@@ -331,7 +333,7 @@ def summary_line(spec: ExportSpec, source: Source, vocab: Vocabulary, logged: di
     line = (f"freescale export: wrote {spec.output} ({model.encoder}, {len(vocab.raw_items) - 1} items, "
             f"{source.weights} weights of step {source.step}) from {source.folder}")
     if logged is None:
-        return line + "; no MLflow model (tracking is off)"
+        return line + "; no MLflow model (tracking is off, or failed: its warning is above)"
     where = "the training's run" if on_training_run else "this export's run (the training's run is not in this store)"
     line += f"; MLflow model {logged['model_uri']} on {where} {logged['run_id']}"
     if logged.get("registered_version"):
