@@ -127,6 +127,32 @@ def test_only_the_most_recent_history_counts_and_bad_rows_are_one_line(tmp_path)
         model.predict([["i1"]], k=0)
 
 
+def test_the_best_validations_weights_are_exported_when_the_run_restored_them(tmp_path):
+    """The trainer tests the best validation's weights when it kept them (restored after its last
+    checkpoint, which holds them beside the last step's): so does the export. A checkpoint written by DCP
+    in this one process, as the trainer's ranks lay it out."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from training.config import TrainConfig
+    from training.export import ITEM_KEY, Source, load_weights
+    from training.safe_load import read_dcp_metadata
+
+    last = {"model." + ITEM_KEY: torch.zeros(4, 2), "model.encoder.w": torch.zeros(3)}
+    best = {key.replace("model.", "best_weights.", 1): torch.ones_like(value) for key, value in last.items()}
+    step = tmp_path / "step_2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({**last, **best}, checkpoint_id=str(step), no_dist=True)
+    source = Source(step, 2, TrainConfig(), {"trainer": {"validation": {"best_epoch": 1}}}, read_dcp_metadata(step))
+    assert source.weights == "best" and float(load_weights(source)[ITEM_KEY].sum()) == 8
+    source.own["trainer"]["validation"]["best_epoch"] = 0  # no validation chose them: the model's
+    assert source.weights == "last" and float(load_weights(source)[ITEM_KEY].sum()) == 0
+    assert sorted(load_weights(source)) == [ITEM_KEY, "encoder.w"]
+
+
 @pytest.mark.parametrize("uri", ["file:/tmp/mlruns", "mlruns", "/abs/mlruns", "none"])
 def test_register_without_a_registry_is_refused_before_anything_is_written(fresh_log, tmp_path, capsys, uri):
     (tmp_path / "ckpt").mkdir()
