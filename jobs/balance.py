@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
-from jobs.job_errors import run_job
+from pipeline.job_errors import run_job
 from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy

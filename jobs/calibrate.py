@@ -42,7 +42,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from jobs.job_errors import run_job
+from pipeline.job_errors import run_job
 from pipeline import options
 from training.calibrate_spec import CalibrateSpec  # standard library only
 from training.calibration_run import calibrate_and_record, calibration_device  # torch loads when they run

@@ -70,7 +70,7 @@ def demo(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jobs.job_errors import run_job
+    from pipeline.job_errors import run_job
     from pipeline import logs
 
     argv = list(sys.argv[1:] if argv is None else argv)

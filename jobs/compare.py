@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from jobs.job_errors import error_line, run_job
+from pipeline.job_errors import error_line, run_job
 from pipeline import options
 from pipeline.errors import InputError
 from pipeline.prepared import METADATA_NAME, is_prepared  # standard library only

@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Callable
 
-from jobs.job_errors import run_job
+from pipeline.job_errors import run_job
 from pipeline import options
 from training.export_spec import ExportSpec, check_arguments  # standard library only
 from training.tracking import Tracking, add_tracking_arguments, resolve_tracking_uri  # no mlflow import

@@ -77,7 +77,7 @@ def launch(argv: list[str] | None = None) -> int:
 def run(spec_of: Callable[[], LaunchSpec], overrides: list[str]) -> int:
     """The training of ``spec_of()`` (built inside the job's error handling), ``overrides`` on its ranks'
     config (``--section.key VALUE``); its exit status. `freescale pipeline` calls it in-process."""
-    from jobs.job_errors import run_job
+    from pipeline.job_errors import run_job
 
     return run_job("train", lambda: _launch(spec_of(), overrides))
 

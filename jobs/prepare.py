@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
-from jobs.job_errors import run_job
+from pipeline.job_errors import run_job
 from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from pipeline import options
 from pipeline.prepare_spec import PrepareSpec  # standard library only

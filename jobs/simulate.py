@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from balancing.simulation_spec import SimulationSpec, add_simulation_arguments  # numpy only
-from jobs.job_errors import run_job
+from pipeline.job_errors import run_job
 from pipeline import options
 from training.tracking import add_tracking_arguments  # no mlflow import until a run opens
 

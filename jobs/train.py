@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     """One rank: its failure is one line on stderr; the traceback goes to the job's log."""
     import faulthandler
 
-    from jobs.job_errors import run_job
+    from pipeline.job_errors import run_job
     from pipeline import logs
 
     global _fault_log
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from jobs.job_errors import record_rank_status
+    from pipeline.job_errors import record_rank_status
     from training.distributed import exit_without_finalization, wait_for_peers_to_report
 
     status = main()

@@ -296,7 +296,7 @@ def run_stage(stage: Stage, work: Path) -> tuple[int, str, bool]:
     holds details. A stop signal ends the job as it would end it alone (its run KILLED, its staging
     removed), then the stage's record says so and the stop goes on to end the pipeline: whatever
     error the job's cleanup raised in its place, and however the job ended after it (stop_of)."""
-    from jobs.job_errors import report
+    from pipeline.job_errors import report
     from pipeline.stops import Stopped, stop_of, stop_signal
 
     tap, saved = _ErrorLineTap(sys.stderr), sys.stderr
@@ -358,7 +358,7 @@ def main(argv: list[str]) -> int:
 def run(config: WorkflowConfig, fresh: bool = False) -> int:
     """The pipeline of ``config``, holding its workdir's lock (exit 3 when another run holds it); its
     exit status. `freescale demo` calls it with the shipped config."""
-    from jobs.job_errors import EXIT_ENVIRONMENT, error_line
+    from pipeline.job_errors import EXIT_ENVIRONMENT, error_line
     from pipeline.stops import stop_of, stops_on_signals
     from training.tracking import PIPELINE_ENV
 
@@ -416,7 +416,7 @@ def _end_orphaned_runs(config: WorkflowConfig, workdir: str) -> None:
 
 def _stopped_status(exc: BaseException) -> int:
     """The pipeline's last line and 128 + N for `exc`, which is (or surfaced after) stop signal N."""
-    from jobs.job_errors import error_line
+    from pipeline.job_errors import error_line
     from pipeline.stops import stop_of
 
     signum = stop_of(exc)
@@ -428,7 +428,7 @@ def _stopped_status(exc: BaseException) -> int:
 
 
 def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
-    from jobs.job_errors import error_line
+    from pipeline.job_errors import error_line
 
     started = time.perf_counter()
     lines: list[str] = []
@@ -466,6 +466,6 @@ def _prepare_checkpoints(folder: Path, resumable: bool) -> str:
 
 
 if __name__ == "__main__":
-    from jobs.job_errors import run_job
+    from pipeline.job_errors import run_job
 
     sys.exit(run_job("pipeline", lambda: main(sys.argv[1:])))

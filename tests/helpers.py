@@ -238,7 +238,7 @@ def train_in_process(*argv: str) -> int:
     import warnings
 
     from jobs import train
-    from jobs.job_errors import run_job
+    from pipeline.job_errors import run_job
     from pipeline import logs
 
     handlers = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}

@@ -111,7 +111,7 @@ def run_ranks(cmd: list[str], nproc: int, nnodes: int, endpoint: str | None, tim
 def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: int | None):
     """torchrun's status, the ranks' own statuses, its sorted output (None under --verbose: the
     terminal has it all) and the wait for the other nodes (None for one node)."""
-    from jobs.job_errors import STATUS_DIR_ENV
+    from pipeline.job_errors import STATUS_DIR_ENV
     from pipeline import logs
 
     log = logs.log_file("train").absolute()
@@ -275,7 +275,7 @@ class RendezvousWait:
 
     def conclude(self, rc: int, output: RankOutput | None) -> int:
         """The job's last line and exit status for a rendezvous that did not complete."""
-        from jobs.job_errors import error_line
+        from pipeline.job_errors import error_line
 
         if self.stopped_by is not None:
             name = signal.Signals(self.stopped_by).name
@@ -290,7 +290,7 @@ class RendezvousWait:
     def _reason(self, rc: int, said: str) -> tuple[str, int]:
         """Why the nodes did not meet, from what torchrun said (`said`; a count only where it gave
         one), and the exit status: 3 where the network or another node is the cause."""
-        from jobs.job_errors import EXIT_ENVIRONMENT, EXIT_FAILED
+        from pipeline.job_errors import EXIT_ENVIRONMENT, EXIT_FAILED
 
         timed_out = f"timed out after {self.timeout_s} s"
         joined = self.JOINED.search(said)
@@ -406,7 +406,7 @@ def conclude_ranks(rc: int, statuses: dict[int, int], output: RankOutput | None,
     """The launch's exit status from the ranks' own (torchrun only says 1), and its one last line:
     the failed ranks' reasons (once when they agree), naming the log. Under --verbose the ranks
     printed their own lines already, and the last line only counts them."""
-    from jobs.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK, error_line
+    from pipeline.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED, EXIT_OK, error_line
 
     if rc == 0:
         return EXIT_OK

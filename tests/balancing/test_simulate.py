@@ -165,7 +165,7 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
 @pytest.fixture
 def fresh_log(tmp_path, monkeypatch) -> Path:
     """In-process jobs log to tmp_path/logs, nothing verbose (the test session may have named a log)."""
-    from jobs import job_errors
+    from pipeline import job_errors
     from pipeline import logs
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))

@@ -1,5 +1,5 @@
 """Every job fails the same way: one line last (naming the log when it holds a trace), no trace on
-the terminal unless --verbose, and one exit status per kind of failure (jobs/job_errors.py)."""
+the terminal unless --verbose, and one exit status per kind of failure (pipeline/job_errors.py)."""
 from __future__ import annotations
 
 import os
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import job_errors
-from jobs.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED
+from pipeline import job_errors
+from pipeline.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED
 from pipeline import logs
 
 REPO = Path(__file__).resolve().parents[2]

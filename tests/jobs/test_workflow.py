@@ -379,7 +379,7 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
     stop (no error line of its own, its trace in the log), its run KILLED, the stage's record killed,
     the pipeline's one line and 128 + 15."""
     from jobs import prepare
-    from jobs.job_errors import run_job
+    from pipeline.job_errors import run_job
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
     monkeypatch.setattr(logs, "_log_file", None)

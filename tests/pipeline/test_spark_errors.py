@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from jobs import job_errors
-from jobs.job_errors import EXIT_ENVIRONMENT
+from pipeline import job_errors
+from pipeline.job_errors import EXIT_ENVIRONMENT
 from pipeline.spark_errors import spark_hadoop_version
 
 # `freescale balance --output` on a 2 MiB tmpfs (mount -t tmpfs -o size=2M tmpfs DIR), Spark 4.3.

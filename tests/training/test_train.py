@@ -55,7 +55,7 @@ def test_world_size_mismatch_names_both_numbers(movielens_shards, capsys):
 def test_missing_manifest_is_one_line_on_every_rank(failed_launches):
     """Under --verbose each rank says it, then the launch's last line counts them."""
     run = failed_launches.no_manifest
-    assert run.returncode == 2  # bad input (jobs/job_errors.py)
+    assert run.returncode == 2  # bad input (pipeline/job_errors.py)
     lines = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("freescale train")]
     for rank in (0, 1):
         [own] = [line for line in lines if line.startswith(f"freescale train (rank {rank}): error:")]

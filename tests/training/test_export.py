@@ -30,7 +30,7 @@ STEPS = 8
 @pytest.fixture
 def fresh_log(tmp_path, monkeypatch) -> Path:
     """In-process jobs log to tmp_path/logs, nothing verbose (the test session may have named a log)."""
-    from jobs import job_errors
+    from pipeline import job_errors
     from pipeline import logs
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
