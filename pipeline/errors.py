@@ -1,5 +1,5 @@
 """The error types jobs raise on purpose (bad input, a service that does not answer): each is one
-line and an exit status (jobs/job_errors.py). Import-free, so every package downstream (balancing,
+line and an exit status (pipeline/job_errors.py). Import-free, so every package downstream (balancing,
 shards, training, jobs) can derive its own errors from these."""
 
 

@@ -1,5 +1,5 @@
 """Spark errors that the machine or the cluster caused, not the input: each becomes one line saying
-what to do, and exit 3 (jobs/job_errors.py).
+what to do, and exit 3 (pipeline/job_errors.py).
 
     a full disk                  "No space left on device" anywhere in the error (a task writing the
                                  output, the driver, a Python worker)

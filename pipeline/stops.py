@@ -1,6 +1,6 @@
 """Stop signals: a scheduler's SIGTERM, or Ctrl-C, ends a job as stopped, not failed (its MLflow
 run KILLED, its staging folder removed), however the exception that carries the stop is replaced on
-the way out. Used by every job's error handling (jobs/job_errors.py), atomic outputs and the pipeline.
+the way out. Used by every job's error handling (pipeline/job_errors.py), atomic outputs and the pipeline.
 Standard library only.
 """
 from __future__ import annotations
