@@ -1,11 +1,11 @@
-"""`freescale pipeline --config FILE.toml`: prepare, calibrate, balance, train [, compare] from one
+"""`freescale pipeline --config FILE.toml`: prepare, calibrate, balance, train [, compare, export] from one
 TOML, safe to rerun from cron, Airflow or any scheduler.
 
     freescale pipeline --config configs/demo_pipeline.toml [--fresh] [--section.key VALUE ...]
 
 Each stage calls its job in-process, each still runnable by itself, through its typed entry
 (`jobs.prepare.run`, `jobs.calibrate.run`, `jobs.balance.run`, `jobs.launch.run`, `jobs.compare.run`,
-each with the spec built from its section).
+`jobs.export.run`, each with the spec built from its section).
 A stage that finishes leaves a record next to its output in the working directory,
 `<workdir>/<stage>.fingerprint.json`: the fingerprint of everything the stage's arguments are
 built from (its config section, the shared sizes, the identity of its input files: path,
@@ -49,9 +49,10 @@ from pipeline.json_files import write_json
 from pipeline.stages import LOCK, Stage, file_identity, json_damage, read_record, record_path, run_stages
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 
-STAGES = ("prepare", "calibrate", "balance", "train", "compare")
+STAGES = ("prepare", "calibrate", "balance", "train", "compare", "export")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
-                                        "train": ("balance",), "compare": ("prepare", "calibrate")}
+                                        "train": ("balance",), "compare": ("prepare", "calibrate"),
+                                        "export": ("train",)}
 """The stages whose output a stage reads: when one of them runs, the stage runs too."""
 
 
@@ -66,6 +67,7 @@ class Workdir:
         self.prepared, self.shards, self.checkpoints, self.compare = (
             root / name for name in ("prepared", "shards", "checkpoints", "compare"))
         self.cost_model, self.rank_speeds = root / "cost_model.json", root / "rank_speeds.json"
+        self.model = root / "model"
         self.summary, self.compare_summary = root / "train_summary.json", root / "compare_summary.json"
 
 
@@ -87,10 +89,10 @@ def used_cost_model(config: WorkflowConfig, work: Workdir) -> str | None:
 
 
 def build_stages(config: WorkflowConfig) -> list[Stage]:
-    """The five stages in order, with their jobs, fingerprint content and output checks."""
+    """The stages in order (STAGES), with their jobs, fingerprint content and output checks."""
     work = Workdir(Path(config.pipeline.workdir))
     stages = [prepare_stage(config, work), calibrate_stage(config, work), balance_stage(config, work),
-              train_stage(config, work), compare_stage(config, work)]
+              train_stage(config, work), compare_stage(config, work), export_stage(config, work)]
     for stage in stages:
         stage.upstream = UPSTREAM[stage.name]
     return stages
@@ -268,6 +270,25 @@ def compare_stage(config: WorkflowConfig, work: Workdir) -> Stage:
                            tracking_of(config))
     return Stage("compare", run, params, work.compare_summary, json_damage(work.compare_summary, "comparison summary"),
                  off=None if config.compare.enabled else "[compare] enabled = false")
+
+
+def export_values(config: WorkflowConfig, work: Workdir) -> dict[str, Any]:
+    """The export stage's spec values: [export]'s, from the train stage's checkpoints into <workdir>/model."""
+    return {**options.section_values(config.export), "checkpoint": str(work.checkpoints),
+            "output": str(work.model), "prepared": str(work.prepared), "overwrite": True}
+
+
+def export_stage(config: WorkflowConfig, work: Workdir) -> Stage:
+    """The trained model out of the train stage's checkpoints, into <workdir>/model, logged on its run."""
+    values = export_values(config, work)
+    params = {"register": config.export.register or None}
+
+    def run() -> int:
+        from jobs import export
+
+        return export.run(lambda: options.from_values(export.ExportSpec, values), tracking_of(config))
+    return Stage("export", run, params, work.model, json_damage(work.model / "model.json", "exported model"),
+                 off=None if config.export.enabled else "[export] enabled = false")
 
 
 # ------------------------------------------------------------------------------ the run

@@ -7,7 +7,7 @@ whose options say what each key means; the others are declared here, a docstring
     [pipeline]  workdir, tracking_uri, world_size, local_batch_size
     [prepare]   the input (or the synthetic generator)       [calibrate]  the cost model (optional)
     [balance]   strategy, window_steps, ...                  [train]      a training config + overrides
-    [compare]   contiguous vs balanced (optional)
+    [compare]   contiguous vs balanced (optional)        [export]     the trained model (optional)
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pipeline.prepare_spec import PrepareSpec  # standard library only
 from shards.balance_spec import BalanceSpec, StrategyName  # the balancing registry's names only: numpy
 from training.attention_kernel import check_attention_kernel
 from training.config import DEFAULT_EXPERIMENT, ConfigError, apply_table, load_config, parse_overrides  # no torch
+from training.export_spec import ExportSpec  # standard library only
 
 # ------------------------------------------------------------------------------ config
 
@@ -105,6 +106,14 @@ class CompareSection:
     """Steps per training; 0 = [train] max_steps (when set), else the training config's."""
 
 
+ExportSection = options.section(ExportSpec, "pipeline", "ExportSection", extra=(
+    ("enabled", bool, field(default=False)),))
+"""``[export]``: ``enabled`` (export the trained model at the end: `freescale export` of <workdir>/checkpoints
+into <workdir>/model, logged on the training's MLflow run; the training config must keep checkpoints)
+and the options of ``training.export_spec.ExportSpec`` offered to the pipeline (register: a model
+registry name, "" = none)."""
+
+
 @dataclass
 class WorkflowConfig:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
@@ -119,6 +128,8 @@ class WorkflowConfig:
     """``[train]``: the training run on the shards."""
     compare: CompareSection = field(default_factory=CompareSection)
     """``[compare]``: contiguous vs balanced (optional stage)."""
+    export: ExportSection = field(default_factory=ExportSection)
+    """``[export]``: the trained model as one folder and an MLflow model (optional stage)."""
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -57,6 +57,8 @@ synthetic_items = 200
 max_seq_len = 64
 [balance]
 window_steps = 4
+[export]
+enabled = true
 [train]
 config = "{train}"
 """
@@ -119,13 +121,15 @@ def test_first_run_runs_every_stage_and_a_rerun_skips_them(first_run, copy, caps
     assert statuses(output) == {"prepare": ("ran", "no earlier run"),
                                 "calibrate": ("off", "[calibrate] enabled = false; balance uses the built-in cost model"),
                                 "balance": ("ran", "upstream prepare ran"), "train": ("ran", "upstream balance ran"),
-                                "compare": ("off", "[compare] enabled = false")}
+                                "compare": ("off", "[compare] enabled = false"),
+                                "export": ("ran", "upstream train ran")}
     work, config = copy
     record = json.loads((work / "balance.fingerprint.json").read_text())
     assert record["status"] == "done" and record["params"]["window_steps"] == 4
     assert run(config) == 0
     seen = statuses(capsys.readouterr().out)
-    for stage in ("prepare", "balance", "train"):
+    assert json.loads((work / "model" / "model.json").read_text())  # the model, exported at the end
+    for stage in ("prepare", "balance", "train", "export"):
         assert seen[stage][0] == "skipped", seen
         assert seen[stage][1].startswith("fingerprint matches ")
 
@@ -288,7 +292,7 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
                                                               '"training.precision" = "bf16"\n"training.seed" = 3\n')
     text = config.read_text().replace("[balance]", "[calibrate]\nenabled = true\nrank_speeds = true\n[balance]")
     config.write_text(text + "[compare]\nenabled = true\ncontrol = true\n")
-    loaded = workflow.load_workflow_config(str(config), [])
+    loaded = workflow.load_workflow_config(str(config), ["--export.register", "m"])
     assert all(s.off is None for s in workflow.build_stages(loaded))
     work = workflow.Workdir(tmp_path / "work")
     prepared = options.from_values(PrepareSpec, workflow.prepare_values(loaded, work))
@@ -309,6 +313,10 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     compared = options.from_values(compare.CompareSpec, workflow.compare_values(loaded, work))
     assert compared.control and compared.input == str(work.prepared) and compared.repeats == 1
     assert compared.cost_model == cal.output and compared.balanced == {"strategy": "kk", "window_steps": 4}
+    from training.export_spec import ExportSpec
+
+    exported = options.from_values(ExportSpec, workflow.export_values(loaded, work))
+    assert (exported.checkpoint, exported.output, exported.register) == (str(work.checkpoints), str(work.model), "m")
 
 
 # ------------------------------------------------------------------ stopped and killed runs
