@@ -300,8 +300,9 @@ def test_the_options_are_the_specs_and_its_typed_entry_checks_them(tmp_path, cap
     assert flags == {f.name for f in dataclasses.fields(CalibrateSpec)}
     values = {"output": str(tmp_path / "cm.json"), "held_out_batches": 2}
     rc = calibrate.run(lambda: options.from_values(CalibrateSpec, values), [], Tracking("none"))
-    assert rc == 2 and capsys.readouterr().err.strip().splitlines() == [
-        "freescale calibrate: error: --held-out-batches must be 0 or at least 3 (a correlation needs them), got 2"]
+    (line,) = capsys.readouterr().err.strip().splitlines()  # it may name the log: whether one is open is the run's
+    assert rc == 2 and line.startswith(
+        "freescale calibrate: error: --held-out-batches must be 0 or at least 3 (a correlation needs them), got 2")
     spec = options.from_values(CalibrateSpec, {"output": str(tmp_path / "cm.json"), "lengths": "64, 16,16,32"})
     assert spec.length_grid == [16, 32, 64] and (spec.repeats, spec.device, spec.nproc_per_node) == (7, "auto", 2)
 
