@@ -12,11 +12,26 @@ negatives (the same for every model of a seed).
 Targets (issue 16): SASRec beats most-popular under both protocols; HSTU beats SASRec on NDCG@10
 under both protocols by more than the seed spread.
 
-Usage (from the repository root): python -m benchmarks.quality_bench [--repeats 3] [--local-batch-size 32]
+Usage (from the repository root): python -m benchmarks.quality_bench [--seeds 3] [--local-batch-size 32]
            [--models hstu,sasrec] [--workdir out/quality-bench] [--report-only] [--section.key=value ...]
+           [--input FILE [--format FMT] | --prepared DIR] [--config FILE] [--grid MODEL:KEY=V1,V2;KEY2=...]...
 
 ``--models hstu`` trains one model only (a sweep's probe of that model's settings; the comparison
-lines need both).
+lines need both). ``--repeats`` is ``--seeds``' old name.
+
+Other data (issue 27): ``--input FILE --format FMT`` prepares FILE once in the workdir
+(``freescale prepare``, e.g. ``--format user-item-lines`` for Amazon Beauty), or ``--prepared DIR``
+takes sequences prepared already; either is balanced once (kk, 2 ranks, ``--leftover keep``: every
+user trains and is tested), no user features. ``--config`` then names the recipe (default
+``configs/short_history.toml``; MovieLens keeps ``configs/ml100k_recipe.toml``). Checkpoints stay off
+and early stopping is the config's (both shipped recipes validate every pass with patience).
+
+A grid per model: ``--grid "hstu:model.hstu.dropout=0.3,0.5;loss.num_negatives=128,512"`` trains every
+combination of the listed values (each an override of that model's runs only) for every seed. Each
+model's setting is chosen by the median over seeds of the validation score early stopping followed
+(``best_<evaluation.metric>``; the test item never chooses); the tables then report the test item of
+the chosen setting only, under both protocols, with the seed spread, and list every setting's
+validation median.
 """
 from __future__ import annotations
 
@@ -24,57 +39,161 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
 from benchmarks.common import REPO, add_run_arguments, build_shards, spread, train
 
 CONFIG = "configs/ml100k_recipe.toml"
+OTHER_DATA_CONFIG = "configs/short_history.toml"
 MODELS = {"hstu": [], "sasrec": ["--model.encoder", "sasrec"]}
 METRICS = (("ndcg_at_10", "NDCG@10"), ("hr_at_10", "HR@10"), ("mrr", "MRR"))
 PROTOCOLS = (("", "full catalog"), ("sampled_", "100 sampled negatives"))
+
+
+def parse_grid(specs: list[str], models: list[str]) -> dict[str, list[list[str]]]:
+    """``MODEL:KEY=V1,V2;KEY2=...`` (repeatable) -> per model, every combination as override
+    arguments (one empty setting for a model without a grid)."""
+    import itertools
+
+    axes: dict[str, list[tuple[str, list[str]]]] = {name: [] for name in models}
+    for spec in specs:
+        model, _, body = spec.partition(":")
+        if model not in axes or not body:
+            raise SystemExit(f"--grid {spec!r}: expected MODEL:KEY=V1,V2;... with MODEL one of {', '.join(models)}")
+        for part in filter(None, (p.strip() for p in body.split(";"))):
+            key, _, values = part.partition("=")
+            if not key or not values:
+                raise SystemExit(f"--grid {spec!r}: {part!r} is not KEY=V1,V2")
+            axes[model].append((key.strip().removeprefix("--"), [v.strip() for v in values.split(",")]))
+    settings: dict[str, list[list[str]]] = {}
+    for model, model_axes in axes.items():
+        combos = itertools.product(*[[(key, v) for v in values] for key, values in model_axes])
+        settings[model] = [[arg for key, v in combo for arg in (f"--{key}", v)] for combo in combos]
+    return settings
+
+
+def setting_name(overrides: list[str]) -> str:
+    """A setting's label and file-name part: ``model.hstu.dropout=0.3,loss.num_negatives=512`` (``default``)."""
+    pairs = [f"{overrides[i].removeprefix('--')}={overrides[i + 1]}" for i in range(0, len(overrides), 2)]
+    return ",".join(pairs) or "default"
+
+
+def other_data_shards(work: Path, args) -> Path:
+    """``--input`` prepared once in ``work/prepared`` (or ``--prepared``), balanced once for 2 ranks (kk,
+    every sample kept)."""
+    from benchmarks.common import freescale, run
+
+    prepared = Path(args.prepared).resolve() if args.prepared else work / "prepared"
+    if args.input and not (prepared / "prepare.json").exists():
+        fmt = ["--format", args.format] if args.format else []
+        run(freescale("prepare", "--input", str(Path(args.input).resolve()), *fmt, "--output", str(prepared),
+                      "--overwrite", "--tracking-uri", "none"), work / "prepare.log")
+    shards = work / f"shards-{args.strategy}"
+    if not (shards / "manifest.json").exists():
+        run(freescale("balance", "--input", str(prepared), "--output", str(shards), "--world-size", "2",
+                      "--local-batch-size", str(args.local_batch_size), "--strategy", args.strategy,
+                      "--leftover", "keep", "--seed", "0", "--overwrite", "--tracking-uri", "none"),
+            work / "balance.log")
+    return shards
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, "out/quality-bench")
     parser.set_defaults(local_batch_size=32)
+    parser.add_argument("--seeds", dest="repeats", type=int, help="seeds per model and setting (--repeats)")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"which models to train, comma-separated (default {','.join(MODELS)})")
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument("--input", help="interaction log to prepare (default: MovieLens-100K with its user features)")
+    data.add_argument("--prepared", help="sequences written by freescale prepare")
+    parser.add_argument("--format", help="freescale prepare --format of --input (e.g. user-item-lines)")
+    parser.add_argument("--config", help=f"recipe (default {CONFIG} on MovieLens, {OTHER_DATA_CONFIG} on other data)")
+    parser.add_argument("--grid", action="append", default=[], metavar="MODEL:KEY=V1,V2;KEY2=...",
+                        help="settings to choose from by the validation item, per model (repeatable)")
     args, args.overrides = parser.parse_known_args()  # the rest: config overrides for every run
     names = args.models.split(",")
     if not set(names) <= set(MODELS):
         parser.error(f"--models: choose from {', '.join(MODELS)}, got {args.models!r}")
+    if args.format and not args.input:
+        parser.error("--format needs --input")
     models = {name: MODELS[name] for name in names}
+    movielens = not (args.input or args.prepared)
+    args.config = args.config or (CONFIG if movielens else OTHER_DATA_CONFIG)
+    args.dataset = "MovieLens-100K" if movielens else Path(args.input or args.prepared).name
     args.user_features, args.user_feature_cols = True, "age,gender,occupation,zip_code"
+    settings = parse_grid(args.grid, names)
     work = (REPO / args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    results: dict[str, list[dict]] = {name: [] for name in models}
-    minutes: dict[str, list[float]] = {name: [] for name in models}
-    shards = None if args.report_only else build_shards(work, args)["balanced"]
+    # results[model][setting label] = one summary per seed
+    results: dict[str, dict[str, list[dict]]] = {name: {} for name in models}
+    minutes: dict[str, dict[str, list[float]]] = {name: {} for name in models}
+    shards = None
+    if not args.report_only:
+        shards = build_shards(work, args)["balanced"] if movielens else other_data_shards(work, args)
     for rep in range(args.repeats):
         for name, extra in models.items():
-            out = work / f"{name}-{rep}.json"
-            if not args.report_only:
-                began = time.time()
-                train(shards, 0, rep, out, args, "--config", CONFIG, *extra, *args.overrides)
-                minutes[name].append((time.time() - began) / 60)
-            summary = json.loads(out.read_text())["summary"]
-            results[name].append(summary)
-            print(f"seed {rep} {name:7s} best epoch {summary['best_epoch']:.0f}  ndcg@10 {summary['ndcg_at_10']:.4f}  "
-                  f"sampled ndcg@10 {summary['sampled_ndcg_at_10']:.4f}", flush=True)
-    report(results, minutes, args, work, time.time() - started)
+            for overrides in settings[name]:
+                label = setting_name(overrides)
+                # One setting (no grid): the file names the bench always wrote, so old workdirs still report.
+                stem = f"{name}-{rep}" if len(settings[name]) == 1 else f"{name}-{label.replace('/', '_')}-{rep}"
+                out = work / f"{stem}.json"
+                if not args.report_only:
+                    began = time.time()
+                    train(shards, 0, rep, out, args, "--config", args.config, *extra, *args.overrides, *overrides)
+                    minutes[name].setdefault(label, []).append((time.time() - began) / 60)
+                summary = json.loads(out.read_text())["summary"]
+                results[name].setdefault(label, []).append(summary)
+                print(f"seed {rep} {name:7s} {label}: best epoch {summary['best_epoch']:.0f}  "
+                      f"valid {validation_score(summary):.4f}  (test ndcg@10 {summary['ndcg_at_10']:.4f}  "
+                      f"sampled ndcg@10 {summary['sampled_ndcg_at_10']:.4f})", flush=True)
+    chosen = {name: choose(by_setting) for name, by_setting in results.items()}
+    if any(len(by_setting) > 1 for by_setting in results.values()):
+        report_selection(results, chosen)
+    report({name: results[name][chosen[name]] for name in models},
+           {name: minutes[name].get(chosen[name], []) for name in models}, args, work, time.time() - started,
+           {name: chosen[name] for name in models})
+
+
+def validation_key(summary: dict) -> str:
+    """The validation score early stopping followed (``best_<evaluation.metric>``), else the
+    end-of-run validation item's sampled NDCG@10 (full-catalog without sampled negatives)."""
+    best = next((k for k in summary if k.startswith("best_valid")), None)
+    return best or ("valid_sampled_ndcg_at_10" if "valid_sampled_ndcg_at_10" in summary else "valid_ndcg_at_10")
+
+
+def validation_score(summary: dict) -> float:
+    return summary[validation_key(summary)]
+
+
+def choose(by_setting: dict[str, list[dict]]) -> str:
+    """The setting with the best median validation score over its seeds (the first listed on a tie)."""
+    return max(by_setting, key=lambda label: statistics.median(validation_score(s) for s in by_setting[label]))
+
+
+def report_selection(results: dict[str, dict[str, list[dict]]], chosen: dict[str, str]) -> None:
+    print("\n#### Settings, chosen by the validation item (median over seeds; the test item not looked at)\n")
+    key = validation_key(next(iter(next(iter(results.values())).values()))[0])
+    print(f"| model | setting | {key.removeprefix('best_')} median [min, max] | best epochs | chosen |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, by_setting in results.items():
+        for label, rows in by_setting.items():
+            print(f"| {name} | {label} | {spread([validation_score(r) for r in rows])} | "
+                  f"{', '.join(format(r['best_epoch'], '.0f') for r in rows)} | {'**yes**' if label == chosen[name] else ''} |")
 
 
 def report(results: dict[str, list[dict]], minutes: dict[str, list[float]], args, work: Path,
-           total_s: float) -> None:
+           total_s: float, chosen: dict[str, str] | None = None) -> None:
     first_rows = next(iter(results.values()))  # most-popular is scored on every run's queries alike
     first = first_rows[0]
-    print(f"\n#### Model quality: MovieLens-100K, 2 gloo ranks x {args.local_batch_size} samples, "
+    print(f"\n#### Model quality: {args.dataset}, 2 gloo ranks x {args.local_batch_size} samples, "
           f"{args.repeats} seeds (median [min, max]), {int(first['eval_samples'])} test users\n")
-    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; config {CONFIG} "
-          f"{' '.join(args.overrides)}\n")
+    settings = "".join(f"; {name}: {label}" for name, label in (chosen or {}).items() if label != "default")
+    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; config {args.config} "
+          f"{' '.join(args.overrides)}{settings}\n")
     # The validation score early stopping followed (evaluation.metric): what a sweep chooses by.
     chosen = next((k for k in first if k.startswith("best_valid")), None)
     print(f"| protocol | model | {' | '.join(label for _, label in METRICS)} | best epoch | "

@@ -92,6 +92,17 @@ class HSTUConfig:
     reference implementation, which pads to the max length). LayerNorm after ``A V``
     absorbs the scale up to its epsilon, so the choice rarely matters."""
 
+    position_embeddings: int = 0
+    """Learned absolute position embeddings added to the encoder's inputs, for positions
+    ``0..position_embeddings-1`` counted from a history's oldest item (later positions share the
+    last one), as SASRec here (``training.sasrec.jagged_positions``) and the reference HSTU code's
+    input preprocessor; started at the inputs' spread. 0 (default): none, the paper's formula, where
+    order reaches the model through the relative position and time biases only. Not yet among the
+    ``shape`` keys (this and ``output_norm`` add parameters, so a resume that changes them fails
+    loading the checkpoint instead of being refused in one line): experimental, issue 27."""
+    output_norm: bool = False
+    """A LayerNorm over the last layer's output before the L2 normalisation (SASRec's final
+    LayerNorm here). False (default): none."""
     attention_block_size: int = 128
     """Query rows per attention block of the grouped kernel; bounds the working set of
     long samples and lets the causal mask skip whole key blocks (see ``AttentionBlock``)."""
@@ -112,6 +123,8 @@ class HSTUConfig:
             allowed = typing.get_args(choice)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.position_embeddings < 0:
+            raise ValueError(f"position_embeddings must be >= 0 (0 = none), got {self.position_embeddings}")
         for name in ("num_layers", "num_heads", "attention_dim", "linear_dim",
                      "max_seq_len", "num_position_buckets", "num_time_buckets", "attention_block_size"):
             if getattr(self, name) < 1:
@@ -285,7 +298,7 @@ def register_encoder(name: str, spec: EncoderSpec) -> None:
 def _build_hstu(model: ModelConfig) -> Any:
     from training.hstu import HSTUEncoder  # torch: imported when a model is built, never when a config loads
 
-    return HSTUEncoder(model.hstu, model.embedding_dim)
+    return HSTUEncoder(model.hstu, model.embedding_dim, position_init_std=model.input_spread)
 
 
 def _check_hstu(model: ModelConfig, device_type: str) -> None:

@@ -43,6 +43,7 @@ from training.encoders import Encoder
 from training.jagged import check_jagged
 from training.ops.attention import BiasSpec, hstu_attention
 from training.ops.hstu_attention_reference import GroupedAttention
+from training.sasrec import jagged_positions
 from training.ops.relative_buckets import log_bucket  # noqa: F401 -- tests/training/test_model.py takes it from here
 
 
@@ -173,11 +174,17 @@ class HSTUEncoder(Encoder):
     sample only sees positions ``<= t`` of the same sample (``training.encoders``).
     """
 
-    def __init__(self, config: HSTUConfig, width: int) -> None:
+    def __init__(self, config: HSTUConfig, width: int, position_init_std: float = 0.02) -> None:
         super().__init__()
         self.config = config
         self.input_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(HSTULayer(config, width) for _ in range(config.num_layers))
+        # Both off by default: no parameters made, no random numbers drawn (the default model is unchanged).
+        self.position_embedding: nn.Embedding | None = None
+        if config.position_embeddings:
+            self.position_embedding = nn.Embedding(config.position_embeddings, width)
+            nn.init.normal_(self.position_embedding.weight, std=position_init_std)
+        self.output_norm: nn.LayerNorm | None = nn.LayerNorm(width) if config.output_norm else None
 
     @property
     def max_seq_len(self) -> int:
@@ -191,8 +198,13 @@ class HSTUEncoder(Encoder):
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         check_jagged(values, offsets, timestamps)
         plan = PLANS[self.kernel(values.device)].build(offsets, timestamps, self.config)
+        if self.position_embedding is not None:
+            values = values + self.position_embedding(jagged_positions(offsets, self.config.position_embeddings))
         x = plan.enter(self.input_dropout(values))
         for layer in self.layers:
             x = layer(x, plan)
+        x = plan.leave(x)
+        if self.output_norm is not None:
+            x = self.output_norm(x)
         # Retrieval scores are cosine similarities against L2-normalised items.
-        return F.normalize(plan.leave(x), dim=-1)
+        return F.normalize(x, dim=-1)

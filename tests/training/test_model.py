@@ -695,3 +695,47 @@ def test_dense_span_ends_before_any_table_backward() -> None:
     assert events.count("dense gradient") == 3
     last_dense = max(i for i, e in enumerate(events) if e == "dense gradient")
     assert last_dense < events.index("item table backward") and last_dense < events.index("user table backward")
+
+
+# ------------------------------------------ HSTU options of issue 27 (default off: the paper's formula)
+
+
+def test_hstu_position_embeddings_and_output_norm_are_off_by_default() -> None:
+    """The defaults make no parameters for either option, so the default model (its parameters, its
+    random draws and its losses) is the one before the options existed."""
+    encoder = HSTUEncoder(SMALL, WIDTH)
+    assert encoder.position_embedding is None and encoder.output_norm is None
+    assert not any(name.startswith(("position_embedding", "output_norm")) for name, _ in encoder.named_parameters())
+
+
+def test_hstu_position_embeddings_add_each_rows_clamped_position_and_keep_the_contract() -> None:
+    """The option adds position ``min(t, N-1)``'s learned row to input ``t`` (counted from the
+    history's oldest item) and nothing else; the encoder stays causal and independent of its
+    batch-mates, and the output norm keeps the outputs unit-length."""
+    config = replace(SMALL, position_embeddings=4, output_norm=True)
+    torch.manual_seed(0)
+    encoder = HSTUEncoder(config, WIDTH, position_init_std=1.0).eval()
+    assert encoder.position_embedding.weight.shape == (4, WIDTH)
+    assert isinstance(encoder.output_norm, torch.nn.LayerNorm)
+    # The same layers and output norm without the table, fed the inputs plus the positions by hand.
+    plain = HSTUEncoder(replace(config, position_embeddings=0), WIDTH).eval()
+    plain.load_state_dict({k: v for k, v in encoder.state_dict().items() if not k.startswith("position_embedding")})
+    values, offsets, timestamps = encoder_inputs([6, 3], WIDTH)
+    positions = torch.tensor([0, 1, 2, 3, 3, 3, 0, 1, 2])  # 4 and 5 share the table's last row
+    with torch.no_grad():
+        out = encoder(values, offsets, timestamps)
+        torch.testing.assert_close(out, plain(values + encoder.position_embedding.weight[positions], offsets, timestamps))
+        torch.testing.assert_close(out.norm(dim=-1), torch.ones(9))
+        assert not torch.allclose(out, plain(values, offsets, timestamps))
+        # Causal and batch-independent: with a constant 1/n divisor a prefix encodes exactly as the
+        # whole history does at its positions, and a sample alone as in the batch.
+        exact = HSTUEncoder(replace(config, attention_normalization="max_seq_len"), WIDTH, 1.0).eval()
+        full = exact(values[:6], torch.tensor([0, 6]), timestamps[:6])
+        torch.testing.assert_close(full[:3], exact(values[:3], torch.tensor([0, 3]), timestamps[:3]))
+        torch.testing.assert_close(exact(values, offsets, timestamps)[6:],
+                                   exact(values[6:], torch.tensor([0, 3]), timestamps[6:]))
+
+
+def test_hstu_position_embeddings_refuse_negatives() -> None:
+    with pytest.raises(ValueError, match="position_embeddings"):
+        HSTUConfig(position_embeddings=-1)
