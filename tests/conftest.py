@@ -103,6 +103,21 @@ def pytest_terminal_summary(terminalreporter, config):
             terminalreporter.write_line(f"  {violation}  (mark the test spawns, or declare its fixture @spawns)")
 
 
+@pytest.fixture
+def fresh_log(tmp_path, monkeypatch) -> Path:
+    """In-process jobs log to tmp_path/logs, nothing verbose: an earlier in-process job of the session
+    may have named a log, and its error lines would then end "(details: ...)"."""
+    from pipeline import job_errors, logs
+
+    folder = tmp_path / "logs"
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(folder))
+    for name in (logs.LOG_FILE_ENV, logs.VERBOSE_ENV, logs.DEBUG_ENV, job_errors.STATUS_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(logs, "_log_file", None)
+    monkeypatch.setattr(logs, "_verbose", False)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Tiny tensors gain nothing from intra-op threads, and on a busy shared

@@ -63,13 +63,8 @@ def test_what_it_refuses(kwargs, message):
         plan(np.ones(64), 2, 16, strategy="flops_kk", **args)
 
 
-def test_simulate_runs_it_with_one_step_windows(capsys, monkeypatch, tmp_path):
+def test_simulate_runs_it_with_one_step_windows(capsys, fresh_log):
     from jobs import simulate
-    from pipeline import logs
-
-    # A fresh log for this process's job: an earlier in-process job's log would add "(details: ...)".
-    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(logs, "_log_file", None)
 
     assert simulate.main(["--lengths", "lognormal:4.5,1.0", "--strategy", "flops_kk", "--world-sizes", "4",
                           "--steps", "2", "--tracking-uri", "none"]) == 0

@@ -162,20 +162,6 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.fixture
-def fresh_log(tmp_path, monkeypatch) -> Path:
-    """In-process jobs log to tmp_path/logs, nothing verbose (the test session may have named a log)."""
-    from pipeline import job_errors
-    from pipeline import logs
-
-    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
-    for name in (logs.LOG_FILE_ENV, logs.VERBOSE_ENV, logs.DEBUG_ENV, job_errors.STATUS_DIR_ENV):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(logs, "_log_file", None)
-    monkeypatch.setattr(logs, "_verbose", False)
-    return tmp_path / "logs"
-
-
 @pytest.mark.parametrize("args, message", [
     (["--lengths", "lognormal:4.2,0.9", "--world-sizes", "0,8"], "--world-sizes: 0 is not a positive integer"),
     (["--lengths", "gamma:2,1"], "--lengths 'gamma:2,1': expected lognormal:MU,SIGMA with finite MU and SIGMA >= 0"),

@@ -20,18 +20,6 @@ DETAILS = re.compile(r" \(details: (.+\.log)\)$")
 TRACE_MARKERS = ("Traceback", "ChildFailedError", "\tat ", "File \"", "Exception in task")
 
 
-@pytest.fixture
-def fresh_log(tmp_path, monkeypatch) -> Path:
-    """This process's log in tmp_path/logs, nothing verbose (the test session may have named one)."""
-    folder = tmp_path / "logs"
-    monkeypatch.setenv(logs.LOG_DIR_ENV, str(folder))
-    for name in (logs.LOG_FILE_ENV, logs.VERBOSE_ENV, logs.DEBUG_ENV, job_errors.STATUS_DIR_ENV):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(logs, "_log_file", None)
-    monkeypatch.setattr(logs, "_verbose", False)
-    return folder
-
-
 def freescale(*args: str, logs_dir: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in (logs.LOG_FILE_ENV, logs.VERBOSE_ENV, logs.DEBUG_ENV)}
     env.update({logs.LOG_DIR_ENV: str(logs_dir), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})

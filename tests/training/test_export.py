@@ -27,20 +27,6 @@ REGISTERED = "freescale-export-test"
 STEPS = 8
 
 
-@pytest.fixture
-def fresh_log(tmp_path, monkeypatch) -> Path:
-    """In-process jobs log to tmp_path/logs, nothing verbose (the test session may have named a log)."""
-    from pipeline import job_errors
-    from pipeline import logs
-
-    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
-    for name in (logs.LOG_FILE_ENV, logs.VERBOSE_ENV, logs.DEBUG_ENV, job_errors.STATUS_DIR_ENV):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(logs, "_log_file", None)
-    monkeypatch.setattr(logs, "_verbose", False)
-    return tmp_path / "logs"
-
-
 def export(*argv: str) -> int:
     from jobs import cli
 
