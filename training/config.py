@@ -95,7 +95,7 @@ class HSTUConfig:
     position_embeddings: int = 0
     """Learned absolute position embeddings added to the encoder's inputs, for positions
     ``0..position_embeddings-1`` counted from a history's oldest item (later positions share the
-    last one), as SASRec here (``training.sasrec.jagged_positions``) and the reference HSTU code's
+    last one), as SASRec here (``training.jagged.jagged_positions``) and the reference HSTU code's
     input preprocessor; started at the inputs' spread. 0 (default): none, the paper's formula, where
     order reaches the model through the relative position and time biases only. Not yet among the
     ``shape`` keys (this and ``output_norm`` add parameters, so a resume that changes them fails

@@ -40,10 +40,9 @@ from torch import nn
 from training.attention_kernel import attention_kernel_for
 from training.config import AttentionKernelName, HSTUConfig, keyed_by
 from training.encoders import Encoder
-from training.jagged import check_jagged
+from training.jagged import check_jagged, jagged_positions
 from training.ops.attention import BiasSpec, hstu_attention
 from training.ops.hstu_attention_reference import GroupedAttention
-from training.sasrec import jagged_positions
 from training.ops.relative_buckets import log_bucket  # noqa: F401 -- tests/training/test_model.py takes it from here
 
 

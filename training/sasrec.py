@@ -37,27 +37,7 @@ from torch import nn
 
 from training.config import SASRecConfig
 from training.encoders import Encoder
-from training.jagged import GroupedPlan, check_jagged, lengths_from_offsets
-
-
-def jagged_positions(offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-    """``[T]`` position of each row within its sample, counted from the sample's oldest item
-    (0), clamped to ``max_seq_len - 1``.
-
-    The paper pads each history on the left into a window of ``n`` and numbers window
-    slots, so its most recent item always has the last position and a training position's
-    embedding depends on how many items follow it. Here every position of a jagged
-    history is a next-item query, so positions count from the start instead: position
-    ``t``'s embedding depends on ``t`` alone, the output at ``t`` depends on items
-    ``0..t`` alone (a prefix encodes exactly as the whole history does at its positions,
-    tested), and the query scored at evaluation is encoded as a training query of the
-    same length was. Histories longer than ``max_seq_len`` share the last embedding past it.
-    """
-    lengths = lengths_from_offsets(offsets)
-    total = int(offsets[-1])
-    rows = torch.arange(total, dtype=torch.int64, device=offsets.device)
-    starts = torch.repeat_interleave(offsets[:-1], lengths, output_size=total)
-    return (rows - starts).clamp(max=max_seq_len - 1)
+from training.jagged import GroupedPlan, check_jagged, jagged_positions
 
 
 def causal_attention(plan: GroupedPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,

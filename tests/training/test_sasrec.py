@@ -20,7 +20,8 @@ from training.hstu import HSTUEncoder
 from training.jagged import next_item_positions, offsets_from_lengths
 from training.losses import binary_cross_entropy_loss
 from training.model import build_local_model
-from training.sasrec import SASRecEncoder, jagged_positions
+from training.jagged import jagged_positions
+from training.sasrec import SASRecEncoder
 from training.seeding import StepNegatives
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-op thread
