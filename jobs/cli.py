@@ -5,10 +5,10 @@
     freescale train ...     shards -> trained model, measured bubbles (jobs/train.py, torchrun)
     freescale calibrate ... fit the cost model and rank speeds to this machine (jobs/calibrate.py)
     freescale compare ...   contiguous vs balanced (vs mirror control) training, one MLflow parent run (jobs/compare.py)
-    freescale pipeline ...  prepare, calibrate, balance, train [, compare] from one TOML, rerun-safe (jobs/workflow.py)
+    freescale pipeline ...  prepare, calibrate, balance, train [, compare, export] from one TOML, rerun-safe (jobs/workflow.py)
     freescale simulate ...  predicted step time and bubbles of a plan on K ranks (jobs/simulate.py)
     freescale export ...    a training checkpoint -> one model folder and an MLflow model (jobs/export.py)
-    freescale demo          the pipeline on the embedded synthetic default, ending with a comparison
+    freescale demo          the pipeline on the embedded synthetic default, ending with a comparison and the model
 
 A failing job prints one line last, `freescale JOB: error: MESSAGE (details: LOG)`, and exits
 0 done, 2 bad input or arguments, 3 an environment problem (CUDA, Java/Spark, a comm backend,
