@@ -147,9 +147,11 @@ def main() -> None:
                     minutes[name].setdefault(label, []).append((time.time() - began) / 60)
                 summary = json.loads(out.read_text())["summary"]
                 results[name].setdefault(label, []).append(summary)
+                # A grid's runs show the validation item only: the test item is reported for the chosen setting.
+                test = "" if len(settings[name]) > 1 else (f"  test ndcg@10 {summary['ndcg_at_10']:.4f}  "
+                                                           f"sampled ndcg@10 {summary['sampled_ndcg_at_10']:.4f}")
                 print(f"seed {rep} {name:7s} {label}: best epoch {summary['best_epoch']:.0f}  "
-                      f"valid {validation_score(summary):.4f}  (test ndcg@10 {summary['ndcg_at_10']:.4f}  "
-                      f"sampled ndcg@10 {summary['sampled_ndcg_at_10']:.4f})", flush=True)
+                      f"valid {validation_score(summary):.4f}{test}", flush=True)
     chosen = {name: choose(by_setting) for name, by_setting in results.items()}
     if any(len(by_setting) > 1 for by_setting in results.values()):
         report_selection(results, chosen)
