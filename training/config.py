@@ -92,15 +92,13 @@ class HSTUConfig:
     reference implementation, which pads to the max length). LayerNorm after ``A V``
     absorbs the scale up to its epsilon, so the choice rarely matters."""
 
-    position_embeddings: int = 0
+    position_embeddings: int = shape(0)
     """Learned absolute position embeddings added to the encoder's inputs, for positions
     ``0..position_embeddings-1`` counted from a history's oldest item (later positions share the
     last one), as SASRec here (``training.jagged.jagged_positions``) and the reference HSTU code's
     input preprocessor; started at the inputs' spread. 0 (default): none, the paper's formula, where
-    order reaches the model through the relative position and time biases only. Not yet among the
-    ``shape`` keys (this and ``output_norm`` add parameters, so a resume that changes them fails
-    loading the checkpoint instead of being refused in one line): experimental, issue 27."""
-    output_norm: bool = False
+    order reaches the model through the relative position and time biases only. Experimental (issue 27)."""
+    output_norm: bool = shape(False)
     """A LayerNorm over the last layer's output before the L2 normalisation (SASRec's final
     LayerNorm here). False (default): none."""
     attention_block_size: int = 128
