@@ -36,6 +36,8 @@ MOVIELENS_DIR = (REPO_ROOT / ".." / "shared" / "data" / "movielens-100k").resolv
 # Jobs' Spark progress lines (pipeline/progress.py) off: tests count a job's stderr lines, and a
 # loaded machine would make a stage long enough to print one. tests/pipeline/test_progress.py turns it on.
 os.environ.setdefault("FREESCALE_PROGRESS", "0")
+# Every Spark driver the suite starts (the session's, the jobs', spark-submit's) runs helpers.TEST_JVM_OPTS.
+os.environ.setdefault("SPARK_SUBMIT_OPTS", helpers.TEST_JVM_OPTS)
 
 
 def pytest_addoption(parser):

@@ -31,6 +31,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
+# The suite's JVMs live seconds to minutes, on 2 cores: the C1 compiler alone and the serial
+# collector start them sooner than the server defaults (a synthetic prepare plus a balance as
+# subprocesses: 30 s -> 24 s), and the session's in-process jobs ran no slower (tests/pipeline:
+# 64.8 and 67.0 s against 64.3 and 64.6 s). Drivers get it through SPARK_SUBMIT_OPTS (conftest.py),
+# the cluster's daemons and executors through SparkCluster.
+TEST_JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 # ------------------------------------------------------------------ launch counting
 
@@ -368,6 +374,28 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
         proc.wait(timeout=10)
 
 
+_EMPTY_STORE: list[Path] = []
+
+
+def sqlite_store(path: Path) -> str:
+    """`sqlite:///<path>`, an empty MLflow store: a copy of one whose tables MLflow made once in
+    this run. Making them (every schema migration, one by one) costs each new store's first user a
+    second or two; tests/jobs/test_jobs.py's run without torch and the session's server still
+    start from no file."""
+    import shutil
+    import tempfile
+
+    if not _EMPTY_STORE:
+        from mlflow.tracking import MlflowClient
+
+        template = Path(tempfile.mkdtemp(prefix="freescale-empty-store-")) / "mlflow.db"
+        MlflowClient(f"sqlite:///{template}").search_experiments()
+        _EMPTY_STORE.append(template)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_EMPTY_STORE[0], path)
+    return f"sqlite:///{path}"
+
+
 @contextlib.contextmanager
 def mlflow_server(store_uri: str, workdir: Path) -> Iterator[str]:
     """`mlflow server` on `store_uri`, its artifacts and log under `workdir`; its address."""
@@ -563,7 +591,7 @@ class SparkCluster:
         # Without PYTHONPATH: the executors' Python gets Spark's paths and the submitted --py-files only.
         inherited = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.env = {**inherited, "SPARK_HOME": str(self.spark_home), "SPARK_LOCAL_IP": "127.0.0.1",
-                    "SPARK_DAEMON_MEMORY": "256m", CLUSTER_ENV: str(root),
+                    "SPARK_DAEMON_MEMORY": "256m", "SPARK_DAEMON_JAVA_OPTS": TEST_JVM_OPTS, CLUSTER_ENV: str(root),
                     # No REST submission server: it would listen on a fixed port (6066).
                     "SPARK_MASTER_OPTS": "-Dspark.master.rest.enabled=false"}
         self.daemons: list[subprocess.Popen] = []
@@ -572,37 +600,43 @@ class SparkCluster:
         port = free_port()
         self.url = f"spark://127.0.0.1:{port}"
         try:
-            self._start("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                                   "--port", str(port), "--webui-port", "0"], "I have been elected leader")
-            for _ in range(workers):
-                self.start_worker()
+            self._await(*self._spawn("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
+                                                "--port", str(port), "--webui-port", "0"]),
+                        "I have been elected leader")
+            # The workers start side by side: each JVM's start is seconds of one core.
+            started = [self._spawn_worker() for _ in range(workers)]
+            for proc, log in started:
+                self._await(proc, log, "Successfully registered with master")
         except BaseException:
             self.stop()
             raise
 
-    def start_worker(self) -> subprocess.Popen:
+    def _spawn_worker(self) -> tuple[subprocess.Popen, Path]:
         index = len(self.workers)
         work = self.root / f"worker-{index}"
         work.mkdir()
-        worker = self._start(f"worker-{index}", [
+        proc, log = self._spawn(f"worker-{index}", [
             "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1", "--memory", "1g",
-            "--webui-port", "0", "--work-dir", str(work), self.url], "Successfully registered with master")
-        self.workers.append(worker)
+            "--webui-port", "0", "--work-dir", str(work), self.url])
+        self.workers.append(proc)
         self.worker_dirs.append(work)
-        return worker
+        return proc, log
 
-    def _start(self, name: str, args: list[str], ready: str) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
         log = self.root / f"{name}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen([str(self.spark_home / "bin" / "spark-class"), *args], env=self.env,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.daemons.append(proc)
+        return proc, log
+
+    @staticmethod
+    def _await(proc: subprocess.Popen, log: Path, ready: str) -> None:
         deadline = time.monotonic() + CLUSTER_START_S
         while ready not in log.read_text(errors="replace"):
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"spark {name} did not start: {log.read_text(errors='replace')[-2000:]}")
+                pytest.fail(f"spark {log.stem} did not start: {log.read_text(errors='replace')[-2000:]}")
             time.sleep(0.2)
-        return proc
 
     def kill_worker(self, index: int) -> None:
         """A worker's machine dies: SIGKILL to the worker and its executors, at once."""

@@ -157,7 +157,7 @@ def row_resume(movielens_shards, stopped_run, e2e_dir):
 def killed_run(movielens_shards, e2e_dir):
     """Table-wise, prioritized, 8 steps, checkpointed every step, recorded in a sqlite store; rank
     1 is killed (kill -9, the suite's one) after step 2, then the job is resumed in plain mode."""
-    folder, uri = e2e_dir / "killed-ckpt", f"sqlite:///{e2e_dir / 'killed.db'}"
+    folder, uri = e2e_dir / "killed-ckpt", helpers.sqlite_store(e2e_dir / "killed.db")
     common = ("--max-steps", str(STEPS), "--parallel.sharding", "table_wise", "--checkpoint.folder", str(folder),
               "--checkpoint.every_steps", "1", "--tracking-uri", uri, *helpers.SMALL_RUN)
     proc = helpers.start_train(movielens_shards, "--comm-mode", "prioritized", "--training.log_every", "1",
@@ -186,14 +186,14 @@ def killed_run(movielens_shards, e2e_dir):
 
 @scenario
 def hung_run(movielens_shards, e2e_dir):
-    """Row-wise, prioritized, recorded in a sqlite store, a 15 s collective timeout (5 s timed out
+    """Row-wise, prioritized, recorded in a sqlite store, a 10 s collective timeout (5 s timed out
     a loaded machine's first steps); rank 1 is stopped (SIGSTOP: alive but silent) after step 2,
     so rank 0's next collective times out."""
-    uri = f"sqlite:///{e2e_dir / 'hung.db'}"
+    uri = helpers.sqlite_store(e2e_dir / "hung.db")
     marker = str(e2e_dir / "hung.json")
     proc = helpers.start_train(movielens_shards, "--max-steps", "100000", "--comm-mode", "prioritized",
                                "--parallel.sharding", "row_wise", "--training.log_every", "1",
-                               "--parallel.collective_timeout_s", "15", "--tracking-uri", uri,
+                               "--parallel.collective_timeout_s", "10", "--tracking-uri", uri,
                                "--summary-json", marker, *helpers.SMALL_RUN)
     seen = SimpleNamespace(uri=uri)
     try:

@@ -18,6 +18,7 @@ from balancing.simulate import (Noise, TimeModel, fit_comm, fit_seconds_per_cost
                                 rank_noise, simulate)
 from balancing.window import plan
 from pipeline.cost_model import default_cost_model
+from tests.helpers import sqlite_store
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL_JSON = default_cost_model().to_json()
@@ -200,7 +201,7 @@ def test_a_shard_set_is_simulated_at_its_own_size_and_tracked(movielens_shards, 
 
     from jobs import simulate as job
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     out = tmp_path / "sim.json"
     assert job.main(["--shards", str(movielens_shards), "--tracking-uri", uri, "--experiment", "sim-test",
                      "--json", str(out)]) == 0

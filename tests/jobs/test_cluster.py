@@ -44,7 +44,8 @@ def submit(cluster, executor_python: Path, dist, script: str, *args: str, conf: 
     """spark-submit of jobs/`script` to the cluster, the project shipped as the executors' zip."""
     env = {**os.environ, "PYSPARK_PYTHON": str(executor_python), "PYSPARK_DRIVER_PYTHON": sys.executable,
            "SPARK_LOCAL_IP": "127.0.0.1"}
-    settings = [arg for setting in ("spark.ui.enabled=false", *conf) for arg in ("--conf", setting)]
+    settings = [arg for setting in ("spark.ui.enabled=false", f"spark.executor.extraJavaOptions={helpers.TEST_JVM_OPTS}",
+                                    *conf) for arg in ("--conf", setting)]
     cmd = [str(Path(sys.executable).parent / "spark-submit"), "--master", cluster.url, *settings,
            "--py-files", str(dist.zip), str(REPO / "jobs" / script), *args, "--tracking-uri", "none"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers import sqlite_store
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANT_TAGS = {"contiguous": ("contiguous", "none"), "balanced": ("kk", "none"), "control": ("contiguous", "mirror")}
@@ -188,7 +189,7 @@ def test_the_balance_runs_span_their_job(movielens_comparison):
 def test_prepare_run_spans_the_job_and_a_failing_balance_ends_failed(spark, movielens_prepared, tmp_path, capsys):
     from jobs import balance, prepare
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     assert prepare.main(["--output", str(tmp_path / "prepared"), "--synthetic-users", "300",
                          "--synthetic-items", "100", "--tracking-uri", uri, "--experiment", "spans"]) == 0
     # The token cap is checked on the data, inside the job's run: the run must end FAILED.

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs import balance, prepare
-from tests.helpers import load_manifest, read_all, read_rank
+from tests.helpers import load_manifest, read_all, read_rank, sqlite_store
 
 NO_TRACKING = ["--tracking-uri", "none"]
 
@@ -293,7 +293,7 @@ def test_prepare_bad_input(spark, tmp_path, capsys, case):
 def test_jobs_log_to_mlflow(prepared_ml, tmp_path):
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     assert balance.main(["--input", str(prepared_ml), "--output", str(tmp_path / "out"), "--world-size", "2",
                          "--local-batch-size", "16", "--tracking-uri", uri, "--experiment", "jobs-test"]) == 0
     client = mlflow.tracking.MlflowClient(uri)

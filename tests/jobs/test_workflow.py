@@ -22,7 +22,7 @@ import pytest
 
 from jobs import workflow
 from pipeline import logs
-from tests.helpers import one_rank_without_torchrun
+from tests.helpers import one_rank_without_torchrun, sqlite_store
 
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY_LINE = re.compile(r"^freescale pipeline: (\S+) +(ran|skipped|failed|off|not run) +\((.*)\)$", re.M)
@@ -349,7 +349,7 @@ def test_a_stop_signal_ends_the_stage_killed_and_releases_the_lock(tmp_path, mon
     from jobs import prepare
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     work = tmp_path / "work"
     config = write_config(tmp_path, work)
     monkeypatch.setattr(prepare, "run", _fake_prepare(uri, lambda: (os.kill(os.getpid(), signal.SIGTERM),
@@ -391,7 +391,7 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
     monkeypatch.setattr(logs, "_log_file", None)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     work = tmp_path / "work"
     fake = _fake_prepare(uri, _stop_replaced_by_a_cleanup_error)
     monkeypatch.setattr(prepare, "run", lambda spec_of, tracking: run_job("prepare", lambda: fake(spec_of, tracking)))
@@ -419,7 +419,7 @@ def test_a_rerun_ends_the_runs_a_killed_run_left_running_failed(tmp_path, monkey
     from jobs import prepare
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     work = tmp_path / "work"
     config = write_config(tmp_path, work)
     client = MlflowClient(uri)

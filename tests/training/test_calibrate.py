@@ -35,6 +35,7 @@ from pipeline.cost_model import CostModel
 from pipeline.errors import InputError
 from pipeline.rank_speeds import estimate_rank_speeds
 from training.calibrate import calibration_batches, probe_lengths
+from tests.helpers import sqlite_store
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEAVY_MODULES = ("torch", "torchrec", "pyspark")
@@ -319,7 +320,7 @@ def test_existing_output_needs_overwrite(tmp_path, capsys) -> None:
 def test_quick_calibration_end_to_end(tmp_path, capsys) -> None:
     """A real (tiny) calibration: a loadable model with provenance, and a held-out check that holds up."""
     out = tmp_path / "cost_model.json"
-    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking = sqlite_store(tmp_path / "mlflow.db")
     rc = calibrate.main(["--output", str(out), "--lengths", "16,64,256", "--repeats", "3",
                          "--held-out-batches", "12", "--tracking-uri", tracking, *TINY_MODEL])
     report = capsys.readouterr().out

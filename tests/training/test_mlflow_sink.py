@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from training.mlflow_sink import MLflowSink
+from tests.helpers import sqlite_store
 
 
 def series(sink: MLflowSink, key: str) -> list[tuple[int, float]]:
@@ -12,7 +13,7 @@ def series(sink: MLflowSink, key: str) -> list[tuple[int, float]]:
 
 @pytest.mark.spawns  # in process, but MLflow's run context runs git (GitPython) and uname -p
 def test_a_resumed_run_logs_what_its_record_lacks_series_by_series(tmp_path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     first = MLflowSink(uri, "sink", "train", {}, {})
     for step in range(5):
         first.log_step(step, {"step/loss": float(step)})

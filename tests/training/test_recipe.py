@@ -110,7 +110,7 @@ def run_in_process(shards: Path, out: Path, *extra: str) -> dict:
 def early_stopped(movielens_shards_1, tmp_path_factory):
     """The recipe's run, uninterrupted; and a run without validation stopped at its best step."""
     out = tmp_path_factory.mktemp("recipe")
-    uri = f"sqlite:///{out / 'mlflow.db'}"
+    uri = helpers.sqlite_store(out / "mlflow.db")
     stopped = run_in_process(movielens_shards_1, out / "stopped.json", "--tracking.uri", uri)
     best_step = int(stopped["summary"]["best_step"])
     cut = run_in_process(movielens_shards_1, out / "cut.json", "--training.max_steps", str(best_step),

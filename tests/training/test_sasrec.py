@@ -23,6 +23,7 @@ from training.model import build_local_model
 from training.jagged import jagged_positions
 from training.sasrec import SASRecEncoder
 from training.seeding import StepNegatives
+from tests.helpers import sqlite_store
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-op thread
 
@@ -276,7 +277,7 @@ def test_calibrate_runs_with_sasrec_and_bce(tmp_path, capsys) -> None:
     out = tmp_path / "cost_model.json"
     rc = calibrate.main(["--output", str(out), "--lengths", "4,8,16", "--repeats", "1", "--warmup", "0",
                          "--replicates", "1", "--held-out-batches", "3", "--num-items", "60",
-                         "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                         "--tracking-uri", sqlite_store(tmp_path / "mlflow.db"),
                          "--model.encoder", "sasrec", "--loss.kind", "bce", "--model.embedding_dim", "16",
                          "--model.sasrec.num_layers", "1", "--model.sasrec.max_seq_len", "16"])
     captured = capsys.readouterr()

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from training.tracking import DISABLED, reachable_tracking_uri
-from tests.helpers import (SMALL_RUN, in_process_args, logged_losses, read_until_step, runs_of, start_train,
-                           train_in_process, wait_for_logged_steps)
+from tests.helpers import (SMALL_RUN, in_process_args, logged_losses, read_until_step, runs_of, sqlite_store,
+                           start_train, train_in_process, wait_for_logged_steps)
 
 DEAD_URI = "http://127.0.0.1:9/"  # the discard port: nothing listens, the connection is refused
 
@@ -41,7 +41,7 @@ def test_a_rerun_to_the_same_output_ends_the_run_a_killed_job_left_running(tmp_p
 
     from training.tracking import job_run, output_key
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)
     experiment = client.create_experiment("orphans")
     shards = output_key(str(tmp_path / "shards"))
