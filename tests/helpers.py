@@ -32,10 +32,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
 # The suite's JVMs live seconds to minutes, on 2 cores: the C1 compiler alone and the serial
-# collector start them sooner than the server defaults (a synthetic prepare plus a balance as
-# subprocesses: 30 s -> 24 s), and the session's in-process jobs ran no slower (tests/pipeline:
-# 64.8 and 67.0 s against 64.3 and 64.6 s). Drivers get it through SPARK_SUBMIT_OPTS (conftest.py),
-# the cluster's daemons and executors through SparkCluster.
+# collector start them sooner than the server defaults, and the session's in-process jobs ran no
+# slower. Drivers get it through SPARK_SUBMIT_OPTS (conftest.py), the cluster's daemons and
+# executors through SparkCluster.
 TEST_JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 # ------------------------------------------------------------------ launch counting
