@@ -14,7 +14,8 @@ under both protocols by more than the seed spread.
 
 Usage (from the repository root): python -m benchmarks.quality_bench [--seeds 3] [--local-batch-size 32]
            [--models hstu,sasrec] [--workdir out/quality-bench] [--report-only] [--section.key=value ...]
-           [--input FILE [--format FMT] | --prepared DIR] [--config FILE] [--grid MODEL:KEY=V1,V2;KEY2=...]...
+           [--input FILE... [--format FMT] | --prepared DIR...] [--config FILE] [--grid MODEL:KEY=V1,V2;KEY2=...]...
+           [--stop-after-epochs N]
 
 ``--models hstu`` trains one model only (a sweep's probe of that model's settings; the comparison
 lines need both). ``--repeats`` is ``--seeds``' old name.
@@ -25,6 +26,10 @@ takes sequences prepared already; either is balanced once (kk, 2 ranks, ``--left
 user trains and is tested), no user features. ``--config`` then names the recipe (default
 ``configs/short_history.toml``; MovieLens keeps ``configs/ml100k_recipe.toml``). Checkpoints stay off
 and early stopping is the config's (both shipped recipes validate every pass with patience).
+Several ``--input`` (or ``--prepared``) run one after another in one command, each in its own
+``--workdir`` subfolder named after it, with a table per dataset and the whole command's wall time
+at the end. ``--stop-after-epochs N`` cuts every run after N epochs of the config's schedule
+(``--max-steps`` N x the dataset's steps per epoch): the same budget in epochs on every dataset.
 
 A grid per model: ``--grid "hstu:model.hstu.dropout=0.3,0.5;loss.num_negatives=128,512"`` trains every
 combination of the listed values (each an override of that model's runs only) for every seed. Each
@@ -80,15 +85,15 @@ def setting_name(overrides: list[str]) -> str:
     return ",".join(pairs) or "default"
 
 
-def other_data_shards(work: Path, args) -> Path:
-    """``--input`` prepared once in ``work/prepared`` (or ``--prepared``), balanced once for 2 ranks (kk,
-    every sample kept)."""
+def other_data_shards(work: Path, args, source: str, prepared_already: bool) -> Path:
+    """``source`` (a log, or sequences when ``prepared_already``) prepared once in ``work/prepared``,
+    balanced once for 2 ranks (kk, every sample kept)."""
     from benchmarks.common import freescale, run
 
-    prepared = Path(args.prepared).resolve() if args.prepared else work / "prepared"
-    if args.input and not (prepared / "prepare.json").exists():
+    prepared = Path(source).resolve() if prepared_already else work / "prepared"
+    if not prepared_already and not (prepared / "prepare.json").exists():
         fmt = ["--format", args.format] if args.format else []
-        run(freescale("prepare", "--input", str(Path(args.input).resolve()), *fmt, "--output", str(prepared),
+        run(freescale("prepare", "--input", str(Path(source).resolve()), *fmt, "--output", str(prepared),
                       "--overwrite", "--tracking-uri", "none"), work / "prepare.log")
     shards = work / f"shards-{args.strategy}"
     if not (shards / "manifest.json").exists():
@@ -107,33 +112,58 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"which models to train, comma-separated (default {','.join(MODELS)})")
     data = parser.add_mutually_exclusive_group()
-    data.add_argument("--input", help="interaction log to prepare (default: MovieLens-100K with its user features)")
-    data.add_argument("--prepared", help="sequences written by freescale prepare")
-    parser.add_argument("--format", help="freescale prepare --format of --input (e.g. user-item-lines)")
+    data.add_argument("--input", action="append",
+                      help="interaction log to prepare (repeatable: one table each; default: MovieLens-100K with "
+                           "its user features)")
+    data.add_argument("--prepared", action="append", help="sequences written by freescale prepare (repeatable)")
+    parser.add_argument("--format", help="freescale prepare --format of every --input (e.g. user-item-lines)")
     parser.add_argument("--config", help=f"recipe (default {CONFIG} on MovieLens, {OTHER_DATA_CONFIG} on other data)")
     parser.add_argument("--grid", action="append", default=[], metavar="MODEL:KEY=V1,V2;KEY2=...",
                         help="settings to choose from by the validation item, per model (repeatable)")
+    parser.add_argument("--stop-after-epochs", type=int, default=0, metavar="N",
+                        help="cut each run after N epochs of the config's schedule (default: the config's end)")
     args, args.overrides = parser.parse_known_args()  # the rest: config overrides for every run
     names = args.models.split(",")
     if not set(names) <= set(MODELS):
         parser.error(f"--models: choose from {', '.join(MODELS)}, got {args.models!r}")
     if args.format and not args.input:
         parser.error("--format needs --input")
-    models = {name: MODELS[name] for name in names}
-    movielens = not (args.input or args.prepared)
-    args.config = args.config or (CONFIG if movielens else OTHER_DATA_CONFIG)
-    args.dataset = "MovieLens-100K" if movielens else Path(args.input or args.prepared).name
-    args.user_features, args.user_feature_cols = True, "age,gender,occupation,zip_code"
+    sources = [(p, False) for p in args.input or []] + [(p, True) for p in args.prepared or []]
+    stems = [dataset_name(p, prepared) for p, prepared in sources]
+    if len(set(stems)) < len(stems):
+        parser.error(f"two datasets share a name ({', '.join(stems)}): their workdirs would collide")
     settings = parse_grid(args.grid, names)
-    work = (REPO / args.workdir).resolve()
+    args.config = args.config or (OTHER_DATA_CONFIG if sources else CONFIG)
+    args.user_features, args.user_feature_cols = True, "age,gender,occupation,zip_code"
+    root = (REPO / args.workdir).resolve()
+    started = time.time()
+    if not sources:
+        bench_dataset(args, "MovieLens-100K", root, None, names, settings)
+    for (source, prepared), stem in zip(sources, stems):
+        bench_dataset(args, stem, root / stem if len(sources) > 1 else root, (source, prepared), names, settings)
+    if len(sources) > 1:
+        print(f"\n(whole command: {len(sources)} datasets, {time.time() - started:.0f} s)")
+
+
+def dataset_name(source: str, prepared: bool) -> str:
+    """A dataset's label and workdir name: the prepared folder's name, or the log file's stem."""
+    return Path(source).name if prepared else Path(source).stem
+
+
+def bench_dataset(args, dataset: str, work: Path, source: tuple[str, bool] | None, names: list[str],
+                  settings: dict[str, list[list[str]]]) -> None:
+    """Every model, setting and seed on one dataset (``source`` None: MovieLens-100K), then its tables."""
+    models = {name: MODELS[name] for name in names}
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     # results[model][setting label] = one summary per seed
     results: dict[str, dict[str, list[dict]]] = {name: {} for name in models}
     minutes: dict[str, dict[str, list[float]]] = {name: {} for name in models}
-    shards = None
+    shards, steps = None, 0
     if not args.report_only:
-        shards = build_shards(work, args)["balanced"] if movielens else other_data_shards(work, args)
+        shards = build_shards(work, args)["balanced"] if source is None else other_data_shards(work, args, *source)
+        if args.stop_after_epochs:
+            steps = args.stop_after_epochs * json.loads((shards / "manifest.json").read_text())["num_steps"]
     for rep in range(args.repeats):
         for name, extra in models.items():
             for overrides in settings[name]:
@@ -143,20 +173,22 @@ def main() -> None:
                 out = work / f"{stem}.json"
                 if not args.report_only:
                     began = time.time()
-                    train(shards, 0, rep, out, args, "--config", args.config, *extra, *args.overrides, *overrides)
+                    train(shards, steps, rep, out, args, "--config", args.config, *extra, *args.overrides, *overrides)
                     minutes[name].setdefault(label, []).append((time.time() - began) / 60)
                 summary = json.loads(out.read_text())["summary"]
                 results[name].setdefault(label, []).append(summary)
                 # A grid's runs show the validation item only: the test item is reported for the chosen setting.
                 test = "" if len(settings[name]) > 1 else (f"  test ndcg@10 {summary['ndcg_at_10']:.4f}  "
                                                            f"sampled ndcg@10 {summary['sampled_ndcg_at_10']:.4f}")
-                print(f"seed {rep} {name:7s} {label}: best epoch {summary['best_epoch']:.0f}  "
+                print(f"{dataset} seed {rep} {name:7s} {label}: best epoch {summary['best_epoch']:.0f}  "
                       f"valid {validation_score(summary):.4f}{test}", flush=True)
     chosen = {name: choose(by_setting) for name, by_setting in results.items()}
     if any(len(by_setting) > 1 for by_setting in results.values()):
         report_selection(results, chosen)
+    budget = f", each run cut after {args.stop_after_epochs} epochs ({steps} steps)" if steps else ""
     report({name: results[name][chosen[name]] for name in models},
-           {name: minutes[name].get(chosen[name], []) for name in models}, args, work, time.time() - started,
+           {name: minutes[name].get(chosen[name], []) for name in models},
+           argparse.Namespace(**{**vars(args), "dataset": dataset + budget}), work, time.time() - started,
            {name: chosen[name] for name in models})
 
 

@@ -66,6 +66,13 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+def pytest_collection_finish(session):
+    # The first Spark JVM of the run (the session's) waits for the class archive (tests/helpers.py);
+    # the fast tier starts no JVM, so it never writes one.
+    if not session.config.getoption("fast") and any(item.get_closest_marker("spawns") for item in session.items):
+        helpers.CLASS_ARCHIVE_BUILD[0] = helpers.start_spark_class_archive()
+
+
 def fast_tier_violations() -> list[str]:
     """What a fast run started: recorded processes, a Spark JVM, and -- for any the wrappers missed
     -- a child process this one has reaped or still has."""
@@ -137,6 +144,7 @@ def single_thread():
 def spark():
     from pipeline.session import build_spark_session
 
+    helpers.await_spark_class_archive()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     session = build_spark_session(master="local[2]", app_name="freescale-tests")
     yield session

@@ -31,6 +31,7 @@ ShardingName = Literal["row_wise", "table_wise"]
 ParallelBackendName = Literal["auto", "gloo", "nccl"]
 SparseOptimizerName = Literal["adagrad", "sgd", "adam"]
 AttentionNormalization = Literal["sample_length", "max_seq_len"]
+HSTUInit = Literal["torch", "reference"]
 CommMode = Literal["plain", "overlap", "prioritized"]
 AttentionKernelName = Literal["triton", "grouped"]
 AttentionKernel = Literal["auto", AttentionKernelName]  # flattens to "auto" | "triton" | "grouped"
@@ -101,6 +102,11 @@ class HSTUConfig:
     output_norm: bool = shape(False)
     """A LayerNorm over the last layer's output before the L2 normalisation (SASRec's final
     LayerNorm here). False (default): none."""
+    init: HSTUInit = "torch"
+    """Initial weights of each layer's projections. ``"torch"`` (default): ``nn.Linear``'s own
+    (Kaiming-uniform weights and biases). ``"reference"``: Meta's reference code's, ``W_uvqk`` drawn
+    from N(0, 0.02) and ``W_o`` Xavier-uniform, with both biases started at zero (the reference has
+    none on ``W_uvqk``; here it stays, learned). Experimental (issue 27)."""
     attention_block_size: int = 128
     """Query rows per attention block of the grouped kernel; bounds the working set of
     long samples and lets the causal mask skip whole key blocks (see ``AttentionBlock``)."""
@@ -117,7 +123,7 @@ class HSTUConfig:
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
         for name, choice in (("attention_normalization", AttentionNormalization),
-                             ("attention_kernel", AttentionKernel)):
+                             ("attention_kernel", AttentionKernel), ("init", HSTUInit)):
             allowed = typing.get_args(choice)
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -149,6 +149,12 @@ class HSTULayer(nn.Module):
         self.attention_norm = nn.LayerNorm(value_width)
         self.dropout = nn.Dropout(config.dropout)
         self.output = nn.Linear(value_width, width)
+        if config.init == "reference":
+            # Drawn after nn.Linear's own, so the default ("torch") draws the same numbers as before.
+            nn.init.normal_(self.uvqk.weight, std=0.02)
+            nn.init.zeros_(self.uvqk.bias)
+            nn.init.xavier_uniform_(self.output.weight)
+            nn.init.zeros_(self.output.bias)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """``x`` ``[T, D]`` in the plan's order -> ``[T, D]``, same order."""

@@ -101,6 +101,7 @@ CHOICES = [
     ("optimizer.sparse_optimizer", ("adagrad", "sgd", "adam"), "rowwise_adagrad"),
     ("model.hstu.attention_normalization", ("sample_length", "max_seq_len"), "padded"),
     ("model.hstu.attention_kernel", ("auto", "triton", "grouped"), "cuda"),
+    ("model.hstu.init", ("torch", "reference"), "xavier"),
     ("comm.mode", ("plain", "overlap", "prioritized"), "async"),
     ("comm.backend", ("auto", "gloo", "nccl", "copy_engine"), "mpi"),
     ("model.encoder", ("hstu", "sasrec"), "gru"), ("loss.kind", ("sampled_softmax", "bce"), "softmax"),

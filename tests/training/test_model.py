@@ -739,3 +739,18 @@ def test_hstu_position_embeddings_add_each_rows_clamped_position_and_keep_the_co
 def test_hstu_position_embeddings_refuse_negatives() -> None:
     with pytest.raises(ValueError, match="position_embeddings"):
         HSTUConfig(position_embeddings=-1)
+
+
+def test_hstu_reference_init_draws_the_reference_spreads() -> None:
+    """``init = "reference"``: ``W_uvqk`` ~ N(0, 0.02), ``W_o`` Xavier-uniform, zero biases."""
+    assert SMALL.init == "torch"
+    config = replace(SMALL, init="reference", linear_dim=64, attention_dim=64)
+    reference = HSTUEncoder(config, WIDTH).layers[0]
+    assert abs(reference.uvqk.weight.std().item() - 0.02) < 0.002
+    fan_in, fan_out = reference.output.weight.shape[1], reference.output.weight.shape[0]
+    assert reference.output.weight.abs().max().item() <= (6 / (fan_in + fan_out)) ** 0.5
+    assert not reference.uvqk.bias.any() and not reference.output.bias.any()
+    # The torch default's weights are Kaiming-uniform: spread 1/sqrt(3 * fan_in), well above 0.02 here.
+    assert HSTUEncoder(replace(config, init="torch"), WIDTH).layers[0].uvqk.weight.std().item() > 0.03
+    with pytest.raises(ValueError, match="init"):
+        HSTUConfig(init="xavier")
