@@ -67,10 +67,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    # The first Spark JVM of the run (the session's) waits for the class archive (tests/helpers.py);
-    # the fast tier starts no JVM, so it never writes one.
+    # In the background from the start (tests/helpers.py's DataJobsRun): the no-torch check's run of
+    # the data jobs, which also writes the machine's Spark class archive when there is none. The fast
+    # tier starts no process.
     if not session.config.getoption("fast") and any(item.get_closest_marker("spawns") for item in session.items):
-        helpers.CLASS_ARCHIVE_BUILD[0] = helpers.start_spark_class_archive()
+        helpers.DATA_JOBS.append(helpers.DataJobsRun().start())
 
 
 def fast_tier_violations() -> list[str]:
@@ -89,6 +90,12 @@ def fast_tier_violations() -> list[str]:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    for data_jobs in helpers.DATA_JOBS:
+        if data_jobs.thread is not None:
+            data_jobs.thread.join(60)
+        shutil.rmtree(data_jobs.root, ignore_errors=True)
     if session.config.getoption("fast") and fast_tier_violations() and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -144,7 +151,6 @@ def single_thread():
 def spark():
     from pipeline.session import build_spark_session
 
-    helpers.await_spark_class_archive()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     session = build_spark_session(master="local[2]", app_name="freescale-tests")
     yield session

@@ -53,7 +53,7 @@ SPARK_CLASS_ARCHIVE = _spark_class_archive()
 # The suite's JVMs live seconds to minutes, on 2 cores: the C1 compiler alone and the serial
 # collector start them sooner than the server defaults, and the session's in-process jobs ran no
 # slower. Each also maps the classes a Spark job loads from SPARK_CLASS_ARCHIVE (class data
-# sharing) once start_spark_class_archive has written it; a JVM started before that, or one whose
+# sharing) once DataJobsRun has written it; a JVM started before that, or one whose
 # class path differs from the archive's, loads them from the jars as usual, and silently: its CDS
 # log is off, since tests count a job's output lines. Drivers get the flags through
 # SPARK_SUBMIT_OPTS (conftest.py), the cluster's daemons and executors through SparkCluster.
@@ -61,41 +61,77 @@ JVM_SPEED_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -Xlog:cds=off -Xlog:c
 TEST_JVM_OPTS = f"{JVM_SPEED_OPTS} -XX:SharedArchiveFile={SPARK_CLASS_ARCHIVE}"
 
 
-def start_spark_class_archive() -> threading.Thread | None:
-    """Write SPARK_CLASS_ARCHIVE, unless it exists, in the background: a synthetic `freescale
-    prepare` whose JVM dumps the classes it loaded when it exits (about 25 s). Every later Spark
-    JVM of the suite then starts 3-5 s sooner (measured on a balance and a prepare job). Written
-    under a temporary name, then renamed: a JVM never maps half a file."""
-    import tempfile
+HEAVY = ("torch", "torchrec", "pyspark")
+"""The modules a data job must load only when it needs them (tests/jobs/test_jobs.py)."""
 
-    if SPARK_CLASS_ARCHIVE.exists():
-        return None
 
-    def build() -> None:
+def loaded_after(code: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter, then print which of HEAVY it loaded (the last line of
+    its stdout; ``heavy_loaded`` reads it)."""
+    probe = f"{code}\nimport sys; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    return subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def heavy_loaded(run: subprocess.CompletedProcess) -> list[str]:
+    return json.loads(run.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
+class DataJobsRun:
+    """A synthetic `freescale prepare` and a `balance` of its output, in one fresh interpreter with
+    MLflow tracking (sqlite), as a user runs the data jobs: started in the background when the
+    session starts (``start``), read by test_jobs' no-torch check (``result``). When this machine
+    has no SPARK_CLASS_ARCHIVE yet, its JVM writes it as it exits: the classes a prepare and a
+    balance load, which every later Spark JVM of the suite then maps (3-5 s sooner each, measured
+    on a balance and a prepare job). The archive is written under a temporary name, then renamed
+    once the JVM has exited: a JVM never maps half a file."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.root = Path(tempfile.mkdtemp(prefix="freescale-data-jobs-"))
+        self.thread: threading.Thread | None = None
+        self.run: subprocess.CompletedProcess | None = None
+
+    def code(self, dump: bool) -> str:
+        out, db = self.root / "out", self.root / "mlflow.db"
+        # Dumping: the JVM writes the archive as it exits, so this process waits for it to exit.
+        wait_for_jvm = ("from pyspark import SparkContext\ngateway = SparkContext._gateway\n"
+                        "gateway.proc.stdin.close(); gateway.proc.wait()\n") if dump else ""
+        return ("from jobs.cli import main\n"
+                f"tracking = ['--tracking-uri', 'sqlite:///{db}']\n"
+                f"assert main(['prepare', '--output', '{out}/prepared', '--synthetic-users', '300', "
+                "'--synthetic-items', '100', *tracking]) == 0\n"
+                f"assert main(['balance', '--input', '{out}/prepared', '--output', '{out}/shards', '--world-size', '2', "
+                "'--local-batch-size', '8', *tracking]) == 0\n" + wait_for_jvm)
+
+    def start(self) -> "DataJobsRun":
+        dump = not SPARK_CLASS_ARCHIVE.exists()
         partial = SPARK_CLASS_ARCHIVE.with_name(f"{SPARK_CLASS_ARCHIVE.name}.{os.getpid()}.partial")
-        with tempfile.TemporaryDirectory(prefix="freescale-cds-") as work:
-            env = {**os.environ, "SPARK_SUBMIT_OPTS": f"{JVM_SPEED_OPTS} -XX:ArchiveClassesAtExit={partial}",
-                   "FREESCALE_LOG_DIR": work, "FREESCALE_PROGRESS": "0"}
-            done = subprocess.run([sys.executable, "-m", "jobs.cli", "prepare", "--output", f"{work}/prepared",
-                                   "--tracking-uri", "none"], cwd=REPO, env=env, capture_output=True, timeout=TIMEOUT_S)
-        if done.returncode == 0 and partial.exists():
-            os.replace(partial, SPARK_CLASS_ARCHIVE)
-        else:
+        opts = f"{JVM_SPEED_OPTS} -XX:ArchiveClassesAtExit={partial}" if dump else TEST_JVM_OPTS
+        env = {**os.environ, "SPARK_SUBMIT_OPTS": opts, "FREESCALE_LOG_DIR": str(self.root / "logs")}
+
+        def work() -> None:
+            self.run = loaded_after(self.code(dump), timeout=600, env=env)
+            if dump and self.run.returncode == 0 and partial.exists():
+                os.replace(partial, SPARK_CLASS_ARCHIVE)
             partial.unlink(missing_ok=True)
 
-    thread = threading.Thread(target=build, name="spark-class-archive", daemon=True)
-    thread.start()
-    return thread
+        self.thread = threading.Thread(target=work, name="data-jobs-run", daemon=True)
+        self.thread.start()
+        return self
+
+    def result(self) -> subprocess.CompletedProcess:
+        """The finished run (waiting for it)."""
+        if self.thread is None:
+            self.start()
+        self.thread.join(TIMEOUT_S)
+        assert self.run is not None, "the data jobs run did not finish"
+        return self.run
 
 
-CLASS_ARCHIVE_BUILD: list = [None]
-"""The run's start_spark_class_archive thread (conftest.py), None when the archive was there."""
-
-
-def await_spark_class_archive(timeout: float = 120.0) -> None:
-    """Wait for the run's class archive, if one is being written (a JVM started now maps it)."""
-    if CLASS_ARCHIVE_BUILD[0] is not None:
-        CLASS_ARCHIVE_BUILD[0].join(timeout)
+DATA_JOBS: list[DataJobsRun] = []
+"""The session's DataJobsRun, once started (conftest.py)."""
 
 # ------------------------------------------------------------------ launch counting
 

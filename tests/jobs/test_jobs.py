@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs import balance, prepare
+from tests import helpers
 from tests.helpers import load_manifest, read_all, read_rank, sqlite_store
 
 NO_TRACKING = ["--tracking-uri", "none"]
@@ -307,19 +308,11 @@ def test_jobs_log_to_mlflow(prepared_ml, tmp_path):
     assert run.data.tags["freescale.job"] == "balance"
 
 
-HEAVY = ("torch", "torchrec", "pyspark")
-
-
 def _loaded_after(code: str, timeout: float = 120) -> tuple[list[str], str]:
-    """Run ``code`` in a fresh interpreter; which heavy modules it loaded, and its stderr."""
-    import subprocess
-    import sys
-
-    probe = f"{code}\nimport sys; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
-    run = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[2],
-                         capture_output=True, text=True, timeout=timeout)
+    """Run ``code`` in a fresh interpreter; which heavy modules it loaded (helpers.HEAVY), and its stderr."""
+    run = helpers.loaded_after(code, timeout)
     assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout.strip().splitlines()[-1].replace("'", '"')), run.stderr
+    return helpers.heavy_loaded(run), run.stderr
 
 
 @pytest.mark.spawns
@@ -356,15 +349,12 @@ def test_prepare_argument_error_loads_nothing_heavy():
 
 
 @pytest.mark.slow
-def test_prepare_and_balance_runs_never_load_torch(tmp_path):
-    """The data jobs, MLflow tracking included, run without torch or torchrec in the driver."""
-    out, db = tmp_path / "out", tmp_path / "mlflow.db"
-    loaded, stderr = _loaded_after(
-        "from jobs.cli import main\n"
-        f"tracking = ['--tracking-uri', 'sqlite:///{db}']\n"
-        f"assert main(['prepare', '--output', '{out}/prepared', '--synthetic-users', '300', "
-        "'--synthetic-items', '100', *tracking]) == 0\n"
-        f"assert main(['balance', '--input', '{out}/prepared', '--output', '{out}/shards', '--world-size', '2', "
-        "'--local-batch-size', '8', *tracking]) == 0", timeout=600)
-    assert (out / "shards" / "manifest.json").exists(), stderr
-    assert loaded == ["pyspark"], stderr
+@pytest.mark.spawns
+def test_prepare_and_balance_runs_never_load_torch():
+    """The data jobs, MLflow tracking included, run without torch or torchrec in the driver (the
+    run is the session's, started in the background: tests/helpers.py's DataJobsRun)."""
+    data_jobs = helpers.DATA_JOBS[0] if helpers.DATA_JOBS else helpers.DataJobsRun()
+    run = data_jobs.result()
+    assert run.returncode == 0, run.stderr
+    assert (data_jobs.root / "out" / "shards" / "manifest.json").exists(), run.stderr
+    assert helpers.heavy_loaded(run) == ["pyspark"], run.stderr
