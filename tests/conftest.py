@@ -67,6 +67,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
+    helpers.SELECTED_FIXTURES.update(name for item in session.items for name in item.fixturenames)
     # In the background from the start (tests/helpers.py's DataJobsRun): the no-torch check's run of
     # the data jobs, which also writes the machine's Spark class archive when there is none. The fast
     # tier starts no process.
@@ -92,6 +93,10 @@ def fast_tier_violations() -> list[str]:
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 
+    from tests.scenarios import BACKGROUND
+
+    for started in BACKGROUND.values():  # a run cut short (-x) leaves no launch behind
+        started.thread.join(helpers.TIMEOUT_S)
     for data_jobs in helpers.DATA_JOBS:
         if data_jobs.thread is not None:
             data_jobs.thread.join(60)
@@ -179,7 +184,11 @@ def movielens_prepared(spark, movielens_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
     """2-rank balanced shards of MovieLens-100K (kk, 16 samples per rank per step)."""
-    return _balanced_shards(movielens_prepared, tmp_path_factory.mktemp("ml-shards") / "kk", world_size=2)
+    from tests.scenarios import start_background
+
+    shards = _balanced_shards(movielens_prepared, tmp_path_factory.mktemp("ml-shards") / "kk", world_size=2)
+    start_background(shards, tmp_path_factory)
+    return shards
 
 
 @pytest.fixture

@@ -140,6 +140,8 @@ LAUNCHES: list[str] = []
 PROCESSES: list[str] = []
 """One entry per process the suite started (launches and JVMs included): the test's node id and its gist."""
 CURRENT_TEST = [""]
+SELECTED_FIXTURES: set[str] = set()
+"""Every fixture a selected test uses, directly or not (conftest.py, after collection)."""
 SPAWNING_FIXTURES: set[str] = set()
 """The fixtures declared with ``@spawns``."""
 
@@ -173,9 +175,12 @@ def count_launches() -> None:
 
     def init(self, args, *rest, **kwargs):
         argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
-        PROCESSES.append(f"{CURRENT_TEST[0]}: {' '.join(Path(a).name if i == 0 else a for i, a in enumerate(argv[:4]))}")
+        # A background thread's process is its own (tests/scenarios.py's Background), not the current test's.
+        owner = CURRENT_TEST[0] if threading.current_thread() is threading.main_thread() else \
+            f"(background) {threading.current_thread().name}"
+        PROCESSES.append(f"{owner}: {' '.join(Path(a).name if i == 0 else a for i, a in enumerate(argv[:4]))}")
         if is_launch(args):
-            LAUNCHES.append(f"{CURRENT_TEST[0]}: {' '.join(argv[1:4])}")
+            LAUNCHES.append(f"{owner}: {' '.join(argv[1:4])}")
         return original(self, args, *rest, **kwargs)
 
     init._counts_launches = True
@@ -470,22 +475,23 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
 
 
 _EMPTY_STORE: list[Path] = []
+_EMPTY_STORE_LOCK = threading.Lock()
 
 
 def sqlite_store(path: Path) -> str:
     """`sqlite:///<path>`, an empty MLflow store: a copy of one whose tables MLflow made once in
     this run. Making them (every schema migration, one by one) costs each new store's first user a
-    second or two; tests/jobs/test_jobs.py's run without torch and the session's server still
-    start from no file."""
+    second or two; DataJobsRun and the session's server still start from no file."""
     import shutil
     import tempfile
 
-    if not _EMPTY_STORE:
-        from mlflow.tracking import MlflowClient
+    with _EMPTY_STORE_LOCK:  # a background scenario may ask at the same time (tests/scenarios.py)
+        if not _EMPTY_STORE:
+            from mlflow.tracking import MlflowClient
 
-        template = Path(tempfile.mkdtemp(prefix="freescale-empty-store-")) / "mlflow.db"
-        MlflowClient(f"sqlite:///{template}").search_experiments()
-        _EMPTY_STORE.append(template)
+            template = Path(tempfile.mkdtemp(prefix="freescale-empty-store-")) / "mlflow.db"
+            MlflowClient(f"sqlite:///{template}").search_experiments()
+            _EMPTY_STORE.append(template)
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(_EMPTY_STORE[0], path)
     return f"sqlite:///{path}"
