@@ -73,6 +73,16 @@ def pytest_collection_finish(session):
     # tier starts no process.
     if not session.config.getoption("fast") and any(item.get_closest_marker("spawns") for item in session.items):
         helpers.DATA_JOBS.append(helpers.DataJobsRun().start())
+        # And the scenarios that need only a folder, when a selected test uses them (tests/scenarios.py).
+        import tempfile
+
+        from tests.scenarios import start_background_at_session_start
+
+        BACKGROUND_ROOT.append(Path(tempfile.mkdtemp(prefix="freescale-background-")))
+        start_background_at_session_start(BACKGROUND_ROOT[0])
+
+
+BACKGROUND_ROOT: list[Path] = []
 
 
 def fast_tier_violations() -> list[str]:
@@ -97,6 +107,8 @@ def pytest_sessionfinish(session, exitstatus):
 
     for started in BACKGROUND.values():  # a run cut short (-x) leaves no launch behind
         started.thread.join(helpers.TIMEOUT_S)
+    for root in BACKGROUND_ROOT:
+        shutil.rmtree(root, ignore_errors=True)
     for data_jobs in helpers.DATA_JOBS:
         if data_jobs.thread is not None:
             data_jobs.thread.join(60)
@@ -184,10 +196,11 @@ def movielens_prepared(spark, movielens_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
     """2-rank balanced shards of MovieLens-100K (kk, 16 samples per rank per step)."""
-    from tests.scenarios import start_background
+    from tests.scenarios import run_hung, start_background
 
     shards = _balanced_shards(movielens_prepared, tmp_path_factory.mktemp("ml-shards") / "kk", world_size=2)
-    start_background(shards, tmp_path_factory)
+    if "hung_run" in helpers.SELECTED_FIXTURES:  # mostly a wait: it overlaps the tests that run meanwhile
+        start_background("hung_run", run_hung, shards, tmp_path_factory.mktemp("hung"))
     return shards
 
 

@@ -4,7 +4,10 @@ dist` -- started once per test run, the first time a test asks for it, and read 
 several packages. ``SCENARIOS`` lists them (name -> what it runs); a test that uses one is marked
 ``e2e`` (``pytest -m e2e`` runs the tier, ``-m "not e2e"`` the rest) and ``spawns`` (``--fast`` leaves
 it out). conftest.py imports them, with the fixtures they build on (Spark, the MovieLens prepare and
-shards, the mlflow server)."""
+shards, the mlflow server). The scenarios that mostly wait, or take one core, start in the
+background (``Background``) as soon as what they need exists, when a selected test uses them:
+those that need only a folder when the session starts (``AT_SESSION_START``), the hung run once
+the MovieLens shards exist."""
 from __future__ import annotations
 
 import contextlib
@@ -189,7 +192,7 @@ def hung_run(movielens_shards, e2e_dir):
     """Row-wise, prioritized, recorded in a sqlite store, a 10 s collective timeout (5 s timed out
     a loaded machine's first steps); rank 1 is stopped (SIGSTOP: alive but silent) after step 2,
     so rank 0's next collective times out. Mostly a wait: it starts in the background as soon as
-    the MovieLens shards exist (``start_background``), when a selected test uses it."""
+    the MovieLens shards exist (conftest.py), when a selected test uses it."""
     started = BACKGROUND.get("hung_run")
     return started.result() if started else run_hung(movielens_shards, e2e_dir)
 
@@ -248,14 +251,90 @@ class Background:
 
 BACKGROUND: dict[str, Background] = {}
 """The scenarios started in the background, by name."""
+AT_SESSION_START: dict = {}
+"""Scenario bodies that need only a folder (name -> body(folder)): started in the background when
+the session starts (``start_background_at_session_start``)."""
 
 
-def start_background(shards: Path, tmp_path_factory) -> None:
-    """Start the scenarios that mostly wait (``hung_run``) in threads, once the MovieLens shards they
-    train on exist, when a selected test uses them (``helpers.SELECTED_FIXTURES``): their waits
-    overlap the tests that run meanwhile."""
-    if "hung_run" in helpers.SELECTED_FIXTURES and "hung_run" not in BACKGROUND:
-        BACKGROUND["hung_run"] = Background("hung_run", run_hung, shards, tmp_path_factory.mktemp("hung"))
+def start_background(name: str, body, *args) -> None:
+    """``body(*args)`` in a thread, when a selected test uses the scenario ``name``
+    (``helpers.SELECTED_FIXTURES``): its waits overlap the tests that run meanwhile."""
+    if name in helpers.SELECTED_FIXTURES and name not in BACKGROUND:
+        BACKGROUND[name] = Background(name, body, *args)
+
+
+def start_background_at_session_start(root: Path) -> None:
+    for name, body in AT_SESSION_START.items():
+        start_background(name, body, root / name)
+
+
+def background_or_now(name: str, body, tmp_path_factory):
+    """A scenario of AT_SESSION_START: its background run's result, or (not started) run now."""
+    started = BACKGROUND.get(name)
+    return started.result() if started else body(tmp_path_factory.mktemp(name))
+
+
+def at_session_start(body):
+    AT_SESSION_START[body.__name__.removeprefix("run_")] = body
+    return body
+
+
+@at_session_start
+def run_lone_node(folder: Path) -> SimpleNamespace:
+    """Node 0 of 2 alone at a free endpoint, --rdzv-timeout LONE_NODE_TIMEOUT_S, an empty shard folder
+    (the ranks never start); its first stderr line and when, its end and output."""
+    import time
+    import uuid
+
+    shards = folder / "shards"
+    shards.mkdir(parents=True)
+    seen = SimpleNamespace(endpoint=f"127.0.0.1:{helpers.free_port()}", marker=uuid.uuid4().hex, logs=folder / "logs")
+    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "1",
+           "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", seen.endpoint,
+           "--rdzv-timeout", str(LONE_NODE_TIMEOUT_S), "--tracking-uri", "none"]
+    # The marker is in the environment of the launcher and all it starts.
+    env = {**helpers.train_env(), "FREESCALE_LOG_DIR": str(seen.logs), "FREESCALE_TEST_RDZV": seen.marker}
+    seen.started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        seen.first = proc.stderr.readline()
+        seen.said_at = time.monotonic()
+        seen.out, seen.rest = proc.communicate(timeout=LONE_NODE_TIMEOUT_S + 30)
+    finally:
+        if proc.poll() is None:
+            helpers.kill_tree(proc.pid)
+            proc.wait()
+    seen.ended, seen.returncode = time.monotonic(), proc.returncode
+    return seen
+
+
+LONE_NODE_TIMEOUT_S = 5  # short: the run takes about this and torchrun's start
+
+
+@scenario
+def lone_node(tmp_path_factory):
+    """`freescale train` as node 0 of 2 with node 1 never started, --rdzv-timeout 5: it waits, then
+    gives up (a wait: started in the background with the session). Attributes: endpoint, marker,
+    logs, first (its first stderr line), started, said_at, ended (monotonic), returncode, out, rest."""
+    return background_or_now("lone_node", run_lone_node, tmp_path_factory)
+
+
+@at_session_start
+def run_gpu_bench_smoke(folder: Path) -> tuple[subprocess.CompletedProcess, str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    output = folder / "hstu_gpu.md"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.hstu_gpu_bench", "--smoke", "--output", str(output)],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return run, output.read_text() if output.exists() else ""
+
+
+@scenario
+def gpu_bench_smoke(tmp_path_factory):
+    """`python -m benchmarks.hstu_gpu_bench --smoke`: the GPU check's every section at toy sizes on
+    CPU, through the Triton interpreter (one process on one core, started in the background with the
+    session). Returns the finished run and the markdown it wrote."""
+    return background_or_now("gpu_bench_smoke", run_gpu_bench_smoke, tmp_path_factory)
 
 
 @scenario

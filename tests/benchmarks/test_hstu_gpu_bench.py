@@ -13,19 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import spawns
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "benchmarks.hstu_gpu_bench"]  # run from the repository root
 
 
-@pytest.fixture(scope="module")
-@spawns
-def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
-    output = tmp_path_factory.mktemp("gpu_bench") / "hstu_gpu.md"
-    run = subprocess.run([*BENCH, "--smoke", "--output", str(output)], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
-    return run, output.read_text() if output.exists() else ""
+@pytest.fixture
+def smoke(gpu_bench_smoke) -> tuple[subprocess.CompletedProcess, str]:
+    """The session's smoke run (tests/scenarios.py: started in the background with the session)."""
+    return gpu_bench_smoke
 
 
 def test_smoke_run_prints_every_section_and_writes_them(smoke) -> None:

@@ -8,12 +8,11 @@ import json
 import re
 import subprocess
 import sys
-import time
-import uuid
 
 import pytest
 
 from tests import helpers
+from tests.scenarios import LONE_NODE_TIMEOUT_S
 
 STEPS = 20
 
@@ -103,41 +102,20 @@ def test_a_failed_rendezvous_says_what_torchrun_knew(said, gave_up, reason, code
     assert waiting._reason(1, said) == (reason, code)
 
 
-RDZV_TIMEOUT_S = 5  # short: the test takes about this and torchrun's start
-
-
-@pytest.mark.spawns
-def test_a_node_alone_gives_up_at_the_rdzv_timeout(tmp_path):
-    """Node 0 of 2 with node 1 never started: a line when it starts waiting, and past --rdzv-timeout
-    one error line naming the endpoint and the count torchrun gave, exit 3, nothing left running.
-    The ranks never start, so an empty shard folder does."""
-    endpoint = f"127.0.0.1:{helpers.free_port()}"
-    marker = uuid.uuid4().hex  # in the environment of the launcher and all it starts
-    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(tmp_path), "--nproc-per-node", "1",
-           "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
-           "--rdzv-timeout", str(RDZV_TIMEOUT_S), "--tracking-uri", "none"]
-    env = {**helpers.train_env(), "FREESCALE_LOG_DIR": str(tmp_path / "logs"), "FREESCALE_TEST_RDZV": marker}
-    started = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=helpers.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        first = proc.stderr.readline()
-        said_at = time.monotonic()
-        out, rest = proc.communicate(timeout=RDZV_TIMEOUT_S + 30)
-    finally:
-        if proc.poll() is None:
-            helpers.kill_tree(proc.pid)
-            proc.wait()
-    ended = time.monotonic()
-    assert first == f"freescale train: waiting for 2 nodes at {endpoint}, up to {RDZV_TIMEOUT_S} s\n"
-    assert ended - said_at >= RDZV_TIMEOUT_S  # said when the wait began, not when it ended
-    assert proc.returncode == 3, rest
-    assert out == ""
-    [last] = rest.splitlines()
+def test_a_node_alone_gives_up_at_the_rdzv_timeout(lone_node):
+    """Node 0 of 2 with node 1 never started (tests/scenarios.py's lone_node): a line when it starts
+    waiting, and past --rdzv-timeout one error line naming the endpoint and the count torchrun gave,
+    exit 3, nothing left running. The ranks never start, so an empty shard folder does."""
+    run, endpoint = lone_node, lone_node.endpoint
+    assert run.first == f"freescale train: waiting for 2 nodes at {endpoint}, up to {LONE_NODE_TIMEOUT_S} s\n"
+    assert run.ended - run.said_at >= LONE_NODE_TIMEOUT_S  # said when the wait began, not when it ended
+    assert run.returncode == 3, run.rest
+    assert run.out == ""
+    [last] = run.rest.splitlines()
     assert re.fullmatch(rf"freescale train: error: rendezvous at {re.escape(endpoint)} timed out after "
-                        rf"{RDZV_TIMEOUT_S} s: 1 of 2 nodes joined \(details: .+\.log\)", last), last
-    assert ended - started < RDZV_TIMEOUT_S + 30
-    assert helpers.processes_with("FREESCALE_TEST_RDZV", marker) == []
+                        rf"{LONE_NODE_TIMEOUT_S} s: 1 of 2 nodes joined \(details: .+\.log\)", last), last
+    assert run.ended - run.started < LONE_NODE_TIMEOUT_S + 30
+    assert helpers.processes_with("FREESCALE_TEST_RDZV", run.marker) == []
 
 
 def train_nodes(shards, tmp_path, name: str, nodes: list[list[str]]) -> tuple[list[subprocess.CompletedProcess],
