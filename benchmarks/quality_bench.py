@@ -28,7 +28,8 @@ user trains and is tested), no user features. ``--config`` then names the recipe
 and early stopping is the config's (both shipped recipes validate every pass with patience).
 Several ``--input`` (or ``--prepared``) run one after another in one command, each in its own
 ``--workdir`` subfolder named after it, with a table per dataset and the whole command's wall time
-at the end. ``--stop-after-epochs N`` cuts every run after N epochs of the config's schedule
+at the end. ``--resume`` keeps the runs an interrupted bench finished (each run's minutes are
+saved beside its summary) and trains the rest. ``--stop-after-epochs N`` cuts every run after N epochs of the config's schedule
 (``--max-steps`` N x the dataset's steps per epoch): the same budget in epochs on every dataset.
 
 A grid per model: ``--grid "hstu:model.hstu.dropout=0.3,0.5;loss.num_negatives=128,512"`` trains every
@@ -122,6 +123,8 @@ def main() -> None:
                         help="settings to choose from by the validation item, per model (repeatable)")
     parser.add_argument("--stop-after-epochs", type=int, default=0, metavar="N",
                         help="cut each run after N epochs of the config's schedule (default: the config's end)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs a stopped bench finished in --workdir (their summaries and minutes)")
     args, args.overrides = parser.parse_known_args()  # the rest: config overrides for every run
     names = args.models.split(",")
     if not set(names) <= set(MODELS):
@@ -171,10 +174,13 @@ def bench_dataset(args, dataset: str, work: Path, source: tuple[str, bool] | Non
                 # One setting (no grid): the file names the bench always wrote, so old workdirs still report.
                 stem = f"{name}-{rep}" if len(settings[name]) == 1 else f"{name}-{label.replace('/', '_')}-{rep}"
                 out = work / f"{stem}.json"
-                if not args.report_only:
+                took = out.with_suffix(".minutes")  # written after the summary: the run finished
+                if not args.report_only and not (args.resume and took.exists()):
                     began = time.time()
                     train(shards, steps, rep, out, args, "--config", args.config, *extra, *args.overrides, *overrides)
-                    minutes[name].setdefault(label, []).append((time.time() - began) / 60)
+                    took.write_text(f"{(time.time() - began) / 60}\n")
+                if took.exists():
+                    minutes[name].setdefault(label, []).append(float(took.read_text()))
                 summary = json.loads(out.read_text())["summary"]
                 results[name].setdefault(label, []).append(summary)
                 # A grid's runs show the validation item only: the test item is reported for the chosen setting.
