@@ -102,6 +102,9 @@ class HSTUConfig:
     output_norm: bool = shape(False)
     """A LayerNorm over the last layer's output before the L2 normalisation (SASRec's final
     LayerNorm here). False (default): none."""
+    norm_affine: bool = shape(True)
+    """Learned scale and shift in each layer's two LayerNorms (on ``X`` and on ``A V``). False: none,
+    as in Meta's reference code (its ``F.layer_norm`` takes no weight). Experimental (issue 27)."""
     init: HSTUInit = "torch"
     """Initial weights of each layer's projections. ``"torch"`` (default): ``nn.Linear``'s own
     (Kaiming-uniform weights and biases). ``"reference"``: Meta's reference code's, ``W_uvqk`` drawn

@@ -142,11 +142,11 @@ class HSTULayer(nn.Module):
         self.linear_dim = config.linear_dim
         value_width = config.num_heads * config.linear_dim
         qk_width = config.num_heads * config.attention_dim
-        self.input_norm = nn.LayerNorm(width)
+        self.input_norm = nn.LayerNorm(width, elementwise_affine=config.norm_affine)
         # One projection for U, V, Q, K: a single GEMM over [T, D] instead of four.
         self.uvqk = nn.Linear(width, 2 * value_width + 2 * qk_width)
         self.relative_bias = RelativeAttentionBias(config)
-        self.attention_norm = nn.LayerNorm(value_width)
+        self.attention_norm = nn.LayerNorm(value_width, elementwise_affine=config.norm_affine)
         self.dropout = nn.Dropout(config.dropout)
         self.output = nn.Linear(value_width, width)
         if config.init == "reference":

@@ -754,3 +754,24 @@ def test_hstu_reference_init_draws_the_reference_spreads() -> None:
     assert HSTUEncoder(replace(config, init="torch"), WIDTH).layers[0].uvqk.weight.std().item() > 0.03
     with pytest.raises(ValueError, match="init"):
         HSTUConfig(init="xavier")
+
+
+def test_hstu_norms_without_affine_have_no_parameters_and_match_the_plain_formula() -> None:
+    """``norm_affine = false`` (Meta's reference): both LayerNorms normalise only. The same model with
+    learned norms left at their initial scale 1 and shift 0 computes the same outputs."""
+    assert SMALL.norm_affine
+    config = replace(SMALL, norm_affine=False)
+    torch.manual_seed(0)
+    plain = HSTUEncoder(config, WIDTH).eval()
+    assert not any("norm" in name for name, _ in plain.named_parameters())
+    affine = HSTUEncoder(SMALL, WIDTH).eval()
+    assert {name for name, _ in affine.named_parameters()} - {name for name, _ in plain.named_parameters()} == {
+        f"layers.{i}.{norm}.{p}" for i in range(SMALL.num_layers)
+        for norm in ("input_norm", "attention_norm") for p in ("weight", "bias")}
+    affine.load_state_dict(plain.state_dict(), strict=False)
+    values, offsets, timestamps = encoder_inputs([5, 2], WIDTH)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(values, offsets, timestamps), affine(values, offsets, timestamps))
+        for layer in affine.layers:
+            layer.input_norm.weight.mul_(2.0)
+        assert not torch.allclose(plain(values, offsets, timestamps), affine(values, offsets, timestamps))
