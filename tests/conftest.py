@@ -110,8 +110,8 @@ def pytest_sessionfinish(session, exitstatus):
     for root in BACKGROUND_ROOT:
         shutil.rmtree(root, ignore_errors=True)
     for data_jobs in helpers.DATA_JOBS:
-        if data_jobs.thread is not None:
-            data_jobs.thread.join(60)
+        if data_jobs.background is not None:
+            data_jobs.background.thread.join(60)
         shutil.rmtree(data_jobs.root, ignore_errors=True)
     if session.config.getoption("fast") and fast_tier_violations() and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -199,8 +199,8 @@ def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
     from tests.scenarios import run_hung, start_background
 
     shards = _balanced_shards(movielens_prepared, tmp_path_factory.mktemp("ml-shards") / "kk", world_size=2)
-    if "hung_run" in helpers.SELECTED_FIXTURES:  # mostly a wait: it overlaps the tests that run meanwhile
-        start_background("hung_run", run_hung, shards, tmp_path_factory.mktemp("hung"))
+    # Mostly a wait: it overlaps the tests that run meanwhile.
+    start_background("hung_run", lambda: run_hung(shards, tmp_path_factory.mktemp("hung")))
     return shards
 
 

@@ -90,8 +90,7 @@ class DataJobsRun:
         import tempfile
 
         self.root = Path(tempfile.mkdtemp(prefix="freescale-data-jobs-"))
-        self.thread: threading.Thread | None = None
-        self.run: subprocess.CompletedProcess | None = None
+        self.background: Background | None = None
 
     def code(self, dump: bool) -> str:
         out, db = self.root / "out", self.root / "mlflow.db"
@@ -111,23 +110,46 @@ class DataJobsRun:
         opts = f"{JVM_SPEED_OPTS} -XX:ArchiveClassesAtExit={partial}" if dump else TEST_JVM_OPTS
         env = {**os.environ, "SPARK_SUBMIT_OPTS": opts, "FREESCALE_LOG_DIR": str(self.root / "logs")}
 
-        def work() -> None:
-            self.run = loaded_after(self.code(dump), timeout=600, env=env)
-            if dump and self.run.returncode == 0 and partial.exists():
-                os.replace(partial, SPARK_CLASS_ARCHIVE)
-            partial.unlink(missing_ok=True)
+        def work() -> subprocess.CompletedProcess:
+            try:
+                run = loaded_after(self.code(dump), timeout=600, env=env)
+                if dump and run.returncode == 0 and partial.exists():
+                    os.replace(partial, SPARK_CLASS_ARCHIVE)
+                return run
+            finally:
+                partial.unlink(missing_ok=True)
 
-        self.thread = threading.Thread(target=work, name="data-jobs-run", daemon=True)
-        self.thread.start()
+        self.background = Background("data-jobs-run", work)
         return self
 
     def result(self) -> subprocess.CompletedProcess:
         """The finished run (waiting for it)."""
-        if self.thread is None:
+        if self.background is None:
             self.start()
+        return self.background.result()
+
+
+class Background:
+    """``run()`` in a thread, so that its waits overlap the tests that run meanwhile; ``result()``
+    waits for it and re-raises what it raised."""
+
+    def __init__(self, name: str, run: Callable[[], Any]) -> None:
+        self.value, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(run,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, run: Callable[[], Any]) -> None:
+        try:
+            self.value = run()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the test that reads the result
+            self.error = exc
+
+    def result(self):
         self.thread.join(TIMEOUT_S)
-        assert self.run is not None, "the data jobs run did not finish"
-        return self.run
+        if self.error is not None:
+            raise self.error
+        assert not self.thread.is_alive(), f"the background run {self.thread.name} did not finish"
+        return self.value
 
 
 DATA_JOBS: list[DataJobsRun] = []
@@ -175,7 +197,7 @@ def count_launches() -> None:
 
     def init(self, args, *rest, **kwargs):
         argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
-        # A background thread's process is its own (tests/scenarios.py's Background), not the current test's.
+        # A background thread's process is its own (helpers.Background), not the current test's.
         owner = CURRENT_TEST[0] if threading.current_thread() is threading.main_thread() else \
             f"(background) {threading.current_thread().name}"
         PROCESSES.append(f"{owner}: {' '.join(Path(a).name if i == 0 else a for i, a in enumerate(argv[:4]))}")

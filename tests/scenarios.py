@@ -5,12 +5,13 @@ several packages. ``SCENARIOS`` lists them (name -> what it runs); a test that u
 ``e2e`` (``pytest -m e2e`` runs the tier, ``-m "not e2e"`` the rest) and ``spawns`` (``--fast`` leaves
 it out). conftest.py imports them, with the fixtures they build on (Spark, the MovieLens prepare and
 shards, the mlflow server). The scenarios that mostly wait, or take one core, start in the
-background (``Background``) as soon as what they need exists, when a selected test uses them:
+background (``helpers.Background``) as soon as what they need exists, when a selected test uses them:
 those that need only a folder when the session starts (``AT_SESSION_START``), the hung run once
 the MovieLens shards exist."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -193,8 +194,7 @@ def hung_run(movielens_shards, e2e_dir):
     a loaded machine's first steps); rank 1 is stopped (SIGSTOP: alive but silent) after step 2,
     so rank 0's next collective times out. Mostly a wait: it starts in the background as soon as
     the MovieLens shards exist (conftest.py), when a selected test uses it."""
-    started = BACKGROUND.get("hung_run")
-    return started.result() if started else run_hung(movielens_shards, e2e_dir)
+    return background_or_now("hung_run", lambda: run_hung(movielens_shards, e2e_dir))
 
 
 def run_hung(shards: Path, folder: Path) -> SimpleNamespace:
@@ -225,53 +225,29 @@ def run_hung(shards: Path, folder: Path) -> SimpleNamespace:
     return seen
 
 
-class Background:
-    """A scenario's body running in a thread; ``result()`` waits for it and re-raises what it raised."""
-
-    def __init__(self, name: str, body, *args) -> None:
-        import threading
-
-        self.value, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(body, *args), name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self, body, *args) -> None:
-        try:
-            self.value = body(*args)
-        except BaseException as exc:  # noqa: BLE001 -- handed to the test that reads the scenario
-            self.error = exc
-
-    def result(self):
-        self.thread.join(helpers.TIMEOUT_S)
-        if self.error is not None:
-            raise self.error
-        assert not self.thread.is_alive(), "the background scenario did not finish"
-        return self.value
-
-
-BACKGROUND: dict[str, Background] = {}
+BACKGROUND: dict[str, helpers.Background] = {}
 """The scenarios started in the background, by name."""
 AT_SESSION_START: dict = {}
 """Scenario bodies that need only a folder (name -> body(folder)): started in the background when
 the session starts (``start_background_at_session_start``)."""
 
 
-def start_background(name: str, body, *args) -> None:
-    """``body(*args)`` in a thread, when a selected test uses the scenario ``name``
+def start_background(name: str, run) -> None:
+    """``run()`` in a thread (``helpers.Background``), when a selected test uses the scenario ``name``
     (``helpers.SELECTED_FIXTURES``): its waits overlap the tests that run meanwhile."""
     if name in helpers.SELECTED_FIXTURES and name not in BACKGROUND:
-        BACKGROUND[name] = Background(name, body, *args)
+        BACKGROUND[name] = helpers.Background(name, run)
 
 
 def start_background_at_session_start(root: Path) -> None:
     for name, body in AT_SESSION_START.items():
-        start_background(name, body, root / name)
+        start_background(name, functools.partial(body, root / name))
 
 
-def background_or_now(name: str, body, tmp_path_factory):
-    """A scenario of AT_SESSION_START: its background run's result, or (not started) run now."""
+def background_or_now(name: str, run):
+    """The scenario ``name``'s background run's result, or (not started) ``run()`` now."""
     started = BACKGROUND.get(name)
-    return started.result() if started else body(tmp_path_factory.mktemp(name))
+    return started.result() if started else run()
 
 
 def at_session_start(body):
@@ -317,7 +293,7 @@ def lone_node(tmp_path_factory):
     """`freescale train` as node 0 of 2 with node 1 never started, --rdzv-timeout 5: it waits, then
     gives up (a wait: started in the background with the session). Attributes: endpoint, marker,
     logs, first (its first stderr line), started, said_at, ended (monotonic), returncode, out, rest."""
-    return background_or_now("lone_node", run_lone_node, tmp_path_factory)
+    return background_or_now("lone_node", lambda: run_lone_node(tmp_path_factory.mktemp("lone_node")))
 
 
 @at_session_start
@@ -334,7 +310,7 @@ def gpu_bench_smoke(tmp_path_factory):
     """`python -m benchmarks.hstu_gpu_bench --smoke`: the GPU check's every section at toy sizes on
     CPU, through the Triton interpreter (one process on one core, started in the background with the
     session). Returns the finished run and the markdown it wrote."""
-    return background_or_now("gpu_bench_smoke", run_gpu_bench_smoke, tmp_path_factory)
+    return background_or_now("gpu_bench_smoke", lambda: run_gpu_bench_smoke(tmp_path_factory.mktemp("gpu_bench_smoke")))
 
 
 @scenario
