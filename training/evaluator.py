@@ -63,6 +63,30 @@ def batch_negatives(batch: SequenceBatch, num_items: int, count: int, seed: int)
     return unseen_negatives(batch.user_ids, (batch.lengths + 2, ids), num_items, count, seed)
 
 
+class NegativeDraws:
+    """The sampled protocol's negatives of one rank's shard, drawn at its first evaluation and
+    reused by every later one of the run (each validation, then the test).
+
+    A sample's draw depends on the seed, its user and the items it holds alone
+    (``batch_negatives``), and a rank reads its shard in the same order every pass, so the
+    draws are kept by the batch's place in that order; the user ids are checked against the
+    batch's, and a batch that differs is drawn again. Redrawing every validation cost 38% of a
+    validation pass on Amazon Beauty (``benchmarks/eval_bench.py``). Holds ``count`` ids per sample
+    of the shard (int32: 400 bytes per sample at 100 negatives)."""
+
+    def __init__(self, num_items: int, count: int, seed: int) -> None:
+        self.num_items, self.count, self.seed = num_items, count, seed
+        self.drawn: dict[int, tuple[list[str], torch.Tensor]] = {}
+
+    def of(self, ordinal: int, batch: SequenceBatch) -> torch.Tensor:
+        """``[B, count]`` int64 negatives of the ``ordinal``-th batch of this rank's pass."""
+        kept = self.drawn.get(ordinal)
+        if kept is None or kept[0] != batch.user_ids:
+            kept = (list(batch.user_ids), batch_negatives(batch, self.num_items, self.count, self.seed).to(torch.int32))
+            self.drawn[ordinal] = kept
+        return kept[1].to(torch.int64)
+
+
 def score_queries(model: SequentialRecommender, batch: SequenceBatch, use: Literal["valid", "test"] = "test",
                   item_table: torch.Tensor | None = None,
                   user_tables: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -129,7 +153,7 @@ def evaluate_batch(model: SequentialRecommender, batch: SequenceBatch, all_item_
 def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_size: int,
              device: torch.device, max_samples: int | None = None,
              evaluation: EvaluationConfig | None = None, seed: int = 0,
-             uses: tuple[str, ...] = tuple(SPLIT_PREFIX)) -> dict[str, float]:
+             uses: tuple[str, ...] = tuple(SPLIT_PREFIX), negatives: NegativeDraws | None = None) -> dict[str, float]:
     """Score this rank's shard's ``uses`` targets (test and validation), then sum over ranks (a
     collective: all ranks call it). The most-popular baseline comes with the test item.
 
@@ -137,7 +161,8 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     locally, so ranks may hold different numbers of samples. Under the mirror control
     every rank holds the same samples: rank r scores steps r, r+K, ... ``max_samples``
     caps the samples scored per rank; the popularity counts still see the whole shard.
-    ``seed`` (the training seed) seeds the sampled protocol's negatives.
+    ``seed`` (the training seed) seeds the sampled protocol's negatives; ``negatives`` keeps them
+    from one evaluation to the next (a run's validations pass the same one).
     """
     sampled = (evaluation or EvaluationConfig()).sampled_negatives
     model.eval()
@@ -149,15 +174,17 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
             for use in uses}
     counts = torch.zeros(manifest.num_items + 1, dtype=torch.float64)
     targets: list[torch.Tensor] = []
-    negatives: list[torch.Tensor] = []
+    drawn_rows: list[torch.Tensor] = []
+    if sampled and negatives is None:
+        negatives = NegativeDraws(manifest.num_items, sampled, seed)
     seen = 0
-    for batch in build_loader(manifest, rank, prefetch=0):
+    for ordinal, batch in enumerate(build_loader(manifest, rank, prefetch=0)):
         if batch.batch_size == 0 or (mirror and batch.step % world_size != rank):
             continue
         counts += torch.bincount(batch.item_ids, minlength=counts.numel()).to(torch.float64)
         if max_samples is not None and seen >= max_samples:
             continue
-        drawn = batch_negatives(batch, manifest.num_items, sampled, seed) if sampled else None
+        drawn = negatives.of(ordinal, batch) if sampled else None
         batch = batch.to(device)
         for use in uses:  # one draw of negatives for both: none is either target
             sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, item_table=raw,
@@ -165,7 +192,7 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
                                                    negative_ids=None if drawn is None else drawn.to(device))
         targets.append(batch.test_item.cpu())
         if drawn is not None:
-            negatives.append(drawn)
+            drawn_rows.append(drawn)
         seen += batch.batch_size
     model.train()
     result: dict[str, float] = {}
@@ -183,7 +210,7 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K)
     result.update(_named(baseline, world_size, "popular_"))
     if sampled:
-        all_negatives = torch.cat(negatives) if negatives else torch.zeros(0, sampled, dtype=torch.int64)
+        all_negatives = torch.cat(drawn_rows) if drawn_rows else torch.zeros(0, sampled, dtype=torch.int64)
         baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K,
                                          negative_ids=all_negatives)
         result.update(_named(baseline, world_size, "popular_sampled_"))

@@ -23,7 +23,7 @@ from training.bubbles import StepTimeLog
 from training.checkpoint import Checkpointer
 from training.config import TrainConfig, to_flat_dict
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
-from training.evaluator import check_protocol, evaluate
+from training.evaluator import NegativeDraws, check_protocol, evaluate
 from training.model import build_model
 from training.resume import checkpoint_states, resume_latest
 from training.seeding import StepNegatives, rank_generator, seed_initial_weights
@@ -102,6 +102,9 @@ class Trainer:
             self.schedule = LearningRateSchedule(config.optimizer, planned, self.dense_optimizer,
                                                  self.model.fused_optimizers())
             self.validation = Validation(config.evaluation, self.manifest.num_steps, self.sharded_model)
+            # Drawn at the first validation, reused by the later ones and the test.
+            self.eval_negatives = NegativeDraws(self.manifest.num_items, config.evaluation.sampled_negatives,
+                                                config.training.seed)
             self.resumed_sink_state: dict[str, Any] = {}
             if config.checkpoint.resume:
                 resume_latest(self.checkpointer, config, self.manifest.sha256, self.env.rank, self.dense_optimizer,
@@ -207,7 +210,7 @@ class Trainer:
         summary.update(self.validation.summary())
         summary.update(evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
                                 self.config.training.eval_max_samples or None, self.config.evaluation,
-                                self.config.training.seed))
+                                self.config.training.seed, negatives=self.eval_negatives))
         return TrainResult(summary, table, list(self.log.steps), list(step_losses(table)), self.manifest,
                            self.training_step.comm_issue_order)
 
@@ -215,7 +218,7 @@ class Trainer:
         """Score the validation item (a collective), record it, and keep the weights if best."""
         scores = evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
                           self.config.training.eval_max_samples or None, self.config.evaluation,
-                          self.config.training.seed, uses=("valid",))
+                          self.config.training.seed, uses=("valid",), negatives=self.eval_negatives)
         improved = self.validation.take(scores, self.step, last=self.step >= self.max_steps)
         if self.env.rank != 0:
             return

@@ -10,7 +10,8 @@ import torch
 from shards.manifest import load_manifest
 from training.batch import SequenceBatch
 from training.config import ConfigError, EvaluationConfig, HSTUConfig, ModelConfig
-from training.evaluator import batch_negatives, check_protocol, evaluate
+from training import evaluator
+from training.evaluator import NegativeDraws, batch_negatives, check_protocol, evaluate
 from training.ranking_metrics import most_popular_baseline, sampled_retrieval_metrics, unseen_negatives
 from training.model import build_local_model
 
@@ -79,6 +80,20 @@ def test_negatives_are_seeded_per_user_whatever_the_batch() -> None:
     assert torch.equal(unseen_negatives(["u7"], (lengths, ids), 500, 100, seed=0)[0], first)
 
 
+def test_negative_draws_are_drawn_once_per_batch_and_redrawn_for_other_users(monkeypatch) -> None:
+    draws = NegativeDraws(num_items=500, count=100, seed=0)
+    first = history_batch([[1, 2, 3], [4, 5]], [6, 7], [8, 9], ["u1", "u2"])
+    expected = batch_negatives(first, 500, 100, seed=0)
+    calls = []
+    monkeypatch.setattr(evaluator, "batch_negatives",
+                        lambda *args: calls.append(args) or batch_negatives(*args))
+    assert torch.equal(draws.of(0, first), expected) and draws.of(0, first).dtype == torch.int64
+    assert len(calls) == 1  # the second pass over the same batch reused the draw
+    other = history_batch([[1, 2, 3]], [6], [8], ["u3"])
+    assert torch.equal(draws.of(0, other), batch_negatives(other, 500, 100, seed=0))
+    assert len(calls) == 2 and draws.drawn[0][0] == ["u3"]
+
+
 @pytest.mark.slow
 def test_protocol_zero_keeps_the_full_catalog_summary(movielens_shards) -> None:
     """One rank's shard, in process: the full-catalog metrics do not depend on the protocol,
@@ -92,6 +107,9 @@ def test_protocol_zero_keeps_the_full_catalog_summary(movielens_shards) -> None:
     full = evaluate(*args, EvaluationConfig(sampled_negatives=0), seed=0)
     both = evaluate(*args, EvaluationConfig(sampled_negatives=100), seed=0)
     assert not [key for key in full if "sampled" in key]
+    kept = NegativeDraws(manifest.num_items, 100, seed=0)  # as a run's validations share them
+    assert evaluate(*args, EvaluationConfig(sampled_negatives=100), seed=0, negatives=kept) == both
+    assert kept.drawn and evaluate(*args, EvaluationConfig(sampled_negatives=100), seed=0, negatives=kept) == both
     assert {key: both[key] for key in full} == full
     for name in METRICS:
         assert 0.0 <= both[f"sampled_{name}"] <= 1.0 and both[f"sampled_{name}"] >= full[name]
