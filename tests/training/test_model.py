@@ -470,6 +470,26 @@ def test_retrieval_metrics_hand_computed_ranks() -> None:
     assert chunked == result
 
 
+def test_ranking_by_item_chunks_gives_the_one_matrix_ranks() -> None:
+    """A catalog past ``item_chunk_size`` is ranked chunk by chunk: the same ranks, exclusions and
+    exact ties included (targets in every chunk, excluded items in several chunks)."""
+    generator = torch.Generator().manual_seed(0)
+    items = torch.nn.functional.normalize(torch.randn(41, 8, generator=generator), dim=-1)
+    query = torch.nn.functional.normalize(torch.randn(12, 8, generator=generator), dim=-1)
+    targets = torch.tensor([1, 7, 30, 40, 9, 10, 11, 19, 20, 21, 2, 30])
+    lengths = torch.tensor([0, 3, 1, 0, 2, 0, 5, 0, 0, 1, 0, 2])
+    exclude = (lengths, torch.randint(1, 41, (int(lengths.sum()),), generator=generator))
+    for excluded in (None, exclude):
+        whole = retrieval_metrics(query, items, targets, k=5, exclude=excluded)
+        for chunk in (10, 16, 40):
+            assert retrieval_metrics(query, items, targets, k=5, exclude=excluded, item_chunk_size=chunk) == whole
+    collapsed = torch.zeros(41, 8)  # every item scores 0: ties count against the target, in any chunk
+    assert retrieval_metrics(query, collapsed, targets, k=50, item_chunk_size=10) == metrics_from_ranks(
+        torch.full((12,), 39), k=50)
+    with pytest.raises(ValueError, match="target ids must be in 1..40"):
+        retrieval_metrics(query, items, torch.full((12,), 41), item_chunk_size=10)
+
+
 def test_exclude_removes_items_but_never_the_target() -> None:
     scores = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
     target = torch.tensor([3])
