@@ -12,8 +12,9 @@ parts of that pass on one rank's shard, in process, with the trainer's functions
 * ``rank, sampled``: against the 100 negatives (``sampled_retrieval_metrics``);
 * ``evaluate(), first`` and ``evaluate(), later``: the whole pass as the trainer runs it.
 
-Then the full-catalog ranking alone at larger catalogs (random unit embeddings, the shard's
-query count), the one part that grows with the number of items.
+Then the full-catalog ranking alone at larger catalogs (random unit embeddings,
+``--catalog-queries`` queries), the one part that grows with the number of items: as the
+evaluator ranks (``retrieval_metrics``' default) against one score matrix per batch, alternating.
 
 Each number is the median of ``--repeats`` passes, with [min, max]; the model is untrained
 (the cost does not depend on the weights). One intra-op thread by default: a rank of a 2-rank
@@ -21,7 +22,7 @@ run on 2 cores has one.
 
 Usage (from the repository root):
   python -m benchmarks.eval_bench --shards out/quality/beauty-shards [--config configs/short_history.toml]
-         [--rank 0] [--repeats 3] [--catalogs 100000,1000000] [--output FILE.md]
+         [--rank 0] [--repeats 3] [--catalogs 100000,1000000] [--catalog-queries 2048] [--output FILE.md]
 """
 from __future__ import annotations
 
@@ -48,12 +49,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: one rank's share here)")
     parser.add_argument("--catalogs", default="100000,1000000",
                         help="catalog sizes for the full-catalog ranking alone, comma-separated ('' = none)")
+    parser.add_argument("--catalog-queries", type=int, default=2048,
+                        help="queries ranked in the catalog-size table (default 2048; the shard's batches of 64)")
     parser.add_argument("--output", default=None, help="also write the tables to this markdown file")
     args = parser.parse_args(argv)
     if not (Path(args.shards) / "manifest.json").is_file():
         parser.error(f"--shards {args.shards}: no manifest.json (not a freescale balance output)")
-    if args.repeats < 1 or args.threads < 1:
-        parser.error("--repeats and --threads must be >= 1")
+    if min(args.repeats, args.threads, args.catalog_queries) < 1:
+        parser.error("--repeats, --threads and --catalog-queries must be >= 1")
     try:
         args.catalogs = [int(c) for c in args.catalogs.split(",") if c.strip()]
     except ValueError:
@@ -169,15 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     for part, values in runs.items():
         lines.append(f"| {part} | {cell(values)} | {1e6 * statistics.median(values) / max(samples, 1):.0f} |")
     if args.catalogs:
-        lines += ["", f"Full-catalog ranking alone, {samples} queries of width {config.model.embedding_dim} "
+        queries = args.catalog_queries
+        lines += ["", f"Full-catalog ranking alone, {queries} queries of width {config.model.embedding_dim} "
                   "(random unit embeddings), by catalog size:", "",
                   "| items | seconds | us per query | ns per query and item | one score matrix per batch, seconds | "
                   "one matrix / default |", "| --- | --- | --- | --- | --- | --- |"]
         for catalog in [manifest.num_items, *args.catalogs]:
-            times = catalog_ranking(samples, config.model.embedding_dim, catalog, args.repeats)
+            times = catalog_ranking(queries, config.model.embedding_dim, catalog, args.repeats)
             median = statistics.median(times["default"])
-            lines.append(f"| {catalog:,} | {cell(times['default'])} | {1e6 * median / samples:.0f} | "
-                         f"{1e9 * median / samples / catalog:.2f} | {cell(times['one matrix'])} | "
+            lines.append(f"| {catalog:,} | {cell(times['default'])} | {1e6 * median / queries:.0f} | "
+                         f"{1e9 * median / queries / catalog:.2f} | {cell(times['one matrix'])} | "
                          f"{statistics.median(times['one matrix']) / median:.2f} |")
     text = "\n".join(lines)
     print(text)

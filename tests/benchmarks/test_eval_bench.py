@@ -15,7 +15,7 @@ def test_eval_bench_times_every_part_and_catalog(tmp_path, capsys):
     shards = helpers.write_shards(tmp_path / "shards", num_items=150, num_steps=3)
     output = tmp_path / "eval.md"
     assert eval_bench.main(["--shards", str(shards), "--config", "configs/short_history.toml", "--repeats", "2",
-                            "--catalogs", "500", "--output", str(output)]) == 0
+                            "--catalogs", "500", "--catalog-queries", "100", "--output", str(output)]) == 0
     text = capsys.readouterr().out
     assert output.read_text() == text
     for part in ("read", "negatives, first", "negatives, kept", "encode", "rank, full catalog", "rank, sampled",
@@ -30,7 +30,7 @@ def test_eval_bench_refuses_bad_arguments(tmp_path, capsys):
 
     shards = str(helpers.write_shards(tmp_path / "shards"))
     for argv, message in ((["--shards", "nowhere"], "--shards nowhere: no manifest.json"),
-                          (["--shards", shards, "--repeats", "0"], "--repeats and --threads must be >= 1"),
+                          (["--shards", shards, "--repeats", "0"], "--repeats, --threads and --catalog-queries must be >= 1"),
                           (["--shards", shards, "--catalogs", "1e5"], "--catalogs '1e5': not a comma-separated")):
         with pytest.raises(SystemExit) as stopped:
             eval_bench.main(argv)
