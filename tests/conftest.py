@@ -113,6 +113,8 @@ def pytest_sessionfinish(session, exitstatus):
         if data_jobs.background is not None:
             data_jobs.background.thread.join(60)
         shutil.rmtree(data_jobs.root, ignore_errors=True)
+    for template in helpers.EMPTY_STORE:  # sqlite_store's template, made once per run
+        shutil.rmtree(template.parent, ignore_errors=True)
     if session.config.getoption("fast") and fast_tier_violations() and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -496,8 +496,8 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 15) -> None:
         proc.wait(timeout=10)
 
 
-_EMPTY_STORE: list[Path] = []
-_EMPTY_STORE_LOCK = threading.Lock()
+EMPTY_STORE: list[Path] = []
+EMPTY_STORE_LOCK = threading.Lock()
 
 
 def sqlite_store(path: Path) -> str:
@@ -507,15 +507,15 @@ def sqlite_store(path: Path) -> str:
     import shutil
     import tempfile
 
-    with _EMPTY_STORE_LOCK:  # a background scenario may ask at the same time (tests/scenarios.py)
-        if not _EMPTY_STORE:
+    with EMPTY_STORE_LOCK:  # a background scenario may ask at the same time (tests/scenarios.py)
+        if not EMPTY_STORE:
             from mlflow.tracking import MlflowClient
 
             template = Path(tempfile.mkdtemp(prefix="freescale-empty-store-")) / "mlflow.db"
             MlflowClient(f"sqlite:///{template}").search_experiments()
-            _EMPTY_STORE.append(template)
+            EMPTY_STORE.append(template)
     path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(_EMPTY_STORE[0], path)
+    shutil.copyfile(EMPTY_STORE[0], path)
     return f"sqlite:///{path}"
 
 
