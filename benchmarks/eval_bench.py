@@ -10,7 +10,11 @@ parts of that pass on one rank's shard, in process, with the trainer's functions
 * ``encode``: the query embeddings (``score_queries``: the encoder over each history);
 * ``rank, full catalog``: ranking the target against every item (``retrieval_metrics``);
 * ``rank, sampled``: against the 100 negatives (``sampled_retrieval_metrics``);
-* ``evaluate(), first`` and ``evaluate(), later``: the whole pass as the trainer runs it.
+* ``evaluate(), first`` and ``evaluate(), later``: the whole pass as the trainer runs it; then the
+  same, scoring the shards' batches one by one (``batch_samples=0``) instead of joined.
+
+The parts are timed on the batches the evaluator scores: the shards' batches joined up to
+``EVAL_BATCH_SAMPLES`` samples.
 
 Then the full-catalog ranking alone at larger catalogs (random unit embeddings,
 ``--catalog-queries`` queries), the one part that grows with the number of items: as the
@@ -68,14 +72,14 @@ def timed_parts(model, manifest, rank: int, sampled: int, seed: int) -> tuple[di
     """One validation pass, its parts timed apart (seconds), and the samples it scored."""
     import torch
 
-    from training.evaluator import NegativeDraws, score_queries
+    from training.evaluator import EVAL_BATCH_SAMPLES, NegativeDraws, joined, score_queries
     from training.ranking_metrics import retrieval_metrics, sampled_retrieval_metrics
     from training.shard_reader import build_loader
 
     parts = dict.fromkeys(("read", "negatives, first", "negatives, kept", "encode", "rank, full catalog",
                            "rank, sampled"), 0.0)
     start = time.perf_counter()
-    batches = [b for b in build_loader(manifest, rank, prefetch=0)]
+    batches = list(joined((b for b in build_loader(manifest, rank, prefetch=0) if b.batch_size), EVAL_BATCH_SAMPLES))
     parts["read"] = time.perf_counter() - start
     draws = NegativeDraws(manifest.num_items, sampled, seed)
     model.eval()
@@ -84,8 +88,6 @@ def timed_parts(model, manifest, rank: int, sampled: int, seed: int) -> tuple[di
         user_tables = model.all_user_feature_tables()
         table = torch.nn.functional.normalize(raw, dim=-1)
         for ordinal, batch in enumerate(batches):
-            if batch.batch_size == 0:
-                continue
             for part in ("negatives, first", "negatives, kept"):
                 start = time.perf_counter()
                 negatives = draws.of(ordinal, batch)
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from shards.manifest import load_manifest
     from training.config import load_config
-    from training.evaluator import NegativeDraws, evaluate
+    from training.evaluator import EVAL_BATCH_SAMPLES, NegativeDraws, evaluate
     from training.model import build_local_model
 
     torch.set_num_threads(args.threads)
@@ -150,11 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         parts, samples = timed_parts(model, manifest, args.rank, sampled, seed)
         for part, seconds in parts.items():
             runs.setdefault(part, []).append(seconds)
-        kept = NegativeDraws(manifest.num_items, sampled, seed)
-        for label in ("evaluate(), first", "evaluate(), later"):
+        kept, apart = NegativeDraws(manifest.num_items, sampled, seed), NegativeDraws(manifest.num_items, sampled, seed)
+        for label, draws, batch_samples in (("evaluate(), first", kept, EVAL_BATCH_SAMPLES),
+                                            ("evaluate(), later", kept, EVAL_BATCH_SAMPLES),
+                                            ("evaluate(), first, the shards' batches", apart, 0),
+                                            ("evaluate(), later, the shards' batches", apart, 0)):
             start = time.perf_counter()
             evaluate(model, manifest, args.rank, 1, torch.device("cpu"), evaluation=protocol, seed=seed,
-                              uses=("valid",), negatives=kept)
+                     uses=("valid",), negatives=draws, batch_samples=batch_samples)
             runs.setdefault(label, []).append(time.perf_counter() - start)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({platform.machine()}, {torch.get_num_threads()} torch thread(s)); torch {torch.__version__}",
         f"- command: `python -m benchmarks.eval_bench {' '.join(sys.argv[1:] if argv is None else argv)}`",
         f"- shard: rank {args.rank} of {args.shards}: {samples} samples in {manifest.num_steps} batches, "
-        f"{manifest.num_items} items; encoder {config.model.encoder}, width {config.model.embedding_dim}, "
+        f"{manifest.num_items} items, scored {EVAL_BATCH_SAMPLES} samples at a time; encoder {config.model.encoder}, width {config.model.embedding_dim}, "
         f"{sampled} sampled negatives; median [min, max] of {args.repeats} passes",
         "",
         "| part of one validation pass | seconds | us per sample |",

@@ -88,6 +88,23 @@ class SequenceBatch:
             user_features=move(self.user_features),
         )
 
+    @classmethod
+    def concat(cls, batches: list["SequenceBatch"]) -> "SequenceBatch":
+        """The samples of ``batches``, in order, as one batch (step, step_targets and cost the
+        first's, for scoring only: evaluation batches several steps' samples at once)."""
+        if len(batches) == 1:
+            return batches[0]
+        first = batches[0]
+
+        def joined(name: str) -> torch.Tensor | None:
+            values = [getattr(b, name) for b in batches]
+            return None if values[0] is None else torch.cat(values)
+
+        return replace(first, **{name: joined(name) for name in (
+            "lengths", "item_ids", "timestamps", "ratings", "valid_item", "test_item", "valid_timestamp",
+            "test_timestamp", "valid_rating", "user_features")},
+            user_ids=[user for b in batches for user in b.user_ids])
+
     def features(self, negatives: torch.Tensor) -> KeyedJaggedTensor:
         """KJT with keys ``["item", "negative"]`` for the item table.
 

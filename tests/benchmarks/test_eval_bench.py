@@ -19,7 +19,7 @@ def test_eval_bench_times_every_part_and_catalog(tmp_path, capsys):
     text = capsys.readouterr().out
     assert output.read_text() == text
     for part in ("read", "negatives, first", "negatives, kept", "encode", "rank, full catalog", "rank, sampled",
-                 "evaluate(), first", "evaluate(), later"):
+                 "evaluate(), first", "evaluate(), later", "evaluate(), later, the shards' batches"):
         assert f"| {part} | " in text
     assert "| 150 | " in text and "| 500 | " in text
     assert re.search(r"rank 0 of \S+: [1-9]\d* samples in 3 batches, 150 items", text)

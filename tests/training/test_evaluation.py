@@ -80,6 +80,16 @@ def test_negatives_are_seeded_per_user_whatever_the_batch() -> None:
     assert torch.equal(unseen_negatives(["u7"], (lengths, ids), 500, 100, seed=0)[0], first)
 
 
+def test_joined_batches_keep_every_sample_in_order() -> None:
+    batches = [history_batch([[1, 2], [3]], [4, 5], [6, 7], ["a", "b"]), history_batch([[8]], [9], [10], ["c"]),
+               history_batch([[11, 12, 13]], [14], [15], ["d"])]
+    whole = list(evaluator.joined(batches, 3))
+    assert [b.user_ids for b in whole] == [["a", "b", "c"], ["d"]]
+    assert whole[0].item_ids.tolist() == [1, 2, 3, 8] and whole[0].lengths.tolist() == [2, 1, 1]
+    assert whole[0].valid_item.tolist() == [4, 5, 9] and whole[0].test_timestamp.shape == (3,)
+    assert [b.user_ids for b in evaluator.joined(batches, 0)] == [["a", "b"], ["c"], ["d"]]
+
+
 def test_negative_draws_are_drawn_once_per_batch_and_redrawn_for_other_users(monkeypatch) -> None:
     draws = NegativeDraws(num_items=500, count=100, seed=0)
     first = history_batch([[1, 2, 3], [4, 5]], [6, 7], [8, 9], ["u1", "u2"])
@@ -107,6 +117,9 @@ def test_protocol_zero_keeps_the_full_catalog_summary(movielens_shards) -> None:
     full = evaluate(*args, EvaluationConfig(sampled_negatives=0), seed=0)
     both = evaluate(*args, EvaluationConfig(sampled_negatives=100), seed=0)
     assert not [key for key in full if "sampled" in key]
+    # Scored in the shards' batches of 64 instead of 512 at once: the same sums, in another order.
+    for name, value in evaluate(*args, EvaluationConfig(sampled_negatives=100), seed=0, batch_samples=0).items():
+        assert value == pytest.approx(both[name], rel=1e-12, abs=1e-12), name
     kept = NegativeDraws(manifest.num_items, 100, seed=0)  # as a run's validations share them
     assert evaluate(*args, EvaluationConfig(sampled_negatives=100), seed=0, negatives=kept) == both
     assert kept.drawn and evaluate(*args, EvaluationConfig(sampled_negatives=100), seed=0, negatives=kept) == both
