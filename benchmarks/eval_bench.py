@@ -34,13 +34,12 @@ import argparse
 import dataclasses
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.common import REPO
+from benchmarks.common import commit
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -161,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             evaluate(model, manifest, args.rank, 1, torch.device("cpu"), evaluation=protocol, seed=seed,
                      uses=("valid",), negatives=draws, batch_samples=batch_samples)
             runs.setdefault(label, []).append(time.perf_counter() - start)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
     lines = [
-        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}; {platform.node()} "
+        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit()}; {platform.node()} "
         f"({platform.machine()}, {torch.get_num_threads()} torch thread(s)); torch {torch.__version__}",
         f"- command: `python -m benchmarks.eval_bench {' '.join(sys.argv[1:] if argv is None else argv)}`",
         f"- shard: rank {args.rank} of {args.shards}: {samples} samples in {manifest.num_steps} batches, "

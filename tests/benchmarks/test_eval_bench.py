@@ -9,9 +9,10 @@ import pytest
 from tests import helpers
 
 
-def test_eval_bench_times_every_part_and_catalog(tmp_path, capsys):
+def test_eval_bench_times_every_part_and_catalog(tmp_path, capsys, monkeypatch):
     from benchmarks import eval_bench
 
+    monkeypatch.setenv("FREESCALE_COMMIT", "abc1234")  # no git process: the fast tier starts none
     shards = helpers.write_shards(tmp_path / "shards", num_items=150, num_steps=3)
     output = tmp_path / "eval.md"
     assert eval_bench.main(["--shards", str(shards), "--config", "configs/short_history.toml", "--repeats", "2",
@@ -22,6 +23,7 @@ def test_eval_bench_times_every_part_and_catalog(tmp_path, capsys):
                  "evaluate(), first", "evaluate(), later", "evaluate(), later, the shards' batches"):
         assert f"| {part} | " in text
     assert "| 150 | " in text and "| 500 | " in text
+    assert "commit abc1234;" in text
     assert re.search(r"rank 0 of \S+: [1-9]\d* samples in 3 batches, 150 items", text)
 
 
