@@ -16,6 +16,11 @@ NEGATIVE_FEATURE = "negative"
 FEATURE_KEYS = [ITEM_FEATURE, NEGATIVE_FEATURE]
 
 
+TENSOR_FIELDS = ("lengths", "item_ids", "timestamps", "ratings", "valid_item", "test_item", "valid_timestamp",
+                 "test_timestamp", "valid_rating", "user_features")
+"""The batch's tensors (some optional): what ``to`` moves and ``concat`` joins."""
+
+
 @dataclass
 class SequenceBatch:
     """A jagged batch of user histories with leave-one-out evaluation targets.
@@ -74,19 +79,7 @@ class SequenceBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return replace(
-            self,
-            lengths=move(self.lengths),
-            item_ids=move(self.item_ids),
-            timestamps=move(self.timestamps),
-            ratings=move(self.ratings),
-            valid_item=move(self.valid_item),
-            test_item=move(self.test_item),
-            valid_timestamp=move(self.valid_timestamp),
-            test_timestamp=move(self.test_timestamp),
-            valid_rating=move(self.valid_rating),
-            user_features=move(self.user_features),
-        )
+        return replace(self, **{name: move(getattr(self, name)) for name in TENSOR_FIELDS})
 
     @classmethod
     def concat(cls, batches: list["SequenceBatch"]) -> "SequenceBatch":
@@ -100,10 +93,8 @@ class SequenceBatch:
             values = [getattr(b, name) for b in batches]
             return None if values[0] is None else torch.cat(values)
 
-        return replace(first, **{name: joined(name) for name in (
-            "lengths", "item_ids", "timestamps", "ratings", "valid_item", "test_item", "valid_timestamp",
-            "test_timestamp", "valid_rating", "user_features")},
-            user_ids=[user for b in batches for user in b.user_ids])
+        return replace(first, **{name: joined(name) for name in TENSOR_FIELDS},
+                       user_ids=[user for b in batches for user in b.user_ids])
 
     def features(self, negatives: torch.Tensor) -> KeyedJaggedTensor:
         """KJT with keys ``["item", "negative"]`` for the item table.

@@ -233,11 +233,13 @@ def joined(batches: Iterable[SequenceBatch], samples: int) -> Iterator[SequenceB
     """Consecutive ``batches`` joined (``SequenceBatch.concat``) until each holds at least
     ``samples`` samples (the last may hold fewer); 0: each batch as it is."""
     pending: list[SequenceBatch] = []
+    held = 0
     for batch in batches:
         pending.append(batch)
-        if sum(b.batch_size for b in pending) >= samples:
+        held += batch.batch_size
+        if held >= samples:
             yield SequenceBatch.concat(pending)
-            pending = []
+            pending, held = [], 0
     if pending:
         yield SequenceBatch.concat(pending)
 

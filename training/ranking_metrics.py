@@ -110,9 +110,7 @@ def target_ranks(
     Column 0 (padding) and excluded ids are dropped; the target itself is never
     excluded, even if listed.
     """
-    num_candidates = scores.shape[1]
-    if target_ids.numel() and (int(target_ids.min()) < 1 or int(target_ids.max()) >= num_candidates):
-        raise ValueError(f"target ids must be in 1..{num_candidates - 1}")
+    _check_targets(target_ids, scores.shape[1])
     targets = target_ids.unsqueeze(1)
     target_scores = scores.gather(1, targets)
     if exclude is None:  # no copy of the scores: column 0 is discounted instead of overwritten
@@ -127,6 +125,11 @@ def target_ranks(
     # Ties with other candidates count as ranked above the target; "- 1" drops
     # the target itself.
     return (scores >= target_scores).sum(dim=1) - 1
+
+
+def _check_targets(target_ids: torch.Tensor, num_candidates: int) -> None:
+    if target_ids.numel() and (int(target_ids.min()) < 1 or int(target_ids.max()) >= num_candidates):
+        raise ValueError(f"target ids must be in 1..{num_candidates - 1}")
 
 
 def sampled_target_ranks(target_scores: torch.Tensor, negative_scores: torch.Tensor) -> torch.Tensor:
@@ -200,13 +203,13 @@ def _ranks_by_item_chunks(query: torch.Tensor, all_item_embeddings: torch.Tensor
     target counts itself exactly once. (Two items with equal embeddings in different chunks may
     round apart, so their tie can go either way; one matrix has the same caveat, rarer.)"""
     num_candidates = all_item_embeddings.shape[0]
-    if target_ids.numel() and (int(target_ids.min()) < 1 or int(target_ids.max()) >= num_candidates):
-        raise ValueError(f"target ids must be in 1..{num_candidates - 1}")
-    chunks = [(first, min(first + item_chunk_size, num_candidates))
+    _check_targets(target_ids, num_candidates)
+    # Each chunk's item range and the queries whose target lies in it.
+    chunks = [(first, min(first + item_chunk_size, num_candidates),
+               ((target_ids >= first) & (target_ids < first + item_chunk_size)).nonzero().squeeze(1))
               for first in range(0, num_candidates, item_chunk_size)]
     target_scores = torch.empty(query.shape[0], 1, dtype=query.dtype, device=query.device)
-    for first, last in chunks:
-        mine = ((target_ids >= first) & (target_ids < last)).nonzero().squeeze(1)
+    for first, last, mine in chunks:
         if mine.numel():
             scores = query @ all_item_embeddings[first:last].t()
             target_scores[mine, 0] = scores[mine, target_ids[mine] - first]
@@ -214,14 +217,13 @@ def _ranks_by_item_chunks(query: torch.Tensor, all_item_embeddings: torch.Tensor
         lengths, ids = exclude
         rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=query.device), lengths)
     at_or_above = torch.zeros(query.shape[0], dtype=torch.int64, device=query.device)
-    for first, last in chunks:
+    for first, last, mine in chunks:
         scores = query @ all_item_embeddings[first:last].t()
         if first == 0:
             scores[:, 0] = float("-inf")  # padding
         if exclude is not None:
             inside = (ids >= first) & (ids < last)
             scores[rows[inside], ids[inside] - first] = float("-inf")
-            mine = ((target_ids >= first) & (target_ids < last)).nonzero().squeeze(1)
             scores[mine, target_ids[mine] - first] = target_scores[mine, 0]  # never excluded
         at_or_above += (scores >= target_scores).sum(dim=1)
     return at_or_above - 1
