@@ -72,6 +72,9 @@ def pytest_collection_finish(session):
     # the data jobs, which also writes the machine's Spark class archive when there is none. The fast
     # tier starts no process.
     if not session.config.getoption("fast") and any(item.get_closest_marker("spawns") for item in session.items):
+        # MLflow imported here first, before any background thread: two threads importing it at once
+        # can see it partially initialized ("no attribute 'version'"), which failed 20 tests in one run.
+        import mlflow.tracking  # noqa: F401
         helpers.DATA_JOBS.append(helpers.DataJobsRun().start())
         # And the scenarios that need only a folder, when a selected test uses them (tests/scenarios.py).
         import tempfile
