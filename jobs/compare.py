@@ -71,7 +71,7 @@ def spec_of_args(args: argparse.Namespace) -> CompareSpec:
 def check_args(spec: CompareSpec, overrides: list[str]) -> dict:
     """Everything that needs no Spark, torch or MLflow: a bad argument is one line within a second.
     With --shards: their manifests ({variant: Manifest}); with --input: {}."""
-    from training.attention_kernel import check_attention_kernel
+    from training.rank_checks import check_ranks_can_run
     from training.config import load_config
 
     manifests = {}
@@ -93,8 +93,8 @@ def check_args(spec: CompareSpec, overrides: list[str]) -> dict:
             raise InputError(f"{flag} {path}: no such file")
     if spec.summary_json and Path(spec.summary_json).is_dir():
         raise InputError(f"--summary-json {spec.summary_json} is a directory")
-    # A bad key or value in the training config, or a kernel its ranks would refuse here: one line, now.
-    check_attention_kernel(load_config(spec.config, overrides))
+    # A bad key or value in the training config, or what its ranks would refuse here: one line, now.
+    check_ranks_can_run(load_config(spec.config, overrides))
     return manifests
 
 

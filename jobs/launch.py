@@ -92,7 +92,7 @@ def _launch(args: LaunchSpec, overrides: list[str]) -> int:
     """This node's ranks (training/launcher.py runs them), after the launch's own checks."""
     from pipeline.errors import InputError
     from training import launcher
-    from training.attention_kernel import check_attention_kernel
+    from training.rank_checks import check_ranks_can_run
     from training.config import load_config
 
     # Checked here, not by the ranks: starting torchrun and its ranks takes seconds. What is in
@@ -104,7 +104,7 @@ def _launch(args: LaunchSpec, overrides: list[str]) -> int:
     settings = launcher.rank_settings(args.shards, overrides, max_steps=args.max_steps, tracking_uri=args.tracking_uri,
                                       run_name=args.run_name, comm_mode=args.comm_mode)
     # The ranks' config, checked here first: a bad file, key or value is one line, before torchrun;
-    # so is an attention kernel the ranks would refuse on this machine.
-    check_attention_kernel(load_config(args.config, settings))
+    # so is what the ranks would refuse on this machine (their kernel, their tables' optimizer).
+    check_ranks_can_run(load_config(args.config, settings))
     cmd = launcher.torchrun_command(rendezvous, nproc, args.config, args.summary_json, settings)
     return launcher.run_ranks(cmd, nproc, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout)

@@ -19,7 +19,7 @@ from pipeline import options
 from pipeline.errors import InputError
 from pipeline.prepare_spec import PrepareSpec  # standard library only
 from shards.balance_spec import BalanceSpec, StrategyName  # the balancing registry's names only: numpy
-from training.attention_kernel import check_attention_kernel
+from training.rank_checks import check_ranks_can_run
 from training.config import DEFAULT_EXPERIMENT, ConfigError, apply_table, load_config, parse_overrides  # no torch
 from training.export_spec import ExportSpec  # standard library only
 
@@ -179,7 +179,7 @@ def load_workflow_config(path: str, overrides: list[str]) -> WorkflowConfig:
                           "<workdir>/shards), not settable")
     try:
         # What the training config alone decides, before the pipeline's first stage runs.
-        check_attention_kernel(load_config(config.train.config or None, override_argv(config.train.overrides)))
+        check_ranks_can_run(load_config(config.train.config or None, override_argv(config.train.overrides)))
     except (ConfigError, InputError) as exc:
         raise ConfigError(f"{path}: [train]: {exc}") from None
     return config

@@ -5,7 +5,7 @@ CPU). Asking for triton where it cannot run stops the job, never falls back; so 
 the kernel cannot take (``training.ops.kernel_limits``), while the grouped path takes any value.
 The ranks decide this when they build the model (``HSTUEncoder.kernel``), and the launcher
 (``freescale train``, ``freescale compare``) decides it before torchrun starts, through
-``check_attention_kernel``: importing torch costs 1.5 s, and starting the ranks about 10 s.
+``training.rank_checks``: importing torch costs 1.5 s, and starting the ranks about 10 s.
 """
 from __future__ import annotations
 

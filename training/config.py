@@ -30,6 +30,8 @@ from pipeline.errors import InputError
 ShardingName = Literal["row_wise", "table_wise"]
 ParallelBackendName = Literal["auto", "gloo", "nccl"]
 SparseOptimizerName = Literal["adagrad", "sgd", "adam"]
+# fbgemm's CPU embedding kernels take exact (row-wise) adagrad and SGD only.
+CUDA_ONLY_SPARSE_OPTIMIZERS: tuple[SparseOptimizerName, ...] = ("adam",)
 AttentionNormalization = Literal["sample_length", "max_seq_len"]
 HSTUInit = Literal["torch", "reference"]
 CommMode = Literal["plain", "overlap", "prioritized"]
@@ -347,7 +349,8 @@ class OptimizerConfig:
     """Learning rate of the embedding tables' optimizer (the item table and the user
     feature tables), fused into their backward."""
     sparse_optimizer: SparseOptimizerName = shape("adagrad")
-    """Fused sparse optimizer: adagrad (row-wise), sgd or adam (each keeps differently shaped state)."""
+    """Fused sparse optimizer: adagrad (row-wise), sgd or adam (each keeps differently shaped state).
+    adam needs CUDA: fbgemm has no CPU kernel for it (``check_device``)."""
     weight_decay: float = 0.0
     """Dense weight decay (Adam's L2 term)."""
     warmup_steps: int = 0
@@ -374,6 +377,14 @@ class OptimizerConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}")
+
+    def check_device(self, device_type: str) -> None:
+        """Refuse a sparse optimizer fbgemm has no kernel for on ``device_type`` (``"cpu"``, ``"cuda"``):
+        one line, where fbgemm would stop the first step with an assertion."""
+        if self.sparse_optimizer in CUDA_ONLY_SPARSE_OPTIMIZERS and device_type.split(":")[0] != "cuda":
+            cpu = "', '".join(o for o in typing.get_args(SparseOptimizerName) if o not in CUDA_ONLY_SPARSE_OPTIMIZERS)
+            raise ConfigError(f"optimizer.sparse_optimizer = '{self.sparse_optimizer}' needs CUDA (fbgemm has no "
+                              f"CPU kernel for it) and this job trains on {device_type}: choose '{cpu}'")
 
 
 @dataclass

@@ -76,6 +76,7 @@ def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parall
     is measured in one place rather than hidden inside DDP's backward hooks.
     """
     apply_quiet_third_party_logs()
+    optimizer.check_device(env.device.type)
     apply_fused_sparse_optimizer(model, optimizer)
     sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
     planner = build_planner(parallel, env, model)
