@@ -23,7 +23,7 @@ from training.bubbles import StepTimeLog
 from training.checkpoint import Checkpointer
 from training.config import TrainConfig, to_flat_dict
 from training.distributed import DistEnv, all_ranks_ok, init_distributed
-from training.evaluator import NegativeDraws, check_protocol, evaluate
+from training.evaluator import SPLIT_PREFIX, NegativeDraws, check_protocol, evaluate
 from training.model import build_model
 from training.resume import checkpoint_states, resume_latest
 from training.seeding import StepNegatives, rank_generator, seed_initial_weights
@@ -208,17 +208,19 @@ class Trainer:
         table = self.log.table()
         summary = run_summary(table)
         summary.update(self.validation.summary())
-        summary.update(evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
-                                self.config.training.eval_max_samples or None, self.config.evaluation,
-                                self.config.training.seed, negatives=self.eval_negatives))
+        summary.update(self._evaluate(tuple(SPLIT_PREFIX)))
         return TrainResult(summary, table, list(self.log.steps), list(step_losses(table)), self.manifest,
                            self.training_step.comm_issue_order)
 
+    def _evaluate(self, uses: tuple[str, ...]) -> dict[str, float]:
+        """The held-out items ``uses`` of every rank's users, scored by this run's model (a collective)."""
+        return evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
+                        self.config.training.eval_max_samples or None, self.config.evaluation,
+                        self.config.training.seed, uses=uses, negatives=self.eval_negatives)
+
     def _validate(self) -> None:
         """Score the validation item (a collective), record it, and keep the weights if best."""
-        scores = evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
-                          self.config.training.eval_max_samples or None, self.config.evaluation,
-                          self.config.training.seed, uses=("valid",), negatives=self.eval_negatives)
+        scores = self._evaluate(("valid",))
         improved = self.validation.take(scores, self.step, last=self.step >= self.max_steps)
         if self.env.rank != 0:
             return
