@@ -125,6 +125,15 @@ def score_queries(model: SequentialRecommender, batch: SequenceBatch, use: Liter
     return hidden[last_positions(offsets)]
 
 
+def history_of(batch: SequenceBatch, use: Literal["valid", "test"]) -> ExcludeIds:
+    """``(lengths, ids)`` of the history each sample's ``use`` target is ranked from: the test
+    item's ends with the validation item."""
+    if use == "test":
+        ids, _ = jagged_concat_last(batch.item_ids, batch.offsets, batch.valid_item)
+        return batch.lengths + 1, ids
+    return batch.lengths, batch.item_ids
+
+
 @torch.no_grad()
 def evaluate_batch(model: SequentialRecommender, batch: SequenceBatch, all_item_embeddings: torch.Tensor,
                    use: Literal["valid", "test"] = "test", k: int = K, exclude_history: bool = False,
@@ -140,13 +149,7 @@ def evaluate_batch(model: SequentialRecommender, batch: SequenceBatch, all_item_
     """
     query = score_queries(model, batch, use, item_table, user_tables)
     targets = batch.valid_item if use == "valid" else batch.test_item
-    exclude: ExcludeIds | None = None
-    if exclude_history:
-        if use == "test":
-            ids, _ = jagged_concat_last(batch.item_ids, batch.offsets, batch.valid_item)
-            exclude = (batch.lengths + 1, ids)
-        else:
-            exclude = (batch.lengths, batch.item_ids)
+    exclude = history_of(batch, use) if exclude_history else None
     full = retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=exclude)
     if negative_ids is None:
         return ProtocolMetrics(full)
@@ -170,7 +173,8 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     from one evaluation to the next (a run's validations pass the same one). Consecutive batches
     are scored together, ``batch_samples`` samples at a time (0: the shards' batches).
     """
-    sampled = (evaluation or EvaluationConfig()).sampled_negatives
+    evaluation = evaluation or EvaluationConfig()
+    sampled, exclude_history = evaluation.sampled_negatives, evaluation.exclude_history
     model.eval()
     raw = model.all_item_embeddings(normalize=False)
     user_tables = model.all_user_feature_tables()
@@ -181,6 +185,7 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     counts = torch.zeros(manifest.num_items + 1, dtype=torch.float64)
     targets: list[torch.Tensor] = []
     drawn_rows: list[torch.Tensor] = []
+    test_histories: list[tuple[torch.Tensor, torch.Tensor]] = []  # (lengths, ids), with exclude_history
     if sampled and negatives is None:
         negatives = NegativeDraws(manifest.num_items, sampled, seed)
 
@@ -199,10 +204,12 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
         drawn = negatives.of(ordinal, batch) if sampled else None
         batch = batch.to(device)
         for use in uses:  # one draw of negatives for both: none is either target
-            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, item_table=raw,
-                                                   user_tables=user_tables,
+            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, exclude_history=exclude_history,
+                                                   item_table=raw, user_tables=user_tables,
                                                    negative_ids=None if drawn is None else drawn.to(device))
         targets.append(batch.test_item.cpu())
+        if exclude_history and "test" in uses:
+            test_histories.append(tuple(t.cpu() for t in history_of(batch, "test")))
         if drawn is not None:
             drawn_rows.append(drawn)
     model.train()
@@ -218,7 +225,12 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
         dist.all_reduce(counts)
     popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
     all_targets = torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64)
-    baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K)
+    exclude = None
+    if exclude_history:
+        empty = torch.zeros(0, dtype=torch.int64)
+        exclude = (torch.cat([lengths for lengths, _ in test_histories] or [empty]),
+                   torch.cat([ids for _, ids in test_histories] or [empty]))
+    baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K, exclude=exclude)
     result.update(_named(baseline, world_size, "popular_"))
     if sampled:
         all_negatives = torch.cat(drawn_rows) if drawn_rows else torch.zeros(0, sampled, dtype=torch.int64)
