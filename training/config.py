@@ -513,11 +513,12 @@ class EvaluationConfig:
     every_epochs: int = 0
     """Score the validation item every N passes over the shards (both protocols), recorded as
     the series ``epoch/valid_*``, and keep the best weights by ``metric``; 0 = only at the end."""
-    exclude_history: bool = False
-    """The full-catalog ranking (and its most-popular baseline) leaves out the items of the query's
-    own history, as the exported model's ``predict`` does by default; false ranks every item. Where
-    a user never meets an item twice (MovieLens-100K, Amazon Beauty and Sports), a history item
-    ranked above the target can only cost. The sampled protocol never draws history items."""
+    unseen_ranking: bool = False
+    """Also rank the held-out item against the catalog less the query's own history, as the
+    exported model's ``predict`` does by default: ``unseen_hr_at_10``, ... (``valid_unseen_*``,
+    and the most-popular baseline's ``popular_unseen_*``), beside the whole catalog's. Where a user
+    never meets an item twice (MovieLens-100K, Amazon Beauty and Sports), a history item ranked
+    above the target can only cost, and this ranking shows how much it did."""
     metric: ValidationMetric = "valid_ndcg_at_10"
     """The validation score that decides the best epoch (higher is better)."""
     patience: int = 0

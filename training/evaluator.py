@@ -136,24 +136,25 @@ def history_of(batch: SequenceBatch, use: Literal["valid", "test"]) -> ExcludeId
 
 @torch.no_grad()
 def evaluate_batch(model: SequentialRecommender, batch: SequenceBatch, all_item_embeddings: torch.Tensor,
-                   use: Literal["valid", "test"] = "test", k: int = K, exclude_history: bool = False,
+                   use: Literal["valid", "test"] = "test", k: int = K, unseen: bool = False,
                    item_table: torch.Tensor | None = None, user_tables: list[torch.Tensor] | None = None,
                    negative_ids: torch.Tensor | None = None) -> ProtocolMetrics:
-    """HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets, per protocol.
+    """HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets, per protocol, all from the
+    same query embeddings.
 
     ``all_item_embeddings`` comes from ``model.all_item_embeddings()`` (computed once per
-    evaluation, not per batch). ``full``: ranked against the whole catalog; ``exclude_history``
-    removes items the user already interacted with (for "test", including the validation item)
-    from that ranking. ``sampled`` (only with ``negative_ids``, ``[B, N]`` from
-    ``batch_negatives``): ranked against each sample's own negatives, from the same query embeddings.
+    evaluation, not per batch). ``full``: ranked against the whole catalog. ``unseen`` (only when
+    asked): against the catalog less the items of the query's history (for "test", the validation
+    item included). ``sampled`` (only with ``negative_ids``, ``[B, N]`` from ``batch_negatives``):
+    against each sample's own negatives.
     """
     query = score_queries(model, batch, use, item_table, user_tables)
     targets = batch.valid_item if use == "valid" else batch.test_item
-    exclude = history_of(batch, use) if exclude_history else None
-    full = retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=exclude)
-    if negative_ids is None:
-        return ProtocolMetrics(full)
-    return ProtocolMetrics(full, sampled_retrieval_metrics(query, all_item_embeddings, targets, negative_ids, k))
+    return ProtocolMetrics(
+        retrieval_metrics(query, all_item_embeddings, targets, k=k),
+        None if negative_ids is None else sampled_retrieval_metrics(query, all_item_embeddings, targets,
+                                                                    negative_ids, k),
+        retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=history_of(batch, use)) if unseen else None)
 
 
 @torch.no_grad()
@@ -174,18 +175,18 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     are scored together, ``batch_samples`` samples at a time (0: the shards' batches).
     """
     evaluation = evaluation or EvaluationConfig()
-    sampled, exclude_history = evaluation.sampled_negatives, evaluation.exclude_history
+    sampled, unseen = evaluation.sampled_negatives, evaluation.unseen_ranking
     model.eval()
     raw = model.all_item_embeddings(normalize=False)
     user_tables = model.all_user_feature_tables()
     table = F.normalize(raw, dim=-1)
     mirror = manifest.control == "mirror"
-    sums = {use: ProtocolMetrics(RetrievalMetrics(k=K), RetrievalMetrics(k=K) if sampled else None)
-            for use in uses}
+    sums = {use: ProtocolMetrics(RetrievalMetrics(k=K), RetrievalMetrics(k=K) if sampled else None,
+                                 RetrievalMetrics(k=K) if unseen else None) for use in uses}
     counts = torch.zeros(manifest.num_items + 1, dtype=torch.float64)
     targets: list[torch.Tensor] = []
     drawn_rows: list[torch.Tensor] = []
-    test_histories: list[tuple[torch.Tensor, torch.Tensor]] = []  # (lengths, ids), with exclude_history
+    test_histories: list[ExcludeIds] = []  # the unseen ranking's baseline leaves these out
     if sampled and negatives is None:
         negatives = NegativeDraws(manifest.num_items, sampled, seed)
 
@@ -204,11 +205,11 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
         drawn = negatives.of(ordinal, batch) if sampled else None
         batch = batch.to(device)
         for use in uses:  # one draw of negatives for both: none is either target
-            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, exclude_history=exclude_history,
+            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, unseen=unseen,
                                                    item_table=raw, user_tables=user_tables,
                                                    negative_ids=None if drawn is None else drawn.to(device))
         targets.append(batch.test_item.cpu())
-        if exclude_history and "test" in uses:
+        if unseen and "test" in uses:
             test_histories.append(tuple(t.cpu() for t in history_of(batch, "test")))
         if drawn is not None:
             drawn_rows.append(drawn)
@@ -219,19 +220,22 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
         result.update(_named(sums[use].full, world_size, prefix))
         if sums[use].sampled is not None:
             result.update(_named(sums[use].sampled, world_size, f"{prefix}sampled_"))
+        if sums[use].unseen is not None:
+            result.update(_named(sums[use].unseen, world_size, f"{prefix}unseen_"))
     if "test" not in uses:
         return result
     if world_size > 1:  # the baseline ranks items by their count over every rank's histories
         dist.all_reduce(counts)
     popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
     all_targets = torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64)
-    exclude = None
-    if exclude_history:
+    baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K)
+    result.update(_named(baseline, world_size, "popular_"))
+    if unseen:
         empty = torch.zeros(0, dtype=torch.int64)
         exclude = (torch.cat([lengths for lengths, _ in test_histories] or [empty]),
                    torch.cat([ids for _, ids in test_histories] or [empty]))
-    baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K, exclude=exclude)
-    result.update(_named(baseline, world_size, "popular_"))
+        baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K, exclude=exclude)
+        result.update(_named(baseline, world_size, "popular_unseen_"))
     if sampled:
         all_negatives = torch.cat(drawn_rows) if drawn_rows else torch.zeros(0, sampled, dtype=torch.int64)
         baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K,

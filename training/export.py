@@ -226,9 +226,8 @@ def evaluation_protocol(config: TrainConfig, metrics: dict[str, float]) -> dict[
                               "history ends with the validation item",
             "candidates": "every item 1..num_items (full catalog); padding never ranked",
             "ties": "count against the target (a target's rank is the number of other items scoring >= it)",
-            "history": ("excluded from the summary's full-catalog ranking (evaluation.exclude_history)"
-                        if config.evaluation.exclude_history else "not excluded from the summary's ranking")
-                       + "; predict excludes it unless exclude_history=false",
+            "history": "not excluded from the summary's full-catalog ranking (the unseen_* ranking, with "
+                       "evaluation.unseen_ranking, excludes it); predict excludes it unless exclude_history=false",
             "score": "cosine of the query and the item's row (both L2-normalised)",
             "sampled_negatives": config.evaluation.sampled_negatives, "seed": config.training.seed,
             "eval_max_samples": config.training.eval_max_samples, "precision": config.training.precision,

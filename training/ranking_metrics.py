@@ -73,16 +73,21 @@ class RetrievalMetrics:
 @dataclass
 class ProtocolMetrics:
     """The same queries' sums under each protocol: ``full`` against the whole catalog,
-    ``sampled`` against each query's drawn negatives (None when none were drawn)."""
+    ``sampled`` against each query's drawn negatives (None when none were drawn), ``unseen``
+    against the catalog less the query's own history (None when not asked for)."""
 
     full: RetrievalMetrics
     sampled: RetrievalMetrics | None = None
+    unseen: RetrievalMetrics | None = None
 
     def __add__(self, other: "ProtocolMetrics") -> "ProtocolMetrics":
-        if (self.sampled is None) != (other.sampled is None):
-            raise ValueError("cannot add metrics with and without the sampled protocol")
-        sampled = None if self.sampled is None else self.sampled + other.sampled
-        return ProtocolMetrics(self.full + other.full, sampled)
+        def both(mine: RetrievalMetrics | None, theirs: RetrievalMetrics | None) -> RetrievalMetrics | None:
+            if (mine is None) != (theirs is None):
+                raise ValueError("cannot add metrics with and without the same protocols")
+            return None if mine is None else mine + theirs
+
+        return ProtocolMetrics(self.full + other.full, both(self.sampled, other.sampled),
+                               both(self.unseen, other.unseen))
 
 
 def metrics_from_ranks(ranks: torch.Tensor, k: int = 10) -> RetrievalMetrics:

@@ -261,8 +261,8 @@ def reference(trained, prepared: Path, users_table: Path):
                 seen = torch.repeat_interleave(torch.arange(batch.batch_size), batch.lengths + 1)
                 scores[seen, ids] = float("-inf")
                 unseen += torch.topk(scores, 10).indices.tolist()
-                for name, exclude in (("full", False), ("unseen", True)):
-                    sums[name] = sums[name] + evaluate_batch(model, batch, table, exclude_history=exclude).full
+                metrics = evaluate_batch(model, batch, table, unseen=True)
+                sums["full"], sums["unseen"] = sums["full"] + metrics.full, sums["unseen"] + metrics.unseen
                 rows += query_rows(batch, raw, users)
     named = {name: [[raw[i] for i in top] for top in tops] for name, tops in (("full", full), ("unseen", unseen))}
     return rows, named, {name: metrics.means() for name, metrics in sums.items()}

@@ -363,7 +363,7 @@ def test_test_queries_encode_history_followed_by_valid_item() -> None:
 def test_evaluate_returns_sums_over_the_batch() -> None:
     model = small_model().eval()
     batch = random_batch([4, 2, 6])
-    result = evaluate_batch(model, batch, model.all_item_embeddings(), use="valid", exclude_history=True).full
+    result = evaluate_batch(model, batch, model.all_item_embeddings(), use="valid", unseen=True).unseen
     assert result.count == 3
     assert 0 <= result.hit_sum <= 3 and 0 < result.reciprocal_rank_sum <= 3
 
