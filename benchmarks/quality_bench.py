@@ -55,7 +55,8 @@ CONFIG = "configs/ml100k_recipe.toml"
 OTHER_DATA_CONFIG = "configs/short_history.toml"
 MODELS = {"hstu": [], "sasrec": ["--model.encoder", "sasrec"]}
 METRICS = (("ndcg_at_10", "NDCG@10"), ("hr_at_10", "HR@10"), ("mrr", "MRR"))
-PROTOCOLS = (("", "full catalog"), ("sampled_", "100 sampled negatives"))
+# The unseen ranking (the catalog less the query's history) only where the runs had evaluation.unseen_ranking.
+PROTOCOLS = (("", "full catalog"), ("sampled_", "100 sampled negatives"), ("unseen_", "full catalog less the history"))
 
 
 def parse_grid(specs: list[str], models: list[str]) -> dict[str, list[list[str]]]:
@@ -239,7 +240,9 @@ def report(results: dict[str, list[dict]], minutes: dict[str, list[float]], args
     print(f"| protocol | model | {' | '.join(label for _, label in METRICS)} | best epoch | "
           f"{chosen.removeprefix('best_') if chosen else 'validation'} at it | minutes |")
     print("|" + " --- |" * (5 + len(METRICS)))
-    for prefix, protocol in PROTOCOLS:
+    protocols = [(prefix, protocol) for prefix, protocol in PROTOCOLS
+                 if all(f"{prefix}ndcg_at_10" in r for rows in results.values() for r in rows)]
+    for prefix, protocol in protocols:
         for name, rows in results.items():
             cells = [spread([r[f"{prefix}{key}"] for r in rows]) for key, _ in METRICS]
             extra = [spread([r["best_epoch"] for r in rows]).replace(".0000", ""),
@@ -249,7 +252,7 @@ def report(results: dict[str, list[dict]], minutes: dict[str, list[float]], args
         cells = [spread([r[f"popular_{prefix}{key}"] for r in first_rows]) for key, _ in METRICS]
         print(f"| {protocol} | most-popular | {' | '.join(cells)} | - | - | - |")
     print()
-    for prefix, protocol in PROTOCOLS if set(results) == set(MODELS) else ():
+    for prefix, protocol in protocols if set(results) == set(MODELS) else ():
         key = f"{prefix}ndcg_at_10"
         sasrec = [r[key] for r in results["sasrec"]]
         popular = [r[f"popular_{key}"] for r in results["sasrec"]]
