@@ -33,6 +33,7 @@ from training.ranking_metrics import (
     ExcludeIds,
     ProtocolMetrics,
     RetrievalMetrics,
+    full_and_unseen_metrics,
     most_popular_baseline,
     retrieval_metrics,
     sampled_retrieval_metrics,
@@ -150,11 +151,12 @@ def evaluate_batch(model: SequentialRecommender, batch: SequenceBatch, all_item_
     """
     query = score_queries(model, batch, use, item_table, user_tables)
     targets = batch.valid_item if use == "valid" else batch.test_item
-    return ProtocolMetrics(
-        retrieval_metrics(query, all_item_embeddings, targets, k=k),
-        None if negative_ids is None else sampled_retrieval_metrics(query, all_item_embeddings, targets,
-                                                                    negative_ids, k),
-        retrieval_metrics(query, all_item_embeddings, targets, k=k, exclude=history_of(batch, use)) if unseen else None)
+    sampled = None if negative_ids is None else sampled_retrieval_metrics(query, all_item_embeddings, targets,
+                                                                          negative_ids, k)
+    if not unseen:
+        return ProtocolMetrics(retrieval_metrics(query, all_item_embeddings, targets, k=k), sampled)
+    full, without_history = full_and_unseen_metrics(query, all_item_embeddings, targets, history_of(batch, use), k)
+    return ProtocolMetrics(full, sampled, without_history)
 
 
 @torch.no_grad()

@@ -132,6 +132,21 @@ def target_ranks(
     return (scores >= target_scores).sum(dim=1) - 1
 
 
+def ranks_without(scores: torch.Tensor, target_ids: torch.Tensor, ranks: torch.Tensor,
+                  exclude: ExcludeIds) -> torch.Tensor:
+    """``target_ranks(scores, target_ids, exclude)`` from ``ranks = target_ranks(scores, target_ids)``,
+    without copying ``scores``: each rank less the distinct excluded ids (never the target or
+    column 0) that scored at or above its target."""
+    lengths, ids = exclude
+    width = scores.shape[1]
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=scores.device), lengths)
+    pairs = torch.unique(rows * width + ids)  # an id listed twice for a query is excluded once
+    rows, ids = pairs // width, pairs % width
+    target_scores = scores.gather(1, target_ids.unsqueeze(1)).squeeze(1)
+    above = (scores[rows, ids] >= target_scores[rows]) & (ids != target_ids[rows]) & (ids != 0)
+    return ranks - torch.bincount(rows[above], minlength=ranks.numel())
+
+
 def _check_targets(target_ids: torch.Tensor, num_candidates: int) -> None:
     if target_ids.numel() and (int(target_ids.min()) < 1 or int(target_ids.max()) >= num_candidates):
         raise ValueError(f"target ids must be in 1..{num_candidates - 1}")
@@ -198,6 +213,30 @@ def retrieval_metrics(
                                           item_chunk_size)
         total = total + metrics_from_ranks(ranks, k)
     return total
+
+
+def full_and_unseen_metrics(query: torch.Tensor, all_item_embeddings: torch.Tensor, target_ids: torch.Tensor,
+                            history: ExcludeIds, k: int = 10, query_chunk_size: int = 64,
+                            item_chunk_size: int | None = None) -> tuple[RetrievalMetrics, RetrievalMetrics]:
+    """``retrieval_metrics`` against the whole catalog, and against it less each query's ``history``
+    (``exclude=history``), from one score matrix per chunk of queries (up to ``ONE_MATRIX_MAX_ITEMS``;
+    past it, the chunked ranking twice)."""
+    rows = all_item_embeddings.shape[0]
+    item_chunk_size = item_chunk_size or (ITEM_CHUNK if rows > ONE_MATRIX_MAX_ITEMS else rows)
+    full, unseen = RetrievalMetrics(k=k), RetrievalMetrics(k=k)
+    for start in range(0, query.shape[0], query_chunk_size):
+        stop = min(start + query_chunk_size, query.shape[0])
+        excluded, targets = _slice_exclude(history, start, stop), target_ids[start:stop]
+        if rows <= item_chunk_size:
+            scores = query[start:stop] @ all_item_embeddings.t()
+            ranks = target_ranks(scores, targets)
+            unseen_ranks = ranks_without(scores, targets, ranks, excluded)
+        else:
+            ranks = _ranks_by_item_chunks(query[start:stop], all_item_embeddings, targets, None, item_chunk_size)
+            unseen_ranks = _ranks_by_item_chunks(query[start:stop], all_item_embeddings, targets, excluded,
+                                                 item_chunk_size)
+        full, unseen = full + metrics_from_ranks(ranks, k), unseen + metrics_from_ranks(unseen_ranks, k)
+    return full, unseen
 
 
 def _ranks_by_item_chunks(query: torch.Tensor, all_item_embeddings: torch.Tensor, target_ids: torch.Tensor,

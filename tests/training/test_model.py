@@ -26,8 +26,10 @@ from training.evaluator import evaluate_batch, score_queries
 from training.losses import sampled_softmax_loss
 from training.ranking_metrics import (
     RetrievalMetrics,
+    full_and_unseen_metrics,
     metrics_from_ranks,
     most_popular_baseline,
+    ranks_without,
     retrieval_metrics,
     target_ranks,
 )
@@ -453,6 +455,35 @@ def test_metrics_from_ranks_hand_computed() -> None:
     assert means["hr@10"] == pytest.approx(2 / 3)
     assert means["ndcg@10"] == pytest.approx(0.5)
     assert means["mrr"] == pytest.approx((1 + 1 / 3 + 1 / 13) / 3)
+
+
+def test_ranks_without_the_history_match_the_masked_ranking() -> None:
+    """From one score matrix: ties, padding and the target listed among the excluded ids, ids listed
+    twice, and empty histories, against ``target_ranks`` on a masked copy."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        queries, items = 1 + trial % 7, 2 + trial % 13
+        scores = torch.randint(0, 4, (queries, items + 1), generator=generator).to(torch.float32)  # many ties
+        targets = torch.randint(1, items + 1, (queries,), generator=generator)
+        lengths = torch.randint(0, 6, (queries,), generator=generator)
+        ids = torch.randint(0, items + 1, (int(lengths.sum()),), generator=generator)
+        ranks = target_ranks(scores, targets)
+        assert torch.equal(ranks_without(scores, targets, ranks, (lengths, ids)),
+                           target_ranks(scores, targets, (lengths, ids))), trial
+
+
+@pytest.mark.parametrize("item_chunk_size", [None, 7])
+def test_full_and_unseen_metrics_are_the_two_rankings(item_chunk_size) -> None:
+    generator = torch.Generator().manual_seed(1)
+    query, items = torch.randn(40, 8, generator=generator), torch.randn(31, 8, generator=generator)
+    targets = torch.randint(1, 31, (40,), generator=generator)
+    lengths = torch.randint(0, 5, (40,), generator=generator)
+    history = (lengths, torch.randint(1, 31, (int(lengths.sum()),), generator=generator))
+    full, unseen = full_and_unseen_metrics(query, items, targets, history, k=5, query_chunk_size=16,
+                                           item_chunk_size=item_chunk_size)
+    assert full == retrieval_metrics(query, items, targets, k=5, query_chunk_size=16)
+    assert unseen == retrieval_metrics(query, items, targets, k=5, exclude=history, query_chunk_size=16)
+    assert unseen.reciprocal_rank_sum > full.reciprocal_rank_sum
 
 
 def test_retrieval_metrics_hand_computed_ranks() -> None:
