@@ -137,25 +137,24 @@ def history_of(batch: SequenceBatch, use: Literal["valid", "test"]) -> ExcludeId
 
 @torch.no_grad()
 def evaluate_batch(model: SequentialRecommender, batch: SequenceBatch, all_item_embeddings: torch.Tensor,
-                   use: Literal["valid", "test"] = "test", k: int = K, unseen: bool = False,
+                   use: Literal["valid", "test"] = "test", k: int = K, history: ExcludeIds | None = None,
                    item_table: torch.Tensor | None = None, user_tables: list[torch.Tensor] | None = None,
                    negative_ids: torch.Tensor | None = None) -> ProtocolMetrics:
     """HR@k / NDCG@k / MRR sums of ``batch``'s valid or test targets, per protocol, all from the
     same query embeddings.
 
     ``all_item_embeddings`` comes from ``model.all_item_embeddings()`` (computed once per
-    evaluation, not per batch). ``full``: ranked against the whole catalog. ``unseen`` (only when
-    asked): against the catalog less the items of the query's history (for "test", the validation
-    item included). ``sampled`` (only with ``negative_ids``, ``[B, N]`` from ``batch_negatives``):
+    evaluation, not per batch). ``full``: ranked against the whole catalog. ``unseen`` (only with
+    ``history``, the query's own: ``history_of(batch, use)``): against the catalog less its items. ``sampled`` (only with ``negative_ids``, ``[B, N]`` from ``batch_negatives``):
     against each sample's own negatives.
     """
     query = score_queries(model, batch, use, item_table, user_tables)
     targets = batch.valid_item if use == "valid" else batch.test_item
     sampled = None if negative_ids is None else sampled_retrieval_metrics(query, all_item_embeddings, targets,
                                                                           negative_ids, k)
-    if not unseen:
+    if history is None:
         return ProtocolMetrics(retrieval_metrics(query, all_item_embeddings, targets, k=k), sampled)
-    full, without_history = full_and_unseen_metrics(query, all_item_embeddings, targets, history_of(batch, use), k)
+    full, without_history = full_and_unseen_metrics(query, all_item_embeddings, targets, history, k)
     return ProtocolMetrics(full, sampled, without_history)
 
 
@@ -206,13 +205,14 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     for ordinal, batch in enumerate(joined(scored(), batch_samples)):
         drawn = negatives.of(ordinal, batch) if sampled else None
         batch = batch.to(device)
+        histories = {use: history_of(batch, use) for use in uses} if unseen else {}
         for use in uses:  # one draw of negatives for both: none is either target
-            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, unseen=unseen,
+            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, history=histories.get(use),
                                                    item_table=raw, user_tables=user_tables,
                                                    negative_ids=None if drawn is None else drawn.to(device))
         targets.append(batch.test_item.cpu())
-        if unseen and "test" in uses:
-            test_histories.append(tuple(t.cpu() for t in history_of(batch, "test")))
+        if "test" in histories:
+            test_histories.append(tuple(t.cpu() for t in histories["test"]))
         if drawn is not None:
             drawn_rows.append(drawn)
     model.train()

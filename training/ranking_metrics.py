@@ -200,19 +200,7 @@ def retrieval_metrics(
             ``ONE_MATRIX_MAX_ITEMS``, past it chunks of ``ITEM_CHUNK`` items, so the
             ``[queries, items]`` scores stay cache-sized.
     """
-    rows = all_item_embeddings.shape[0]
-    item_chunk_size = item_chunk_size or (ITEM_CHUNK if rows > ONE_MATRIX_MAX_ITEMS else rows)
-    total = RetrievalMetrics(k=k)
-    for start in range(0, query.shape[0], query_chunk_size):
-        stop = min(start + query_chunk_size, query.shape[0])
-        excluded = _slice_exclude(exclude, start, stop)
-        if rows <= item_chunk_size:
-            ranks = target_ranks(query[start:stop] @ all_item_embeddings.t(), target_ids[start:stop], excluded)
-        else:
-            ranks = _ranks_by_item_chunks(query[start:stop], all_item_embeddings, target_ids[start:stop], excluded,
-                                          item_chunk_size)
-        total = total + metrics_from_ranks(ranks, k)
-    return total
+    return _ranked(query, all_item_embeddings, target_ids, k, exclude, None, query_chunk_size, item_chunk_size)[0]
 
 
 def full_and_unseen_metrics(query: torch.Tensor, all_item_embeddings: torch.Tensor, target_ids: torch.Tensor,
@@ -221,22 +209,34 @@ def full_and_unseen_metrics(query: torch.Tensor, all_item_embeddings: torch.Tens
     """``retrieval_metrics`` against the whole catalog, and against it less each query's ``history``
     (``exclude=history``), from one score matrix per chunk of queries (up to ``ONE_MATRIX_MAX_ITEMS``;
     past it, the chunked ranking twice)."""
+    return _ranked(query, all_item_embeddings, target_ids, k, None, history, query_chunk_size, item_chunk_size)
+
+
+def _ranked(query: torch.Tensor, all_item_embeddings: torch.Tensor, target_ids: torch.Tensor, k: int,
+            exclude: ExcludeIds | None, history: ExcludeIds | None, query_chunk_size: int,
+            item_chunk_size: int | None) -> tuple[RetrievalMetrics, RetrievalMetrics | None]:
+    """The metrics of the catalog less ``exclude``, and (with ``history``) of it less ``history`` too,
+    ``query_chunk_size`` queries at a time."""
     rows = all_item_embeddings.shape[0]
     item_chunk_size = item_chunk_size or (ITEM_CHUNK if rows > ONE_MATRIX_MAX_ITEMS else rows)
-    full, unseen = RetrievalMetrics(k=k), RetrievalMetrics(k=k)
+    total = RetrievalMetrics(k=k)
+    without = None if history is None else RetrievalMetrics(k=k)
     for start in range(0, query.shape[0], query_chunk_size):
         stop = min(start + query_chunk_size, query.shape[0])
-        excluded, targets = _slice_exclude(history, start, stop), target_ids[start:stop]
+        chunk, targets, excluded = query[start:stop], target_ids[start:stop], _slice_exclude(exclude, start, stop)
         if rows <= item_chunk_size:
-            scores = query[start:stop] @ all_item_embeddings.t()
-            ranks = target_ranks(scores, targets)
-            unseen_ranks = ranks_without(scores, targets, ranks, excluded)
+            scores = chunk @ all_item_embeddings.t()
+            ranks = target_ranks(scores, targets, excluded)
+            if history is not None:
+                without = without + metrics_from_ranks(
+                    ranks_without(scores, targets, ranks, _slice_exclude(history, start, stop)), k)
         else:
-            ranks = _ranks_by_item_chunks(query[start:stop], all_item_embeddings, targets, None, item_chunk_size)
-            unseen_ranks = _ranks_by_item_chunks(query[start:stop], all_item_embeddings, targets, excluded,
-                                                 item_chunk_size)
-        full, unseen = full + metrics_from_ranks(ranks, k), unseen + metrics_from_ranks(unseen_ranks, k)
-    return full, unseen
+            ranks = _ranks_by_item_chunks(chunk, all_item_embeddings, targets, excluded, item_chunk_size)
+            if history is not None:
+                without = without + metrics_from_ranks(_ranks_by_item_chunks(
+                    chunk, all_item_embeddings, targets, _slice_exclude(history, start, stop), item_chunk_size), k)
+        total = total + metrics_from_ranks(ranks, k)
+    return total, without
 
 
 def _ranks_by_item_chunks(query: torch.Tensor, all_item_embeddings: torch.Tensor, target_ids: torch.Tensor,

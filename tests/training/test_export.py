@@ -224,7 +224,7 @@ def reference(trained, prepared: Path, users_table: Path):
     import torch.distributed.checkpoint as dcp
 
     from shards.manifest import load_manifest
-    from training.evaluator import evaluate_batch, score_queries
+    from training.evaluator import evaluate_batch, history_of, score_queries
     from training.export import saved_config
     from training.jagged import jagged_concat_last
     from training.model import build_local_model
@@ -261,7 +261,7 @@ def reference(trained, prepared: Path, users_table: Path):
                 seen = torch.repeat_interleave(torch.arange(batch.batch_size), batch.lengths + 1)
                 scores[seen, ids] = float("-inf")
                 unseen += torch.topk(scores, 10).indices.tolist()
-                metrics = evaluate_batch(model, batch, table, unseen=True)
+                metrics = evaluate_batch(model, batch, table, history=history_of(batch, "test"))
                 sums["full"], sums["unseen"] = sums["full"] + metrics.full, sums["unseen"] + metrics.unseen
                 rows += query_rows(batch, raw, users)
     named = {name: [[raw[i] for i in top] for top in tops] for name, tops in (("full", full), ("unseen", unseen))}

@@ -22,7 +22,7 @@ from training.jagged import (
     next_item_positions,
     offsets_from_lengths,
 )
-from training.evaluator import evaluate_batch, score_queries
+from training.evaluator import evaluate_batch, history_of, score_queries
 from training.losses import sampled_softmax_loss
 from training.ranking_metrics import (
     RetrievalMetrics,
@@ -365,7 +365,7 @@ def test_test_queries_encode_history_followed_by_valid_item() -> None:
 def test_evaluate_returns_sums_over_the_batch() -> None:
     model = small_model().eval()
     batch = random_batch([4, 2, 6])
-    result = evaluate_batch(model, batch, model.all_item_embeddings(), use="valid", unseen=True).unseen
+    result = evaluate_batch(model, batch, model.all_item_embeddings(), use="valid", history=history_of(batch, "valid")).unseen
     assert result.count == 3
     assert 0 <= result.hit_sum <= 3 and 0 < result.reciprocal_rank_sum <= 3
 
