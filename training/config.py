@@ -104,6 +104,10 @@ class HSTUConfig:
     output_norm: bool = shape(False)
     """A LayerNorm over the last layer's output before the L2 normalisation (SASRec's final
     LayerNorm here). False (default): none."""
+    feed_forward_dim: int = shape(0)
+    """Hidden width of a point-wise feed-forward block after each layer, SASRec's
+    (``Y + Dropout(FFN(LayerNorm(Y)))``, ``training.encoders.feed_forward_network``). 0 (default):
+    none, the paper's layer, whose gate U stands in for the FFN. Experimental (issue 27)."""
     norm_affine: bool = shape(True)
     """Learned scale and shift in each layer's two LayerNorms (on ``X`` and on ``A V``). False: none,
     as in Meta's reference code (its ``F.layer_norm`` takes no weight). Experimental (issue 27)."""
@@ -134,6 +138,8 @@ class HSTUConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.position_embeddings < 0:
             raise ValueError(f"position_embeddings must be >= 0 (0 = none), got {self.position_embeddings}")
+        if self.feed_forward_dim < 0:
+            raise ValueError(f"feed_forward_dim must be >= 0 (0 = none), got {self.feed_forward_dim}")
         for name in ("num_layers", "num_heads", "attention_dim", "linear_dim",
                      "max_seq_len", "num_position_buckets", "num_time_buckets", "attention_block_size"):
             if getattr(self, name) < 1:

@@ -51,6 +51,12 @@ class Encoder(nn.Module, metaclass=abc.ABCMeta):
         return "grouped"
 
 
+def feed_forward_network(width: int, hidden: int, dropout: float) -> nn.Sequential:
+    """The point-wise feed-forward network of a Transformer block, ``ReLU(x W1 + b1) W2 + b2`` with
+    dropout on the hidden rows (SASRec's; HSTU's optional one is the same network)."""
+    return nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, width))
+
+
 def build_encoder(model: ModelConfig) -> Encoder:
     """``model.encoder``'s encoder of width ``model.embedding_dim``, from its registry entry."""
     encoder = ENCODERS[model.encoder].build(model)

@@ -25,6 +25,10 @@ One HSTU layer, for one sample of length ``n``::
     A          = SiLU(Q K^T + rab_pos + rab_time) * causal_mask / n
     Y          = X + Linear(Dropout(LayerNorm(A V) * U))
 
+``model.hstu.feed_forward_dim`` > 0 adds SASRec's point-wise feed-forward block after it,
+``Y + Dropout(FFN(LayerNorm(Y)))``: not the paper's layer (which drops the FFN by design), an
+option measured against it (issue 27).
+
 ``rab_pos`` and ``rab_time`` are learned per-head biases indexed by the
 log-bucketed relative position ``i - j`` and time gap ``|t_i - t_j|``.
 """
@@ -39,7 +43,7 @@ from torch import nn
 
 from training.attention_kernel import attention_kernel_for
 from training.config import AttentionKernelName, HSTUConfig, keyed_by
-from training.encoders import Encoder
+from training.encoders import Encoder, feed_forward_network
 from training.jagged import check_jagged, jagged_positions
 from training.ops.attention import BiasSpec, hstu_attention
 from training.ops.hstu_attention_reference import GroupedAttention
@@ -155,6 +159,11 @@ class HSTULayer(nn.Module):
             nn.init.zeros_(self.uvqk.bias)
             nn.init.xavier_uniform_(self.output.weight)
             nn.init.zeros_(self.output.bias)
+        # Made last and only when asked: the default layer draws the same numbers as before it existed.
+        self.feed_forward: nn.Sequential | None = None
+        if config.feed_forward_dim:
+            self.feed_forward_norm = nn.LayerNorm(width, elementwise_affine=config.norm_affine)
+            self.feed_forward = feed_forward_network(width, config.feed_forward_dim, config.dropout)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         """``x`` ``[T, D]`` in the plan's order -> ``[T, D]``, same order."""
@@ -167,7 +176,10 @@ class HSTULayer(nn.Module):
         )
         attended = plan.attend(q, k, v, self.relative_bias)
         gated = self.attention_norm(attended) * u
-        return x + self.output(self.dropout(gated))
+        x = x + self.output(self.dropout(gated))
+        if self.feed_forward is None:
+            return x
+        return x + self.dropout(self.feed_forward(self.feed_forward_norm(x)))
 
 
 class HSTUEncoder(Encoder):

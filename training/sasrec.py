@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import SASRecConfig
-from training.encoders import Encoder
+from training.encoders import Encoder, feed_forward_network
 from training.jagged import GroupedPlan, check_jagged, jagged_positions
 
 
@@ -70,8 +70,7 @@ class SASRecBlock(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.attention_output = nn.Linear(width, width)
         self.feed_forward_norm = nn.LayerNorm(width)
-        self.feed_forward = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(config.dropout),
-                                          nn.Linear(hidden, width))
+        self.feed_forward = feed_forward_network(width, hidden, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, plan: GroupedPlan) -> torch.Tensor:

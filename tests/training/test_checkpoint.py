@@ -89,6 +89,7 @@ def test_shape_keys_are_the_marked_fields_of_every_encoder_and_the_model():
                          "model.hstu.num_layers", "model.hstu.num_heads", "model.hstu.attention_dim",
                          "model.hstu.linear_dim", "model.hstu.num_position_buckets", "model.hstu.num_time_buckets",
                          "model.hstu.position_embeddings", "model.hstu.output_norm", "model.hstu.norm_affine",
+                         "model.hstu.feed_forward_dim",
                          "model.sasrec.num_layers", "model.sasrec.feed_forward_dim", "model.sasrec.max_seq_len",
                          "optimizer.sparse_optimizer"}
 

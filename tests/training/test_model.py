@@ -807,6 +807,37 @@ def test_hstu_reference_init_draws_the_reference_spreads() -> None:
         HSTUConfig(init="xavier")
 
 
+def test_hstu_feed_forward_block_is_off_by_default_and_adds_sasrecs_ffn_after_each_layer() -> None:
+    """``feed_forward_dim = 0`` makes no parameters and draws no random numbers (the default layer is
+    the paper's). With it, each layer's output ``Y`` becomes ``Y + FFN(LayerNorm(Y))`` (eval: no
+    dropout), computed here by hand on the same weights, and the encoder stays causal."""
+    assert SMALL.feed_forward_dim == 0
+    torch.manual_seed(0)
+    plain = HSTUEncoder(SMALL, WIDTH).eval()
+    assert all(layer.feed_forward is None for layer in plain.layers)
+    assert not any("feed_forward" in name for name, _ in plain.named_parameters())
+    torch.manual_seed(0)
+    config = replace(SMALL, feed_forward_dim=24, attention_normalization="max_seq_len")
+    ffn = HSTUEncoder(config, WIDTH).eval()
+    assert ffn.layers[0].feed_forward[0].weight.shape == (24, WIDTH)
+    values, offsets, timestamps = encoder_inputs([5, 2], WIDTH)
+    # The layer without its FFN, then the block by hand.
+    no_ffn = HSTULayer(replace(config, feed_forward_dim=0), WIDTH).eval()
+    no_ffn.load_state_dict({k: v for k, v in ffn.layers[0].state_dict().items() if "feed_forward" not in k})
+    plan = GroupedAttentionPlan.build(offsets, timestamps, config)
+    with torch.no_grad():
+        x = plan.enter(values)
+        y = no_ffn(x, plan)
+        layer = ffn.layers[0]
+        expected = y + layer.feed_forward[3](torch.relu(layer.feed_forward[0](layer.feed_forward_norm(y))))
+        torch.testing.assert_close(layer(x, plan), expected)
+        assert not torch.allclose(expected, y)
+        out = ffn(values, offsets, timestamps)
+        torch.testing.assert_close(out[:3], ffn(values[:3], torch.tensor([0, 3]), timestamps[:3]))
+    with pytest.raises(ValueError, match="feed_forward_dim"):
+        HSTUConfig(feed_forward_dim=-1)
+
+
 def test_hstu_norms_without_affine_have_no_parameters_and_match_the_plain_formula() -> None:
     """``norm_affine = false`` (Meta's reference): both LayerNorms normalise only. The same model with
     learned norms left at their initial scale 1 and shift 0 computes the same outputs."""
