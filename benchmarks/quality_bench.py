@@ -29,7 +29,9 @@ and early stopping is the config's (both shipped recipes validate every pass wit
 Several ``--input`` (or ``--prepared``) run one after another in one command, each in its own
 ``--workdir`` subfolder named after it, with a table per dataset and the whole command's wall time
 at the end. ``--resume`` keeps the runs an interrupted bench finished (each run's minutes are
-saved beside its summary) and trains the rest. ``--stop-after-epochs N`` cuts every run after N epochs of the config's schedule
+saved beside its summary) and trains the rest; ``--record DIR`` also keeps each finished run's summary and
+minutes, a few kB, in ``DIR/<dataset>/``, and ``--resume`` takes runs from there too, so a bench longer
+than a machine's lease goes on elsewhere from a committed ``DIR``. ``--stop-after-epochs N`` cuts every run after N epochs of the config's schedule
 (``--max-steps`` N x the dataset's steps per epoch): the same budget in epochs on every dataset.
 
 A grid per model: ``--grid "hstu:model.hstu.dropout=0.3,0.5;loss.num_negatives=128,512"`` trains every
@@ -126,6 +128,9 @@ def main() -> None:
                         help="cut each run after N epochs of the config's schedule (default: the config's end)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs a stopped bench finished in --workdir (their summaries and minutes)")
+    parser.add_argument("--record", type=Path, metavar="DIR",
+                        help="also keep each finished run's summary and minutes in DIR/<dataset>/ (small enough "
+                             "to commit); with --resume, runs found there are not trained again")
     args, args.overrides = parser.parse_known_args()  # the rest: config overrides for every run
     names = args.models.split(",")
     if not set(names) <= set(MODELS):
@@ -140,6 +145,7 @@ def main() -> None:
     args.config = args.config or (OTHER_DATA_CONFIG if sources else CONFIG)
     args.user_features, args.user_feature_cols = True, "age,gender,occupation,zip_code"
     root = (REPO / args.workdir).resolve()
+    args.record = (REPO / args.record).resolve() if args.record else None
     started = time.time()
     if not sources:
         bench_dataset(args, "MovieLens-100K", root, None, names, settings)
@@ -176,10 +182,15 @@ def bench_dataset(args, dataset: str, work: Path, source: tuple[str, bool] | Non
                 stem = f"{name}-{rep}" if len(settings[name]) == 1 else f"{name}-{label.replace('/', '_')}-{rep}"
                 out = work / f"{stem}.json"
                 took = out.with_suffix(".minutes")  # written after the summary: the run finished
+                record = args.record / dataset / out.name if args.record else None
+                if args.resume and record:
+                    restore_run(record, out, took)
                 if not args.report_only and not (args.resume and took.exists()):
                     began = time.time()
                     train(shards, steps, rep, out, args, "--config", args.config, *extra, *args.overrides, *overrides)
                     took.write_text(f"{(time.time() - began) / 60}\n")
+                if record:
+                    record_run(out, took, record)
                 if took.exists():
                     minutes[name].setdefault(label, []).append(float(took.read_text()))
                 summary = json.loads(out.read_text())["summary"]
@@ -197,6 +208,24 @@ def bench_dataset(args, dataset: str, work: Path, source: tuple[str, bool] | Non
            {name: minutes[name].get(chosen[name], []) for name in models},
            argparse.Namespace(**{**vars(args), "dataset": dataset + budget}), work, time.time() - started,
            {name: chosen[name] for name in models})
+
+
+def record_run(out: Path, took: Path, record: Path) -> None:
+    """Keep a finished run's summary and minutes in ``record`` (a few kB; the run's own file also
+    holds its losses and timings, megabytes), for a bench resumed on another machine."""
+    if took.exists() and not record.exists():
+        record.parent.mkdir(parents=True, exist_ok=True)
+        kept = {"summary": json.loads(out.read_text())["summary"], "minutes": float(took.read_text())}
+        record.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+
+
+def restore_run(record: Path, out: Path, took: Path) -> None:
+    """A run ``record_run`` kept, put back in the workdir as the bench writes it, unless the workdir
+    has the run already."""
+    if record.exists() and not took.exists():
+        kept = json.loads(record.read_text())
+        out.write_text(json.dumps({"summary": kept["summary"]}))
+        took.write_text(f"{kept['minutes']}\n")
 
 
 def validation_key(summary: dict) -> str:

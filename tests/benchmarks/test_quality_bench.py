@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -37,3 +38,24 @@ def test_the_tables_show_the_unseen_ranking_only_where_every_run_has_it(capsys, 
     # HSTU's median is 0.010 ahead, the seed spread 0.002: ahead by more than the spread.
     assert "- full catalog: SASRec beats most-popular in every run: yes; HSTU - SASRec median NDCG@10 +0.0100" in out
     assert out.count("HSTU ahead by more than the spread: yes") == (3 if unseen else 2)
+
+
+def test_a_recorded_run_is_put_back_for_resume_and_a_workdir_run_wins(tmp_path):
+    """``--record``: a finished run's summary and minutes are kept small, and a resumed bench on a bare
+    workdir finds the run as the bench wrote it; a run the workdir has is left alone."""
+    work, record = tmp_path / "work", tmp_path / "record" / "beauty" / "hstu-0.json"
+    work.mkdir()
+    out, took = work / "hstu-0.json", work / "hstu-0.minutes"
+    quality_bench.record_run(out, took, record)
+    assert not record.exists()  # not finished: no minutes yet
+    out.write_text(json.dumps({"summary": summary(0.05, 0.4, True), "losses": list(range(1000))}))
+    took.write_text("7.5\n")
+    quality_bench.record_run(out, took, record)
+    assert json.loads(record.read_text()) == {"summary": summary(0.05, 0.4, True), "minutes": 7.5}
+    assert record.stat().st_size < out.stat().st_size / 2
+    out.unlink(), took.unlink()
+    quality_bench.restore_run(record, out, took)
+    assert json.loads(out.read_text())["summary"] == summary(0.05, 0.4, True) and float(took.read_text()) == 7.5
+    took.write_text("9.0\n")
+    quality_bench.restore_run(record, out, took)
+    assert float(took.read_text()) == 9.0
