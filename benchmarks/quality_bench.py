@@ -291,8 +291,11 @@ def report(results: dict[str, list[dict]], minutes: dict[str, list[float]], args
         print(f"- {protocol}: SASRec beats most-popular in every run: "
               f"{'yes' if all(s > p for s, p in zip(sasrec, popular)) else 'NO'}; HSTU - SASRec median NDCG@10 "
               f"{gap:+.4f}, seed spread {spread_width:.4f}: HSTU ahead by more than the spread: "
-              f"{'yes' if gap > spread_width else 'NO'}")
-    print(f"\n(total {total_s:.0f} s; per-run logs and summaries in {work})")
+              f"{'yes' if gap > spread_width else 'NO'}; HSTU not below: {'yes' if gap >= 0 else 'NO'}")
+    # A resumed bench restores runs trained earlier: their own minutes, not this command's, are its cost.
+    runs = [m for by_model in minutes.values() for m in by_model]
+    print(f"\n(total {total_s:.0f} s; the runs above took {sum(runs):.0f} min between them; per-run logs and "
+          f"summaries in {work})")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,18 @@ def test_the_tables_show_the_unseen_ranking_only_where_every_run_has_it(capsys, 
     assert "| 100 sampled negatives | hstu | 0.3510 [0.3500, 0.3520]" in out
     # HSTU's median is 0.010 ahead, the seed spread 0.002: ahead by more than the spread.
     assert "- full catalog: SASRec beats most-popular in every run: yes; HSTU - SASRec median NDCG@10 +0.0100" in out
-    assert out.count("HSTU ahead by more than the spread: yes") == (3 if unseen else 2)
+    assert out.count("HSTU ahead by more than the spread: yes; HSTU not below: yes") == (3 if unseen else 2)
+    assert "the runs above took 3 min between them" in out
+
+
+def test_the_verdicts_say_no_when_hstu_is_behind(capsys):
+    results = {"hstu": [summary(0.040 + i / 10000, 0.4, False) for i in range(3)],
+               "sasrec": [summary(0.042 + i / 10000, 0.4, False) for i in range(3)]}
+    args = argparse.Namespace(dataset="beauty", local_batch_size=64, repeats=3, config="c.toml", overrides=[])
+    quality_bench.report(results, {"hstu": [], "sasrec": []}, args, quality_bench.REPO, 1.0)
+    out = capsys.readouterr().out
+    assert "HSTU - SASRec median NDCG@10 -0.0020" in out
+    assert out.count("HSTU ahead by more than the spread: NO; HSTU not below: NO") == 2
 
 
 def test_a_recorded_run_is_put_back_for_resume_and_a_workdir_run_wins(tmp_path):
