@@ -9,6 +9,7 @@ import pytest
 from benchmarks import quality_bench
 
 NAMES = ("ndcg_at_10", "hr_at_10", "mrr")
+ARGS = argparse.Namespace(dataset="beauty", local_batch_size=64, repeats=3, config="c.toml", overrides=[])
 
 
 def summary(score: float, valid: float, unseen: bool) -> dict:
@@ -30,8 +31,7 @@ def test_the_setting_is_chosen_by_the_median_validation_score():
 def test_the_tables_show_the_unseen_ranking_only_where_every_run_has_it(capsys, unseen):
     results = {"hstu": [summary(0.05 + i / 1000, 0.4, unseen) for i in range(3)],
                "sasrec": [summary(0.04 + i / 1000, 0.4, True) for i in range(3)]}
-    args = argparse.Namespace(dataset="beauty", local_batch_size=64, repeats=3, config="c.toml", overrides=[])
-    quality_bench.report(results, {"hstu": [1.0], "sasrec": [2.0]}, args, quality_bench.REPO, 1.0)
+    quality_bench.report(results, {"hstu": [1.0], "sasrec": [2.0]}, ARGS, quality_bench.REPO, 1.0)
     out = capsys.readouterr().out
     assert ("| full catalog less the history | hstu |" in out) == unseen
     assert "| 100 sampled negatives | hstu | 0.3510 [0.3500, 0.3520]" in out
@@ -44,8 +44,7 @@ def test_the_tables_show_the_unseen_ranking_only_where_every_run_has_it(capsys, 
 def test_the_verdicts_say_no_when_hstu_is_behind(capsys):
     results = {"hstu": [summary(0.040 + i / 10000, 0.4, False) for i in range(3)],
                "sasrec": [summary(0.042 + i / 10000, 0.4, False) for i in range(3)]}
-    args = argparse.Namespace(dataset="beauty", local_batch_size=64, repeats=3, config="c.toml", overrides=[])
-    quality_bench.report(results, {"hstu": [], "sasrec": []}, args, quality_bench.REPO, 1.0)
+    quality_bench.report(results, {"hstu": [], "sasrec": []}, ARGS, quality_bench.REPO, 1.0)
     out = capsys.readouterr().out
     assert "HSTU - SASRec median NDCG@10 -0.0020" in out
     assert out.count("HSTU ahead by more than the spread: NO; HSTU not below: NO") == 2
