@@ -33,7 +33,7 @@ import platform
 import statistics
 import time
 
-from benchmarks.common import REPO, add_run_arguments, build_shards, train
+from benchmarks.common import REPO, add_run_arguments, build_shards, spread, train
 
 VARIANTS = (("contiguous", "plain"), ("balanced", "plain"), ("balanced", "overlap"), ("balanced", "prioritized"),
             ("control", "prioritized"))
@@ -47,10 +47,6 @@ def name(variant: tuple[str, str]) -> str:
 
 def med(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
-
-
-def spread(values: list[float], scale: float = 1.0, fmt: str = ".1f") -> str:
-    return f"{statistics.median(values) * scale:{fmt}} [{min(values) * scale:{fmt}}, {max(values) * scale:{fmt}}]"
 
 
 def main() -> None:
@@ -89,10 +85,10 @@ def main() -> None:
     for variant in VARIANTS:
         rows = results[variant]
         slowdown = [r["dense_compute_s"] / b["dense_compute_s"] - 1.0 for r, b in zip(rows, results[BASELINE])]
-        print(f"| {name(variant)} | {spread([r['step_time_s'] for r in rows], 1e3)} | "
-              f"{spread([r['comm_s'] for r in rows], 1e3)} | {spread([r['exposed_comm_s'] for r in rows], 1e3)} | "
-              f"{med(rows, 'samples_per_s'):.0f} | {spread([r['bubble_fraction'] for r in rows], 1, '.4f')} | "
-              f"{spread([r['idle_fraction'] for r in rows], 1, '.3f')} | "
+        print(f"| {name(variant)} | {spread([r['step_time_s'] for r in rows], '.1f', 1e3)} | "
+              f"{spread([r['comm_s'] for r in rows], '.1f', 1e3)} | {spread([r['exposed_comm_s'] for r in rows], '.1f', 1e3)} | "
+              f"{med(rows, 'samples_per_s'):.0f} | {spread([r['bubble_fraction'] for r in rows], '.4f')} | "
+              f"{spread([r['idle_fraction'] for r in rows], '.3f')} | "
               f"{med(rows, 'dense_compute_s') * 1e3:.1f} | {statistics.median(slowdown):+.1%} | "
               f"{med(rows, 'hr_at_10'):.4f} |")
 

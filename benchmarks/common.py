@@ -104,9 +104,9 @@ def train(shards: Path, steps: int, seed: int, out: Path, args: argparse.Namespa
                                     "--training.log_every", "1000", *extra])["summary"]
 
 
-def spread(values: list[float]) -> str:
-    """``median [min, max]`` to four places."""
-    return f"{statistics.median(values):.4f} [{min(values):.4f}, {max(values):.4f}]"
+def spread(values: list[float], fmt: str = ".4f", scale: float = 1.0) -> str:
+    """``median [min, max]`` of ``values * scale``, each formatted by ``fmt``."""
+    return f"{statistics.median(values) * scale:{fmt}} [{min(values) * scale:{fmt}}, {max(values) * scale:{fmt}}]"
 
 
 # ---------------------------------------------------------------- the GPU benchmarks' reports

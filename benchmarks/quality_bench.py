@@ -276,7 +276,7 @@ def report(results: dict[str, list[dict]], minutes: dict[str, list[float]], args
             cells = [spread([r[f"{prefix}{key}"] for r in rows]) for key, _ in METRICS]
             extra = [spread([r["best_epoch"] for r in rows]).replace(".0000", ""),
                      spread([r[chosen] for r in rows]) if chosen else "-",
-                     spread(minutes[name]) if minutes[name] else "-"]
+                     spread(minutes[name], ".1f") if minutes[name] else "-"]
             print(f"| {protocol} | {name} | {' | '.join(cells)} | {' | '.join(extra)} |")
         cells = [spread([r[f"popular_{prefix}{key}"] for r in first_rows]) for key, _ in METRICS]
         print(f"| {protocol} | most-popular | {' | '.join(cells)} | - | - | - |")

@@ -46,6 +46,8 @@ from typing import Callable
 
 import torch
 
+from benchmarks.common import spread
+
 NO_GPU = "sm_free_bench: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured"
 
 
@@ -62,10 +64,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.repeats < 5:
         p.error("--repeats must be >= 5")
     return args
-
-
-def spread(values: list[float], fmt: str = "{:.1f}") -> str:
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 
 
 def slowdown(times: list[float], base: list[float]) -> str:
@@ -176,10 +174,10 @@ def single_gpu(args: argparse.Namespace) -> None:
           f"copies of {args.copy_mib} MiB, {args.repeats} repeats (median [min, max])\n")
     print("| beside the GEMM | copy engine | GEMM TFLOP/s | GEMM slowdown vs alone | copy GB/s |")
     print("|---|---|---|---|---|")
-    print(f"| nothing (baseline) | - | {spread(tflops(alone))} | +0.0% | - |")
+    print(f"| nothing (baseline) | - | {spread(tflops(alone), '.1f')} | +0.0% | - |")
     for k, (_, _, engine) in kinds.items():
-        print(f"| {k} x{counts[k]} | {engine} | {spread(tflops(beside[k]))} | {slowdown(beside[k], alone)} "
-              f"| {spread(copy_gbs[k])} |")
+        print(f"| {k} x{counts[k]} | {engine} | {spread(tflops(beside[k]), '.1f')} | {slowdown(beside[k], alone)} "
+              f"| {spread(copy_gbs[k], '.1f')} |")
     print("\nce-host counts bytes both ways (D2H + H2D) and is bounded by PCIe, so it also moves far fewer "
           "HBM bytes per second than the others; sm-kernel vs d2d-memcpy compare SM use at equal HBM traffic. "
           "UNMEASURED until this table has been produced on a GPU machine and recorded.")
@@ -291,10 +289,10 @@ def multi_gpu(args: argparse.Namespace) -> None:
         print("| backend | path | all-to-all alone, ms | all-to-all beside GEMM, ms | GEMM slowdown vs alone "
               "(rank 0) | worst rank |")
         print("|---|---|---|---|---|---|")
-        print(f"| none (GEMM alone) | - | - | - | +0.0% (GEMM {spread(base, '{:.2f}')} ms) | - |")
+        print(f"| none (GEMM alone) | - | - | - | +0.0% (GEMM {spread(base, '.2f')} ms) | - |")
         for n in backends:
-            print(f"| {n} x{counts[n]} | {backends[n].path} | {spread(a2a_alone_ms[n], '{:.3f}')} | "
-                  f"{spread(a2a_beside_ms[n], '{:.3f}')} | {slowdown(gemm_beside[n], base)} | {worst[n]:+.1f}% |")
+            print(f"| {n} x{counts[n]} | {backends[n].path} | {spread(a2a_alone_ms[n], '.3f')} | "
+                  f"{spread(a2a_beside_ms[n], '.3f')} | {slowdown(gemm_beside[n], base)} | {worst[n]:+.1f}% |")
         for n, line in unavailable.items():
             print(f"| {n} | unavailable: {line} | - | - | - | - |")
         print("\nUNMEASURED until this table has been produced on a GPU machine and recorded.")

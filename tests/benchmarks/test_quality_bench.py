@@ -34,6 +34,7 @@ def test_the_tables_show_the_unseen_ranking_only_where_every_run_has_it(capsys, 
     quality_bench.report(results, {"hstu": [1.0], "sasrec": [2.0]}, ARGS, quality_bench.REPO, 1.0)
     out = capsys.readouterr().out
     assert ("| full catalog less the history | hstu |" in out) == unseen
+    assert "| 0.4000 [0.4000, 0.4000] | 1.0 [1.0, 1.0] |" in out  # validation at the best epoch; minutes
     assert "| 100 sampled negatives | hstu | 0.3510 [0.3500, 0.3520]" in out
     # HSTU's median is 0.010 ahead, the seed spread 0.002: ahead by more than the spread.
     assert "- full catalog: SASRec beats most-popular in every run: yes; HSTU - SASRec median NDCG@10 +0.0100" in out
