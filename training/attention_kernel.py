@@ -51,7 +51,10 @@ def resolve_attention_kernel(choice: AttentionKernel, device_type: str) -> Atten
 
 
 def triton_limits_problem(hstu: HSTUConfig) -> str | None:
-    """Why the Triton kernel cannot take this config's bucket tables; None when it can."""
+    """Why the Triton kernel cannot take this config (its bucket tables, its weights); None when it can."""
+    if hstu.attention_activation != "silu":
+        return (f"model.hstu.attention_activation '{hstu.attention_activation}' is not the triton attention "
+                "kernel's: it computes SiLU weights only")
     if position_table_too_long(hstu.num_position_buckets, hstu.max_seq_len):
         return (f"model.hstu.max_seq_len {hstu.max_seq_len} needs a position table of more than "
                 f"{POSITION_TABLE_LIMIT + 1} entries, the triton attention kernel's limit")

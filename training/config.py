@@ -33,6 +33,7 @@ SparseOptimizerName = Literal["adagrad", "sgd", "adam"]
 # fbgemm's CPU embedding kernels take exact (row-wise) adagrad and SGD only.
 CUDA_ONLY_SPARSE_OPTIMIZERS: tuple[SparseOptimizerName, ...] = ("adam",)
 AttentionNormalization = Literal["sample_length", "max_seq_len"]
+AttentionActivation = Literal["silu", "softmax"]
 HSTUInit = Literal["torch", "reference"]
 CommMode = Literal["plain", "overlap", "prioritized"]
 AttentionKernelName = Literal["triton", "grouped"]
@@ -95,6 +96,12 @@ class HSTUConfig:
     reference implementation, which pads to the max length). LayerNorm after ``A V``
     absorbs the scale up to its epsilon, so the choice rarely matters."""
 
+    attention_activation: AttentionActivation = "silu"
+    """What turns a score into a weight. ``"silu"`` (default): the paper's pointwise
+    ``SiLU(s) / n``, where a weight does not depend on the other keys. ``"softmax"``: a
+    Transformer's (SASRec's) ``softmax_j(q.k / sqrt(attention_dim) + biases)`` over the causal
+    keys, no ``n``: the paper's own ablation, to measure what the pointwise form costs or buys on a
+    dataset. The grouped kernel only: triton refuses it. Experimental (issue 27)."""
     position_embeddings: int = shape(0)
     """Learned absolute position embeddings added to the encoder's inputs, for positions
     ``0..position_embeddings-1`` counted from a history's oldest item (later positions share the
@@ -132,6 +139,7 @@ class HSTUConfig:
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
         for name, choice in (("attention_normalization", AttentionNormalization),
+                             ("attention_activation", AttentionActivation),
                              ("attention_kernel", AttentionKernel), ("init", HSTUInit)):
             allowed = typing.get_args(choice)
             if getattr(self, name) not in allowed:

@@ -71,6 +71,7 @@ def bias_spec(config: HSTUConfig) -> BiasSpec:
         num_position_buckets=config.num_position_buckets, max_position=config.max_seq_len,
         num_time_buckets=config.num_time_buckets, max_time_gap=config.max_time_gap_seconds,
         normalizer=config.max_seq_len if config.attention_normalization == "max_seq_len" else 0,
+        activation=config.attention_activation,
     )
 
 

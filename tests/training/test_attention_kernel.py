@@ -21,6 +21,7 @@ from training.ops.kernel_limits import INT32_MAX, POSITION_TABLE_LIMIT
 REPO = Path(__file__).resolve().parents[2]
 WIDE_GAP = ["--model.hstu.max_time_gap_seconds", "3e9"]  # 95 years: past the kernel's 32-bit gaps
 LONG_HISTORY = ["--model.hstu.max_seq_len", str(2 * POSITION_TABLE_LIMIT)]
+SOFTMAX = ["--model.hstu.attention_activation", "softmax"]  # the grouped kernel's only
 
 
 @pytest.fixture
@@ -65,6 +66,8 @@ def test_ranks_device_follows_the_backend(no_gpu):
     (["--model.hstu.attention_kernel", "grouped", *WIDE_GAP, *LONG_HISTORY], None),
     ([*WIDE_GAP, *LONG_HISTORY], None),  # auto: grouped on a CPU machine, which takes any value
     (["--parallel.backend", "nccl", *WIDE_GAP], (ConfigError, "max_time_gap_seconds 3e+09")),  # auto: triton
+    (["--parallel.backend", "nccl", *SOFTMAX], (ConfigError, "attention_activation 'softmax'")),
+    (SOFTMAX, None),  # auto on a CPU machine: grouped, which computes it
     (["--model.encoder", "sasrec", "--model.hstu.attention_kernel", "triton"], None),  # no HSTU attention
 ])
 def test_the_launch_check_refuses_what_the_ranks_would(no_gpu, overrides, refusal):
@@ -79,6 +82,7 @@ def test_the_launch_check_refuses_what_the_ranks_would(no_gpu, overrides, refusa
 
 
 @pytest.mark.parametrize("overrides,key", [(WIDE_GAP, "model.hstu.max_time_gap_seconds 3e+09"),
+                                           (SOFTMAX, "model.hstu.attention_activation 'softmax'"),
                                            (LONG_HISTORY, f"model.hstu.max_seq_len {2 * POSITION_TABLE_LIMIT}")])
 def test_triton_refuses_values_past_its_limits_naming_the_key(monkeypatch, overrides, key):
     """Under the interpreter triton runs on the CPU, so the limits are what stops it; the encoder

@@ -100,6 +100,7 @@ CHOICES = [
     ("parallel.backend", ("auto", "gloo", "nccl"), "mpi"),
     ("optimizer.sparse_optimizer", ("adagrad", "sgd", "adam"), "rowwise_adagrad"),
     ("model.hstu.attention_normalization", ("sample_length", "max_seq_len"), "padded"),
+    ("model.hstu.attention_activation", ("silu", "softmax"), "relu"),
     ("model.hstu.attention_kernel", ("auto", "triton", "grouped"), "cuda"),
     ("model.hstu.init", ("torch", "reference"), "xavier"),
     ("comm.mode", ("plain", "overlap", "prioritized"), "async"),

@@ -147,6 +147,9 @@ def test_the_entry_refuses_what_it_cannot_keep() -> None:
         hstu_attention(q, k, v, offsets, timestamps, *tables, kernel="grouped")
     with pytest.raises(ValueError, match="precise=True is the triton kernel's"):
         hstu_attention(q, k, v, offsets, timestamps, *tables, kernel="reference", precise=True)
+    softmax = bias_spec(HSTUConfig(**{**CONFIG.__dict__, "attention_activation": "softmax"}))
+    with pytest.raises(ValueError, match="the triton kernel computes SiLU weights only, not 'softmax'"):
+        hstu_attention(q, k, v, offsets, timestamps, *tables[:2], softmax, kernel="triton")
 
 
 def test_autotuned_launch_gives_the_same_numbers_and_trials_leave_no_sum(monkeypatch) -> None:

@@ -185,7 +185,8 @@ def test_jagged_batch_equals_each_sample_alone(block_size: int) -> None:
 
 
 def reference_hstu_layer(layer: HSTULayer, x: torch.Tensor, t: torch.Tensor, config: HSTUConfig) -> torch.Tensor:
-    """The paper's formula for one sample, written densely and independently of the jagged code."""
+    """The paper's formula for one sample, written densely and independently of the jagged code
+    (with ``attention_activation = "softmax"``, a Transformer's weights over the same scores)."""
     n, heads = x.shape[0], config.num_heads
     dq, dv = config.attention_dim, config.linear_dim
     projected = F.silu(layer.uvqk(layer.input_norm(x)))
@@ -193,22 +194,24 @@ def reference_hstu_layer(layer: HSTULayer, x: torch.Tensor, t: torch.Tensor, con
     outputs = []
     for h in range(heads):
         qh, kh, vh = q[:, h * dq:(h + 1) * dq], k[:, h * dq:(h + 1) * dq], v[:, h * dv:(h + 1) * dv]
-        attention = torch.zeros(n, n)
+        softmax = config.attention_activation == "softmax"
+        attention = torch.full((n, n), -math.inf) if softmax else torch.zeros(n, n)
         for i in range(n):
             for j in range(i + 1):
                 position_bucket = log_bucket(torch.tensor(i - j), config.num_position_buckets, config.max_seq_len)
                 time_bucket = log_bucket((t[i] - t[j]).abs(), config.num_time_buckets, config.max_time_gap_seconds)
                 bias = (layer.relative_bias.position_bias.weight[position_bucket, h]
                         + layer.relative_bias.time_bias.weight[time_bucket, h])
-                attention[i, j] = F.silu(qh[i] @ kh[j] + bias) / n
-        outputs.append(attention @ vh)
+                attention[i, j] = qh[i] @ kh[j] / math.sqrt(dq) + bias if softmax else F.silu(qh[i] @ kh[j] + bias) / n
+        outputs.append((attention.softmax(dim=-1) if softmax else attention) @ vh)
     attended = torch.cat(outputs, dim=-1)
     return x + layer.output(layer.attention_norm(attended) * u)
 
 
+@pytest.mark.parametrize("activation", ["silu", "softmax"])
 @pytest.mark.parametrize("block_size", [128, 4])  # 4: the 6-long sample spans two row blocks
-def test_layer_matches_dense_reference_formula(block_size: int) -> None:
-    config = HSTUConfig(**{**SMALL.__dict__, "attention_block_size": block_size})
+def test_layer_matches_dense_reference_formula(block_size: int, activation: str) -> None:
+    config = HSTUConfig(**{**SMALL.__dict__, "attention_block_size": block_size, "attention_activation": activation})
     torch.manual_seed(0)
     layer = HSTULayer(config, WIDTH).eval()
     with torch.no_grad():
@@ -273,6 +276,8 @@ def test_max_seq_len_normalisation_makes_prefix_outputs_exact() -> None:
 def test_config_rejects_unknown_normalisation() -> None:
     with pytest.raises(ValueError, match="attention_normalization"):
         HSTUConfig(attention_normalization="padded")
+    with pytest.raises(ValueError, match="attention_activation"):
+        HSTUConfig(attention_activation="relu")
 
 
 # ---------------------------------------------------------------------- model

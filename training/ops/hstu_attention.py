@@ -663,6 +663,9 @@ def jagged_hstu_attention(
     tensor's dtype). The output is in that dtype, as autocast's matmuls are; the bias tables stay
     as they are (fp32 parameters) and get fp32 gradients.
     """
+    if spec.activation != "silu":
+        raise ValueError(f"the triton kernel computes SiLU weights only, not {spec.activation!r} "
+                         "(model.hstu.attention_activation; the grouped kernel takes it)")
     heads = position_weight.shape[1]
     dtype = kernel_dtype(q, k, v)
     out = _JaggedHSTUAttention.apply(

@@ -37,6 +37,10 @@ class BiasSpec:
     max_time_gap: float
     normalizer: int
     """Divisor of the attention weights; 0 = each sample's own length."""
+    activation: str = "silu"
+    """``"silu"``: weights ``SiLU(s) / n``; ``"softmax"``: ``softmax_j(q.k / sqrt(dq) + biases)``
+    over the causal keys, ``normalizer`` unused (``HSTUConfig.attention_activation``; the
+    reference only, the Triton kernel refuses it)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class GroupedAttention:
     grouped: GroupedPlan
     groups: list[AttentionGroup]
     """One per ``grouped.groups`` entry, in the same order."""
+    activation: str = "silu"
+    """``BiasSpec.activation``."""
 
     @classmethod
     def build(cls, offsets: torch.Tensor, timestamps: torch.Tensor, spec: BiasSpec,
@@ -85,7 +91,10 @@ class GroupedAttention:
         """``block``: query rows per attention block (``HSTUConfig.attention_block_size``); None = a
         sample's whole length in one block."""
         grouped = GroupedPlan.build(offsets)
-        return cls(grouped=grouped, groups=[_attention_group(g, timestamps, spec, block) for g in grouped.groups])
+        if spec.activation not in ("silu", "softmax"):
+            raise ValueError(f"activation must be 'silu' or 'softmax', not {spec.activation!r}")
+        return cls(grouped=grouped, groups=[_attention_group(g, timestamps, spec, block) for g in grouped.groups],
+                   activation=spec.activation)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         return self.grouped.enter(x)
@@ -100,7 +109,7 @@ class GroupedAttention:
         if not self.groups:
             return v.new_zeros(0, v.shape[1])
         pieces = zip(self.groups, self.grouped.split(q), self.grouped.split(k), self.grouped.split(v))
-        return torch.cat([_group_attention(group, qg, kg, vg, position_weight, time_weight)
+        return torch.cat([_group_attention(group, qg, kg, vg, position_weight, time_weight, self.activation)
                           for group, qg, kg, vg in pieces])
 
 
@@ -118,7 +127,7 @@ def reference_hstu_attention(
 
 
 def _group_attention(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     position_weight: torch.Tensor, time_weight: torch.Tensor) -> torch.Tensor:
+                     position_weight: torch.Tensor, time_weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Attention of one group; ``q``, ``k``, ``v`` are its ``[G * L, ...]`` rows."""
     num_samples, length = group.rows.shape
     heads = position_weight.shape[1]
@@ -127,14 +136,19 @@ def _group_attention(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v:
         return t.view(num_samples, length, heads, -1).transpose(1, 2)  # [G, H, L, width]
 
     qg, kg, vg = per_head(q), per_head(k), per_head(v)
+    if activation == "softmax":
+        qg = qg * qg.shape[-1] ** -0.5
     blocks = []
     for block in group.blocks:
         keys, values = kg[:, :, : block.stop], vg[:, :, : block.stop]
         scores = qg[:, :, block.start : block.stop] @ keys.transpose(-1, -2) + _block_bias(
             position_weight, time_weight, block)
-        # Multiplying by the mask (not adding -inf) because SiLU is not a softmax:
-        # masked entries must contribute exactly 0, and SiLU(-inf) is NaN.
-        weights = F.silu(scores) * block.causal_weight
+        if activation == "softmax":  # every row keeps its diagonal, so none is all -inf
+            weights = torch.softmax(scores.masked_fill(block.causal_weight == 0, float("-inf")), dim=-1)
+        else:
+            # Multiplying by the mask (not adding -inf) because SiLU is not a softmax:
+            # masked entries must contribute exactly 0, and SiLU(-inf) is NaN.
+            weights = F.silu(scores) * block.causal_weight
         # Scores are fp32 (the bias is); the weights meet V in V's dtype, as in the Triton kernel,
         # so bf16 q, k, v work with autocast (a no-op there) and without it.
         blocks.append(weights.to(values.dtype) @ values)  # [G, H, rows, linear_dim]
