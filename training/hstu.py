@@ -25,7 +25,9 @@ One HSTU layer, for one sample of length ``n``::
     A          = SiLU(Q K^T + rab_pos + rab_time) * causal_mask / n
     Y          = X + Linear(Dropout(LayerNorm(A V) * U))
 
-``model.hstu.feed_forward_dim`` > 0 adds SASRec's point-wise feed-forward block after it,
+``model.hstu.attention_activation = "softmax"`` replaces ``SiLU(.) / n`` by a Transformer's
+``softmax(Q K^T / sqrt(d) + rab_pos + rab_time)`` over the causal keys (the paper's ablation; the
+grouped kernel only). ``model.hstu.feed_forward_dim`` > 0 adds SASRec's point-wise feed-forward block after it,
 ``Y + Dropout(FFN(LayerNorm(Y)))``: not the paper's layer (which drops the FFN by design), an
 option measured against it (issue 27).
 
