@@ -7,6 +7,7 @@ leaves out the tests marked ``slow`` or ``spawns`` (a test using a fixture decla
 marked here), and fails the run if a test it kept started a process or Spark anyway."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import subprocess
@@ -71,7 +72,10 @@ def pytest_collection_finish(session):
     # In the background from the start (tests/helpers.py's DataJobsRun): the no-torch check's run of
     # the data jobs, which also writes the machine's Spark class archive when there is none. The fast
     # tier starts no process.
-    if not session.config.getoption("fast") and any(item.get_closest_marker("spawns") for item in session.items):
+    # The GPU machine has neither MLflow nor Spark (benchmarks/gpu_check.sh): its spawning tests need neither.
+    data_jobs_can_run = all(importlib.util.find_spec(name) is not None for name in ("mlflow", "pyspark"))
+    if (data_jobs_can_run and not session.config.getoption("fast")
+            and any(item.get_closest_marker("spawns") for item in session.items)):
         # MLflow imported here first, before any background thread: two threads importing it at once
         # can see it partially initialized ("no attribute 'version'"), which failed 20 tests in one run.
         import mlflow.tracking  # noqa: F401

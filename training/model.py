@@ -333,8 +333,13 @@ class SequentialRecommender(nn.Module):
         """``num_negatives`` ids uniform in ``1..num_items`` (never padding).
 
         Uses ``generator`` if given, else the global RNG of ``device``, so
-        ``torch.manual_seed`` makes training reproducible.
+        ``torch.manual_seed`` makes training reproducible. A generator on another device (the
+        CPU generator calibrate and the trainer seed, with a model on CUDA) draws there and the ids
+        are moved: torch refuses a CPU generator for a CUDA draw.
         """
+        if generator is not None and generator.device != torch.device(device):
+            ids = torch.randint(1, self.num_items + 1, (num_negatives,), device=generator.device, generator=generator)
+            return ids.to(device)
         return torch.randint(1, self.num_items + 1, (num_negatives,), device=device, generator=generator)
 
     @torch.no_grad()
