@@ -16,17 +16,17 @@ status=0
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'nccl', '.'.join(map(str, torch.cuda.nccl.version())))"
 } 2>&1 | tee "$out/machine.txt"
 config=benchmarks/configs/gpu_virtual_ranks.toml
-timeout 100 python -m jobs.cli calibrate --device cuda --config "$config" --output "$out/cost_model.json" \
+timeout 60 python -m jobs.cli calibrate --device cuda --config "$config" --output "$out/cost_model.json" \
   --overwrite --repeats 3 --warmup 1 --held-out-batches 8 --tracking-uri none > "$out/calibrate.log" 2>&1 \
   || { status=1; tail -n 20 "$out/calibrate.log"; }
 if [ -f "$out/cost_model.json" ]; then
-  timeout 200 python -m benchmarks.virtual_ranks_gpu --config "$config" --cost-model "$out/cost_model.json" \
+  timeout 280 python -m benchmarks.virtual_ranks_gpu --config "$config" --cost-model "$out/cost_model.json" \
     --output "$out/virtual_ranks.md" > "$out/virtual_ranks.log" 2>&1 || status=1
   cat "$out/virtual_ranks.md" 2>/dev/null || tail -n 40 "$out/virtual_ranks.log"
 fi
-timeout 180 python -m benchmarks.hstu_gpu_bench --precision bf16 --output "$out/hstu_gpu.md" 2>&1 | tail -n 200 \
+timeout 120 python -m benchmarks.hstu_gpu_bench --precision bf16 --output "$out/hstu_gpu.md" 2>&1 | tail -n 200 \
   > "$out/hstu_gpu.log" || status=1
 cat "$out/hstu_gpu.md" 2>/dev/null || tail -n 40 "$out/hstu_gpu.log"
-timeout 90 python -m pytest -q -rs -p no:cacheprovider tests/comm/test_comm_cuda.py tests/training/test_hstu_kernel_cuda.py \
+timeout 130 python -m pytest -q -rs -p no:cacheprovider tests/comm/test_comm_cuda.py tests/training/test_hstu_kernel_cuda.py \
   2>&1 | tee "$out/gpu_tests.txt" | tail -n 15 || status=1
 exit $status
