@@ -337,10 +337,8 @@ class SequentialRecommender(nn.Module):
         CPU generator calibrate and the trainer seed, with a model on CUDA) draws there and the ids
         are moved: torch refuses a CPU generator for a CUDA draw.
         """
-        if generator is not None and generator.device != torch.device(device):
-            ids = torch.randint(1, self.num_items + 1, (num_negatives,), device=generator.device, generator=generator)
-            return ids.to(device)
-        return torch.randint(1, self.num_items + 1, (num_negatives,), device=device, generator=generator)
+        drawn_on = generator.device if generator is not None else device
+        return torch.randint(1, self.num_items + 1, (num_negatives,), device=drawn_on, generator=generator).to(device)
 
     @torch.no_grad()
     def all_item_embeddings(self, chunk_size: int = 65536, normalize: bool = True) -> torch.Tensor:

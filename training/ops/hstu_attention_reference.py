@@ -17,11 +17,13 @@ the buckets are built once for all layers, and the batch is permuted once, not p
 """
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from training.config import AttentionActivation
 from training.jagged import GroupedPlan, LengthGroup
 from training.ops.relative_buckets import log_bucket
 
@@ -37,10 +39,15 @@ class BiasSpec:
     max_time_gap: float
     normalizer: int
     """Divisor of the attention weights; 0 = each sample's own length."""
-    activation: str = "silu"
+    activation: AttentionActivation = "silu"
     """``"silu"``: weights ``SiLU(s) / n``; ``"softmax"``: ``softmax_j(q.k / sqrt(dq) + biases)``
     over the causal keys, ``normalizer`` unused (``HSTUConfig.attention_activation``; the
     reference only, the Triton kernel refuses it)."""
+
+    def __post_init__(self) -> None:
+        if self.activation not in typing.get_args(AttentionActivation):
+            raise ValueError(f"activation must be one of {typing.get_args(AttentionActivation)}, "
+                             f"not {self.activation!r}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +89,7 @@ class GroupedAttention:
     grouped: GroupedPlan
     groups: list[AttentionGroup]
     """One per ``grouped.groups`` entry, in the same order."""
-    activation: str = "silu"
+    activation: AttentionActivation
     """``BiasSpec.activation``."""
 
     @classmethod
@@ -91,8 +98,6 @@ class GroupedAttention:
         """``block``: query rows per attention block (``HSTUConfig.attention_block_size``); None = a
         sample's whole length in one block."""
         grouped = GroupedPlan.build(offsets)
-        if spec.activation not in ("silu", "softmax"):
-            raise ValueError(f"activation must be 'silu' or 'softmax', not {spec.activation!r}")
         return cls(grouped=grouped, groups=[_attention_group(g, timestamps, spec, block) for g in grouped.groups],
                    activation=spec.activation)
 
@@ -127,7 +132,7 @@ def reference_hstu_attention(
 
 
 def _group_attention(group: AttentionGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     position_weight: torch.Tensor, time_weight: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                     position_weight: torch.Tensor, time_weight: torch.Tensor, activation: AttentionActivation) -> torch.Tensor:
     """Attention of one group; ``q``, ``k``, ``v`` are its ``[G * L, ...]`` rows."""
     num_samples, length = group.rows.shape
     heads = position_weight.shape[1]
