@@ -97,6 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+COLUMNS = ["lengths", "K", "steps", "mean L", "contiguous bubble", "flops_kk bubble", "kk bubble",
+           "contiguous step ms", "flops_kk step ms", "kk step ms", "kk speedup", "flops_kk speedup"]
+
+
+def row_cells(r: dict) -> list[str]:
+    """One measured case as a row of ``COLUMNS``: measured, simulate's prediction in brackets."""
+    cells = [r["lengths"], str(r["K"]), str(r["steps"]), f"{r['mean_length']:.0f}"]
+    cells += [f"{r[label]['bubble']:.1%} ({r[label]['predicted_bubble']:.1%})" for label in PLANS]
+    cells += [f"{r[label]['step_s'] * 1e3:.2f} ({r[label]['predicted_step_s'] * 1e3:.2f})" for label in PLANS]
+    cells.append(f"{r['contiguous']['total_s'] / r['kk']['total_s']:.2f}x")
+    cells.append(f"{r['contiguous']['total_s'] / r['flops_kk']['total_s']:.2f}x")
+    return cells
+
+
 class Bench(Markdown):
     def __init__(self, args: argparse.Namespace) -> None:
         import numpy as np
@@ -193,7 +207,11 @@ class Bench(Markdown):
             if self.in_seconds:
                 out[label]["predicted_bubble"] = simulate(p.loads, time_model, b, seed=self.args.seed).bubble_fraction
                 out[label]["predicted_step_s"] = float((p.loads.max(axis=1) + self.step_constant).mean())
+        # Printed as soon as measured: a run cut short by its time budget still leaves every finished case.
         self.emit(f"- {name}, K={k}: done ({time.perf_counter() - self.started:.0f} s)")
+        self.emit()
+        self.table(COLUMNS, [row_cells(out)])
+        self.emit()
         return out
 
     def time_batches(self, batches: list) -> "object":
@@ -220,21 +238,7 @@ class Bench(Markdown):
         self.emit(f"## Measured (simulate's prediction in brackets; nan without a cost model in seconds) "
                   f"({time.perf_counter() - self.started:.0f} s)")
         self.emit()
-        table = []
-        for r in rows:
-            cells = [r["lengths"], str(r["K"]), str(r["steps"]), f"{r['mean_length']:.0f}"]
-            for label in PLANS:
-                m = r[label]
-                cells.append(f"{m['bubble']:.1%} ({m['predicted_bubble']:.1%})")
-            for label in PLANS:
-                m = r[label]
-                cells.append(f"{m['step_s'] * 1e3:.2f} ({m['predicted_step_s'] * 1e3:.2f})")
-            cells.append(f"{r['contiguous']['total_s'] / r['kk']['total_s']:.2f}x")
-            cells.append(f"{r['contiguous']['total_s'] / r['flops_kk']['total_s']:.2f}x")
-            table.append(cells)
-        self.table(["lengths", "K", "steps", "mean L", "contiguous bubble", "flops_kk bubble", "kk bubble",
-                    "contiguous step ms", "flops_kk step ms", "kk step ms", "kk speedup", "flops_kk speedup"],
-                   table)
+        self.table(COLUMNS, [row_cells(r) for r in rows])
         self.targets(rows)
 
     def targets(self, rows: list[dict]) -> None:
