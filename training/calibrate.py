@@ -86,7 +86,7 @@ from pipeline.calibration import (
 from pipeline.cost_model import KINDS, CostModel, default_cost_model
 from training.batch import SequenceBatch
 from training.bubbles import DenseSpanProbe
-from training.config import LossKind, ModelConfig, Precision
+from training.config import CudaGraphs, LossKind, ModelConfig, Precision
 from training.model import LocalItemTable, SequentialRecommender, build_dense_model
 
 CLOCKS = ("cpu", "wall")
@@ -324,6 +324,9 @@ class CalibrationSettings:
     """Where the model runs: ``cpu`` (thread CPU clock, one thread) or ``cuda`` (CUDA events)."""
     precision: Precision = "fp32"
     """``training.precision``: the encoder's arithmetic in the timed steps, as the trainer will run it."""
+    cuda_graphs: CudaGraphs = "off"
+    """``training.cuda_graphs``: the encoder's steps replayed as CUDA graphs, as the trainer will run them
+    (the warm-up rounds capture each batch's bucket, so no timed step includes a capture)."""
 
 
 @dataclass
@@ -388,7 +391,7 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
 
     torch.manual_seed(settings.seed)
     model, table = build_dense_model(settings.num_items, model_config, device=settings.device,
-                                     precision=settings.precision)
+                                     precision=settings.precision, cuda_graphs=settings.cuda_graphs)
     model.train()  # dropout on, as in training
 
     def step(lengths: Sequence[int], index: int) -> Callable[[], StepTime]:
@@ -401,10 +404,12 @@ def run_calibration(model_config: ModelConfig, settings: CalibrationSettings, co
     log(f"timing {len(batches)} calibration batches ({len(grid)} grid + {len(held_out)} held-out lengths x "
         f"{settings.replicates}) and {len(mixes)} held-out mixed batches: {settings.warmup} warm-up + "
         f"{settings.repeats} rounds, {_clock_words(settings.device)}, attention kernel "
-        f"{model.attention_kernel}, precision {settings.precision}")
+        f"{model.attention_kernel}, precision {settings.precision}, CUDA graphs {settings.cuda_graphs}")
     with single_thread(), caching_malloc():
         samples = time_round_robin([step(b, i) for i, b in enumerate(all_batches)], settings.repeats,
                                    settings.warmup, progress=lambda r: log(f"  round {r}/{settings.repeats}"))
+    if model.graphed_encoder is not None:
+        log(f"CUDA graphs: {model.graphed_encoder.stats.summary()}")
     medians = {clock: np.median(samples[:, :, c], axis=1) for c, clock in enumerate(CLOCKS)}
 
     on_grid = [b.probe_length in grid for b in batches]
@@ -494,6 +499,7 @@ def build_provenance(result: CalibrationResult, config_record: dict) -> dict:
         "device": s.device,
         "attention_kernel": result.attention_kernel,
         "precision": s.precision,
+        "cuda_graphs": s.cuda_graphs,
         "cv": "both forms fitted on the grid-length batches, scored on the held-out-length batches",
         "chosen": result.fits[FIT_CLOCK].choice.chosen,
         "reason": result.fits[FIT_CLOCK].choice.reason,

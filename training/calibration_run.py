@@ -32,7 +32,7 @@ def calibration_device(choice: str, model: Any) -> str:
 def config_record(spec: CalibrateSpec, config: Any, overrides: list[str]) -> dict:
     """The timed model's config as the provenance of both files records it."""
     return {"model": dataclasses.asdict(config.model), "loss": dataclasses.asdict(config.loss),
-            "training": {"precision": config.training.precision},
+            "training": {"precision": config.training.precision, "cuda_graphs": config.training.cuda_graphs},
             "config_file": spec.config, "overrides": overrides}
 
 
@@ -51,7 +51,8 @@ def calibrate_and_record(spec: CalibrateSpec, config: Any, overrides: list[str],
         lengths=tuple(lengths), num_items=spec.num_items, repeats=spec.repeats, warmup=spec.warmup,
         replicates=spec.replicates, held_out_batches=spec.held_out_batches,
         num_negatives=config.loss.num_negatives, full_softmax=config.loss.full_softmax,
-        loss_kind=config.loss.kind, seed=spec.seed, device=device, precision=config.training.precision)
+        loss_kind=config.loss.kind, seed=spec.seed, device=device, precision=config.training.precision,
+        cuda_graphs=config.training.cuda_graphs)
     record = config_record(spec, config, overrides)
     result = run_calibration(config.model, settings, record, log=log)
     artifacts = {"cost_model.json": result.model.save(spec.output)}

@@ -43,7 +43,8 @@ from training.batch import (
     item_features,
     user_feature_kjt,
 )
-from training.config import LossKind, ModelConfig, Precision
+from training.config import ConfigError, CudaGraphs, LossKind, ModelConfig, Precision
+from training.encoder_graphs import GraphedEncoder
 from training.encoders import build_encoder
 from training.jagged import next_item_positions
 from training.losses import LOSSES
@@ -163,6 +164,8 @@ class SequentialRecommender(nn.Module):
         precision: the encoder's arithmetic (``training.precision``; ``"bf16"`` runs it under
             autocast, ``training.precision.encoder_autocast``); every other part, the tables
             and the loss included, computes in fp32.
+        cuda_graphs: ``training.cuda_graphs``; ``"encoder"`` replays the encoder's training forward
+            and backward as CUDA graphs per padded shape (``training.encoder_graphs``). CUDA only.
         tables: False builds no TorchRec tables (and loads no TorchRec): every forward then
             takes its rows from a ``source``, e.g. ``LocalItemTable``'s (``build_dense_model``).
     """
@@ -176,6 +179,7 @@ class SequentialRecommender(nn.Module):
         user_features: list[tuple[str, int]] | tuple = (),
         precision: Precision = "fp32",
         tables: bool = True,
+        cuda_graphs: CudaGraphs = "off",
     ) -> None:
         super().__init__()
         if num_items < 1:
@@ -228,6 +232,14 @@ class SequentialRecommender(nn.Module):
         self.encoder = build_encoder(config).to(device)
         # A kernel that cannot run on this device stops the job here, not at the first step.
         self.attention_kernel = self.encoder.kernel(device)
+        # A plain attribute, not a submodule: the graphs run the encoder's own parameters, and the
+        # state dict stays the encoder's.
+        self.graphed_encoder: GraphedEncoder | None = None
+        if cuda_graphs == "encoder":
+            if torch.device(device).type != "cuda":
+                raise ConfigError(f"training.cuda_graphs = 'encoder' needs a CUDA device; this model is on "
+                                  f"{torch.device(device).type} (set training.cuda_graphs = 'off')")
+            self.graphed_encoder = GraphedEncoder(self.encoder)
 
     # ------------------------------------------------------------------ lookups
 
@@ -314,8 +326,9 @@ class SequentialRecommender(nn.Module):
         in fp32 whatever ``precision``."""
         lengths = offsets[1:] - offsets[:-1]
         values = self._input_embeddings(item_embeddings, ratings, user_vectors, lengths)
+        encoder = self.graphed_encoder or self.encoder
         with encoder_autocast(self.precision, values.device):
-            hidden = self.encoder(values, offsets, timestamps)
+            hidden = encoder(values, offsets, timestamps)
         # The loss's logits (cosines / temperature) and the rankings in fp32: in bf16 a logit of
         # 20 would be off by up to 0.06, more than the gaps between close candidates.
         return hidden.float()
@@ -431,8 +444,8 @@ class SequentialRecommender(nn.Module):
 
 
 def build_model(num_items: int, config: ModelConfig, device: torch.device | str,
-                user_features: list[tuple[str, int]] | tuple = (), precision: Precision = "fp32"
-                ) -> SequentialRecommender:
+                user_features: list[tuple[str, int]] | tuple = (), precision: Precision = "fp32",
+                cuda_graphs: CudaGraphs = "off") -> SequentialRecommender:
     """Model for ``DistributedModelParallel``: item table on ``meta``, dense part on ``device``.
 
     DMP shards the table and materialises its shards (initialised from the
@@ -440,7 +453,7 @@ def build_model(num_items: int, config: ModelConfig, device: torch.device | str,
     by itself; for single-process use call ``build_local_model``.
     """
     return SequentialRecommender(num_items, config, device=device, embedding_device=torch.device("meta"),
-                                 user_features=user_features, precision=precision)
+                                 user_features=user_features, precision=precision, cuda_graphs=cuda_graphs)
 
 
 def build_local_model(
@@ -453,8 +466,10 @@ def build_local_model(
 
 
 def build_dense_model(num_items: int, config: ModelConfig, device: torch.device | str = "cpu",
-                      precision: Precision = "fp32") -> tuple[SequentialRecommender, LocalItemTable]:
+                      precision: Precision = "fp32", cuda_graphs: CudaGraphs = "off",
+                      ) -> tuple[SequentialRecommender, LocalItemTable]:
     """The model without TorchRec tables, and a plain item table to feed its forwards
     (``model(batch, source=table.source())``): what timing the dense span needs, with torch alone."""
     table = LocalItemTable(num_items, config, device)
-    return SequentialRecommender(num_items, config, device=device, precision=precision, tables=False), table
+    return (SequentialRecommender(num_items, config, device=device, precision=precision, tables=False,
+                                  cuda_graphs=cuda_graphs), table)

@@ -83,7 +83,7 @@ class Trainer:
             self.sharded_model = shard_model(
                 build_model(self.manifest.num_items, config.model, self.env.device,
                             user_features=[(f.name, f.num_ids) for f in self.manifest.user_features],
-                            precision=config.training.precision),
+                            precision=config.training.precision, cuda_graphs=config.training.cuda_graphs),
                 config.optimizer, config.parallel, self.env)
             self.model = self.sharded_model.module
             dense = dense_parameters(self.sharded_model)

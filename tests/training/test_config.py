@@ -108,6 +108,7 @@ CHOICES = [
     ("model.encoder", ("hstu", "sasrec"), "gru"), ("loss.kind", ("sampled_softmax", "bce"), "softmax"),
     ("optimizer.decay", ("constant", "linear", "cosine"), "step"),
     ("training.precision", ("fp32", "bf16"), "fp16"),
+    ("training.cuda_graphs", ("off", "encoder"), "all"),
     ("evaluation.metric", ("valid_ndcg_at_10", "valid_hr_at_10", "valid_mrr", "valid_sampled_ndcg_at_10",
                            "valid_sampled_hr_at_10", "valid_sampled_mrr"), "ndcg"),
 ]

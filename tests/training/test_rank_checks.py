@@ -56,3 +56,23 @@ def test_a_rank_refuses_it_before_sharding():
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo")
     with pytest.raises(ConfigError, match="^optimizer.sparse_optimizer = 'adam' needs CUDA"):
         shard_model(None, OptimizerConfig(sparse_optimizer="adam"), ParallelConfig(), env)
+
+
+@pytest.mark.parametrize("backend,refused", [("gloo", True), ("nccl", False)])
+def test_cuda_graphs_need_cuda_ranks(backend, refused):
+    config = load_config(None, ["--training.cuda_graphs", "encoder", "--parallel.backend", backend])
+    if refused:
+        with pytest.raises(ConfigError) as error:
+            check_ranks_can_run(config)
+        assert str(error.value) == ("training.cuda_graphs = 'encoder' needs CUDA ranks; these ranks train on cpu "
+                                    "(parallel.backend = 'gloo'; set training.cuda_graphs = 'off')")
+    else:
+        check_ranks_can_run(config)
+
+
+def test_the_model_refuses_cuda_graphs_off_cuda():
+    from training.config import ModelConfig
+    from training.model import build_dense_model
+
+    with pytest.raises(ConfigError, match="training.cuda_graphs = 'encoder' needs a CUDA device; this model is on cpu"):
+        build_dense_model(10, ModelConfig(), cuda_graphs="encoder")
