@@ -15,7 +15,11 @@ c. Virtual ranks: moved to benchmarks/virtual_ranks_gpu.py (contiguous, flops_kk
    realistic work, with the cost model `freescale calibrate --device cuda` writes).
 d. Where a target batch's step goes: the host's time to issue it, the encoder's forward, and the
    attention op's forward and backward alone (times the layers), so a missed target says whether
-   launches (host), attention or the rest of the layer is what to cut.
+   launches (host), attention or the rest of the layer is what to cut. The op is also replayed as a
+   CUDA graph: its GPU time without the host's.
+e. CUDA graphs (``training.cuda_graphs = "encoder"``, ``training.encoder_graphs``): the target batches'
+   steps replayed per padded bucket against the eager step, alternated in one round robin; the
+   launches and host time left.
 
 The model is the issue's: D = 256, 4 layers, 4 heads of 64, fp32 parameters with TF32 matmuls;
 the encoder computes at ``training.precision`` (``--precision``, else ``--config``'s, else fp32:
@@ -64,6 +68,8 @@ class Sizes:
     buckets: int = 64
     """Position and time buckets (the model's default; fewer only to keep the interpreter quick)."""
     warmup: bool = True
+    graph_buckets: tuple[tuple[str, int], ...] = ()
+    """``training.encoder_graphs.ShapeBuckets`` fields over its defaults (the smoke run's small rungs)."""
 
     def target_label(self, key: str) -> str:
         """``"short"`` / ``"long"``: the target batch's name in every table, e.g. ``128 x U[1, 200]``."""
@@ -79,7 +85,8 @@ GPU = Sizes(embedding_dim=256, num_layers=4, num_heads=4, head_dim=64, max_seq_l
 SMOKE = Sizes(embedding_dim=32, num_layers=1, num_heads=2, head_dim=16, max_seq_len=20,
               curve_lengths=(4,), curve_samples=2, fit_batches=6, fit_batch_sizes=(1, 3),
               numerics_lengths=(1, 17, 5, 5),
-              target_short=(3, 1, 8), target_long=(1, 17, 20), buckets=8, warmup=False)
+              target_short=(3, 1, 8), target_long=(1, 17, 20), buckets=8, warmup=False,
+              graph_buckets=(("min_rows", 16), ("row_multiple", 16), ("pad_sample_rows", 16)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -184,9 +191,11 @@ class Bench(Markdown):
         grad = torch.randn(total, self.sizes.embedding_dim, generator=generator).to(self.device)
         return values.requires_grad_(requires_grad), offsets_from_lengths(lengths).to(self.device), timestamps, grad
 
-    def step_fn(self, encoder, lengths):
-        """One forward+backward of ``encoder`` on a batch of ``lengths``."""
+    def step_fn(self, encoder, lengths, module=None):
+        """One forward+backward of ``encoder`` on a batch of ``lengths``; ``module`` owns the parameters
+        (the encoder itself unless ``encoder`` is a ``GraphedEncoder``)."""
         values, offsets, timestamps, grad = self.batch(lengths)
+        module = module if module is not None else encoder
 
         def step() -> None:
             with self.autocast():
@@ -195,9 +204,24 @@ class Bench(Markdown):
             values.grad = None
 
         def clear() -> None:
-            encoder.zero_grad(set_to_none=True)
+            module.zero_grad(set_to_none=True)
 
         return step, clear
+
+    def issue_seconds(self, step, clear) -> float:
+        """Median wall seconds for the host to issue ``step`` with the GPU idle before it."""
+        torch = self.torch
+        issue = []
+        for _ in range(self.repeats):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            step()
+            issue.append(time.perf_counter() - started)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            clear()
+        return float(self.np.median(issue))
 
     def time_all(self, steps) -> "list[float]":
         """Median seconds of each ``(step, clear)``, timed round-robin ``self.repeats`` times after one warm-up."""
@@ -233,8 +257,9 @@ class Bench(Markdown):
         self.numerics()
         curve = self.cost_curve()
         attention = self.breakdown(curve)
+        graphed = self.graphs(curve)
         fitted = self.fit()
-        self.targets(curve, fitted, attention)
+        self.targets(curve, fitted, attention, graphed)
 
     def header(self) -> None:
         torch = self.torch
@@ -396,40 +421,93 @@ class Bench(Markdown):
                 with torch.no_grad():
                     attention()
 
+            def attention_gradients():
+                return torch.autograd.grad(attention(), (qkv, bias.position_bias.weight, bias.time_bias.weight),
+                                           attention_grad)
+
             step, step_clear = self.step_fn(encoder, lengths)
-            forward, att_fwd, att_both = self.time_all(
-                [(forward_only, clear), (attention_forward, clear), (attention_both, clear)])
-            issue = []
-            for _ in range(self.repeats):
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                started = time.perf_counter()
-                step()
-                issue.append(time.perf_counter() - started)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                step_clear()
+            forward, att_fwd, att_both, att_graph = self.time_all(
+                [(forward_only, clear), (attention_forward, clear), (attention_both, clear),
+                 (self.replayable(attention_gradients), clear)])
+            host = self.issue_seconds(step, step_clear)
             layers = s.num_layers
             attention_s[key] = att_both
+            attention_s[f"{key} graphed"] = att_graph
             total = curve["times"]["triton"][key]
             attention_ms = layers * att_both
             launches = kernel_launches(step) + 2 * layers  # the Triton op's two launches per layer
-            host = float(np.median(issue))
             rows.append([s.target_label(key), f"{total * 1e3:.2f}", f"{host * 1e3:.2f}", str(launches),
                          f"{host / launches * 1e6:.0f}",
                          f"{forward * 1e3:.2f}", f"{layers * att_fwd * 1e3:.2f}",
-                         f"{layers * (att_both - att_fwd) * 1e3:.2f}", f"{(total - attention_ms) * 1e3:.2f}"])
+                         f"{layers * (att_both - att_fwd) * 1e3:.2f}", f"{(total - attention_ms) * 1e3:.2f}",
+                         f"{att_both * 1e3:.2f}", f"{att_graph * 1e3:.2f}"])
             step_clear()
         self.emit(f"## d. Where a target batch's step goes ({self.elapsed()})")
         self.emit()
         self.emit(f"Triton encoder. Host: wall time for the host to issue one forward+backward, the GPU idle "
                   f"before it (near the step time: the step is launch-bound). Launches: PyTorch ops that run a "
                   f"kernel (counted once, untimed) plus the Triton op's two per layer. Attention: the op alone on "
-                  f"the batch's shape, times {s.num_layers} layers. Rest: the step minus attention forward+backward.")
+                  f"the batch's shape, times {s.num_layers} layers. Rest: the step minus attention forward+backward. "
+                  f"One layer: the op's forward+backward issued eagerly, and replayed as one CUDA graph (GPU "
+                  f"time alone{'; the smoke run reruns it' if self.smoke else ''}).")
         self.emit()
         self.table(["batch", "step ms", "host ms to issue", "launches", "host us per launch", "encoder forward ms",
-                    "attention forward ms", "attention backward ms", "rest of the step ms"], rows)
+                    "attention forward ms", "attention backward ms", "rest of the step ms",
+                    "one layer fwd+bwd ms", "one layer fwd+bwd, graphed ms"], rows)
         return attention_s
+
+    def replayable(self, run):
+        """``run`` captured as a CUDA graph (after two warm-up calls on a side stream), as a ``(step, clear)``
+        whose step replays it; on CPU (smoke), ``run`` itself."""
+        torch = self.torch
+        if self.device.type != "cuda":
+            return run
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), self.autocast():
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), self.autocast():
+            run()
+        return graph.replay
+
+    def graphs(self, curve: dict) -> dict[str, float]:
+        """Section e: the target batches' steps through ``training.encoder_graphs`` against eager (same
+        weights, alternated), with the launches and host time a graphed step leaves."""
+        from training.encoder_graphs import GraphedEncoder, ShapeBuckets
+
+        s = self.sizes
+        encoder = self.encoders()["triton"]
+        graphed = GraphedEncoder(encoder, ShapeBuckets(**dict(s.graph_buckets)),
+                                 replay="cuda_graph" if self.device.type == "cuda" else "rerun")
+        keys = ("short", "long")
+        steps = {}
+        for key in keys:
+            steps[key] = (self.step_fn(encoder, curve["batches"][key]),
+                          self.step_fn(graphed, curve["batches"][key], module=encoder))
+        times = self.time_all([pair for key in keys for pair in steps[key]])  # captures in the warm-up
+        rows, out = [], {}
+        for i, key in enumerate(keys):
+            eager_s, graphed_s = times[2 * i], times[2 * i + 1]
+            step, clear = steps[key][1]
+            host = self.issue_seconds(step, clear)
+            launches = kernel_launches(step)
+            clear()
+            out[key] = graphed_s
+            rows.append([s.target_label(key), f"{eager_s * 1e3:.2f}", f"{graphed_s * 1e3:.2f}",
+                         f"{eager_s / graphed_s:.2f}x", f"{host * 1e3:.2f}", str(launches)])
+        self.emit(f"## e. CUDA graphs: training.cuda_graphs = \"encoder\" ({self.elapsed()})")
+        self.emit()
+        self.emit(f"The same weights eager and through training.encoder_graphs (rows padded to a bucket, "
+                  f"{graphed.stats.summary()}), alternated in one round robin. Launches: PyTorch ops the host still "
+                  f"issues per graphed step (copies in, the padding's offsets, gradient accumulation), plus two "
+                  f"replays{'; the smoke run reruns instead of replaying' if self.smoke else ''}.")
+        self.emit()
+        self.table(["batch", "eager step ms", "graphed step ms", "speedup", "host ms to issue (graphed)",
+                    "PyTorch ops (graphed)"], rows)
+        return out
 
     def fit(self):
         """Section b, second half: the cost model fitted on mixed batches timed with the triton kernel."""
@@ -477,7 +555,7 @@ class Bench(Markdown):
         raw = np.round(self.rng.lognormal(LOGNORMAL_MU, LOGNORMAL_SIGMA, size))
         return [int(x) for x in np.clip(raw, 1, cap)]
 
-    def targets(self, curve: dict, fitted: "Fitted", attention: dict[str, float]) -> None:
+    def targets(self, curve: dict, fitted: "Fitted", attention: dict[str, float], graphed: dict[str, float]) -> None:
         times = curve["times"]
         short_t, short_g = times["triton"]["short"], times["grouped"]["short"]
         long_t = times["triton"]["long"]
@@ -499,8 +577,13 @@ class Bench(Markdown):
             [f"issue 24, {s.target_label('long')}: attention op, one layer forward+backward ({self.precision})",
              "<= 1.25 ms", f"{attention['long'] * 1e3:.2f} ms",
              verdict(attention["long"] <= 1.25e-3 and self.precision == "bf16")],
+            [f"issue 24, {s.target_label('long')}: the same, replayed as a CUDA graph (GPU time alone)",
+             "<= 1.25 ms", f"{attention['long graphed'] * 1e3:.2f} ms",
+             verdict(attention["long graphed"] <= 1.25e-3 and self.precision == "bf16")],
             [f"issue 24, {s.target_label('short')}: {s.num_layers}-layer encoder forward+backward ({self.precision})",
              "<= 2 ms", f"{short_t * 1e3:.2f} ms", verdict(short_t <= 2e-3 and self.precision == "bf16")],
+            [f"issue 24, {s.target_label('short')}: the same through CUDA graphs (training.cuda_graphs)",
+             "<= 2 ms", f"{graphed['short'] * 1e3:.2f} ms", verdict(graphed["short"] <= 2e-3 and self.precision == "bf16")],
         ]
         if self.smoke:
             rows = [row[:3] + ["n/a (smoke)"] for row in rows]

@@ -63,7 +63,8 @@ SMOKE = Sizes(ranks=(2, 4), batch_size=2, steps={2: 2, 4: 2}, max_length=24, rep
                          "--model.hstu.num_heads", "1", "--model.hstu.attention_dim", "8",
                          "--model.hstu.linear_dim", "8", "--model.hstu.max_seq_len", "24",
                          "--model.hstu.num_position_buckets", "8", "--model.hstu.num_time_buckets", "8",
-                         "--training.precision", "fp32", "--loss.num_negatives", "8"))
+                         "--training.precision", "fp32", "--training.cuda_graphs", "off",
+                         "--loss.num_negatives", "8"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,7 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-items", type=int, default=2000, help="synthetic catalog, as calibrate's default")
     p.add_argument("--smoke", action="store_true", help="toy sizes on CPU: checks the script, measures nothing")
-    args = p.parse_args(argv)
+    # Anything else is a config override, as `freescale calibrate` takes them (--training.cuda_graphs off).
+    args, args.overrides = p.parse_known_args(argv)
+    bad = [word for word in args.overrides[::2] if not word.startswith("--") or "." not in word]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.key value)")
     if args.repeats is not None and args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     return args
@@ -127,7 +132,7 @@ class Bench(Markdown):
         self.device = "cpu" if self.smoke else "cuda"
         self.sizes = SMOKE if self.smoke else GPU
         self.repeats = args.repeats or self.sizes.repeats
-        self.config = load_config(args.config, list(self.sizes.overrides))
+        self.config = load_config(args.config, list(self.sizes.overrides) + args.overrides)
         self.cost_model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
         self.step_constant = float(self.cost_model.provenance.get("step_constant_s") or 0.0)
         self.in_seconds = self.cost_model.unit == "seconds"  # else simulate has nothing to predict times with
@@ -160,7 +165,8 @@ class Bench(Markdown):
         self.emit(f"- command: python -m benchmarks.virtual_ranks_gpu {' '.join(sys.argv[1:])}".rstrip())
         self.emit(f"- model: {self.config.model.encoder}, D={self.config.model.embedding_dim}, "
                   f"{hstu.num_layers} layers, "
-                  f"{hstu.num_heads} heads of {hstu.attention_dim}, {training.precision}; dense forward+backward "
+                  f"{hstu.num_heads} heads of {hstu.attention_dim}, {training.precision}, CUDA graphs "
+                  f"{training.cuda_graphs}; dense forward+backward "
                   f"with {self.config.loss.kind} ({self.config.loss.num_negatives} negatives), as calibrate times it")
         model = self.cost_model
         self.emit(f"- cost model: {model.provenance.get('source', 'analytic')} ({model.kind}; a={model.a:.3e}, "
@@ -222,7 +228,8 @@ class Bench(Markdown):
 
         torch.manual_seed(self.args.seed)
         model, table = build_dense_model(self.args.num_items, self.config.model, device=self.device,
-                                         precision=self.config.training.precision)
+                                         precision=self.config.training.precision,
+                                         cuda_graphs=self.config.training.cuda_graphs)
         model.train()
         loss = self.config.loss
         prepared = [synthetic_batch(lengths.tolist(), self.args.num_items, seed=self.args.seed + i).to(self.device)
@@ -231,6 +238,8 @@ class Bench(Markdown):
                                                           seed=i, loss_kind=loss.kind)
                  for i, batch in enumerate(prepared)]
         measured = time_round_robin(steps, self.repeats, self.sizes.warmup)
+        if model.graphed_encoder is not None:
+            self.emit(f"- CUDA graphs: {model.graphed_encoder.stats.summary()}")
         return np.median(measured[:, :, 1], axis=1)
 
     def report(self, rows: list[dict]) -> None:

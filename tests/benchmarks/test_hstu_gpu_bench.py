@@ -28,11 +28,13 @@ def test_smoke_run_prints_every_section_and_writes_them(smoke) -> None:
     run, written = smoke
     assert run.returncode == 0, run.stderr[-2000:]
     for heading in ("## a. Numerics", "## b. Cost curve", "## d. Where a target batch's step goes",
-                    "### Cost model fitted", "## Targets (issues 14 and 24"):
+                    "## e. CUDA graphs", "### Cost model fitted", "## Targets (issues 14 and 24"):
         assert heading in run.stdout
     assert written.strip() == run.stdout.strip()
     assert "SMOKE RUN on CPU" in written and "issue 24, 1 x U[17, 20]: attention op" in written
     assert "TF32 matmuls (training.precision fp32;" in written
+    # section e ran the graphed encoder (rerun on CPU) on both target batches, every call graphed
+    assert "6 graphed calls over 2 captures (0 dropped)" in written and "eager calls: none" in written
 
 
 def test_smoke_run_claims_no_target(smoke) -> None:

@@ -332,7 +332,8 @@ def test_quick_calibration_end_to_end(tmp_path, capsys) -> None:
                 "validation", "settings"):
         assert key in prov, key
     assert prov["chosen"] == model.kind and prov["config"]["model"]["hstu"]["num_layers"] == 1
-    assert prov["precision"] == "fp32" and prov["config"]["training"] == {"precision": "fp32"}
+    assert prov["precision"] == "fp32" and prov["config"]["training"] == {"precision": "fp32", "cuda_graphs": "off"}
+    assert prov["cuda_graphs"] == "off"
     cpu = prov["fits"]["cpu"]
     for kind in ("quadratic", "table"):
         # How well the fits predict is a measurement (full repeats, quiet machine: README table and
@@ -378,7 +379,7 @@ def test_calibration_times_the_configs_precision(tmp_path, capsys, monkeypatch) 
     assert rc == 0, report + err
     assert [model.precision for model in built] == ["bf16"]
     prov = CostModel.load(out).provenance
-    assert prov["precision"] == "bf16" and prov["config"]["training"] == {"precision": "bf16"}
+    assert prov["precision"] == "bf16" and prov["config"]["training"] == {"precision": "bf16", "cuda_graphs": "off"}
     assert "precision bf16" in report and "encoder in bf16" in report
 
 
