@@ -50,6 +50,12 @@ class Encoder(nn.Module, metaclass=abc.ABCMeta):
         ``"grouped"``, PyTorch ops per group of equal-length samples (``training.jagged.GroupedPlan``)."""
         return "grouped"
 
+    def not_capturable(self, device: torch.device | str) -> str | None:
+        """Why a CUDA graph cannot capture this encoder's forward and backward on ``device``
+        (``training.cuda_graphs``); None when it can. A graph replays fixed kernels, so nothing may read
+        the batch on the host. Default: the grouped work does (its groups are the lengths)."""
+        return "its grouped work reads the batch's lengths on the host"
+
 
 def feed_forward_network(width: int, hidden: int, dropout: float) -> nn.Sequential:
     """The point-wise feed-forward network of a Transformer block, ``ReLU(x W1 + b1) W2 + b2`` with

@@ -215,11 +215,18 @@ class HSTUEncoder(Encoder):
         cannot (``training.attention_kernel``)."""
         return attention_kernel_for(self.config, torch.device(device).type)
 
+    def not_capturable(self, device: torch.device | str) -> str | None:
+        """The triton kernel's plan reads nothing on the host (its grid comes from the shapes); the grouped one does."""
+        if self.kernel(device) == "triton":
+            return None
+        return "its grouped attention kernel reads the batch's lengths on the host (the triton kernel does not)"
+
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         check_jagged(values, offsets, timestamps)
         plan = PLANS[self.kernel(values.device)].build(offsets, timestamps, self.config)
         if self.position_embedding is not None:
-            values = values + self.position_embedding(jagged_positions(offsets, self.config.position_embeddings))
+            values = values + self.position_embedding(jagged_positions(offsets, self.config.position_embeddings,
+                                                                        values.shape[0]))
         x = plan.enter(self.input_dropout(values))
         for layer in self.layers:
             x = layer(x, plan)

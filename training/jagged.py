@@ -39,7 +39,7 @@ def lengths_from_offsets(offsets: torch.Tensor) -> torch.Tensor:
     return (offsets[1:] - offsets[:-1]).to(torch.int64)
 
 
-def jagged_positions(offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+def jagged_positions(offsets: torch.Tensor, max_seq_len: int, total: int | None = None) -> torch.Tensor:
     """``[T]`` position of each row within its sample, counted from the sample's oldest item
     (0), clamped to ``max_seq_len - 1``.
 
@@ -53,7 +53,8 @@ def jagged_positions(offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     same length was. Histories longer than ``max_seq_len`` share the last embedding past it.
     """
     lengths = lengths_from_offsets(offsets)
-    total = int(offsets[-1])
+    # ``total``: the rows, from the caller's values, so a GPU need not be read (and a CUDA graph can capture this)
+    total = int(offsets[-1]) if total is None else total
     rows = torch.arange(total, dtype=torch.int64, device=offsets.device)
     starts = torch.repeat_interleave(offsets[:-1], lengths, output_size=total)
     return (rows - starts).clamp(max=max_seq_len - 1)

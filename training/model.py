@@ -239,6 +239,10 @@ class SequentialRecommender(nn.Module):
             if torch.device(device).type != "cuda":
                 raise ConfigError(f"training.cuda_graphs = 'encoder' needs a CUDA device; this model is on "
                                   f"{torch.device(device).type} (set training.cuda_graphs = 'off')")
+            reason = self.encoder.not_capturable(device)
+            if reason is not None:
+                raise ConfigError(f"training.cuda_graphs = 'encoder' cannot capture model.encoder = "
+                                  f"'{config.encoder}': {reason} (set training.cuda_graphs = 'off')")
             self.graphed_encoder = GraphedEncoder(self.encoder)
 
     # ------------------------------------------------------------------ lookups

@@ -110,7 +110,7 @@ class SASRecEncoder(Encoder):
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
         check_jagged(values, offsets, timestamps)
-        positions = jagged_positions(offsets, self.config.max_seq_len)
+        positions = jagged_positions(offsets, self.config.max_seq_len, values.shape[0])
         x = self.input_dropout(values + self.position_embedding(positions))
         plan = GroupedPlan.build(offsets)
         x = plan.enter(x)

@@ -179,3 +179,13 @@ def test_the_models_training_step_through_graphs_gives_the_eager_loss_and_gradie
         assert abs(graphed_loss - eager_loss) <= 1e-5 * abs(eager_loss)
         assert all(close(g, e) for g, e in zip(graphed_grads, eager_grads))
     assert graphed.graphed_encoder.stats.graphed == 4
+
+
+def test_only_an_encoder_that_reads_nothing_on_the_host_is_capturable() -> None:
+    from training.config import ModelConfig
+    from training.encoders import build_encoder
+
+    hstu = HSTUEncoder(HSTUConfig(attention_kernel="grouped"), WIDTH)
+    assert "grouped attention kernel reads the batch's lengths" in hstu.not_capturable("cpu")
+    sasrec = build_encoder(ModelConfig(encoder="sasrec"))
+    assert "reads the batch's lengths on the host" in sasrec.not_capturable("cuda")
