@@ -400,11 +400,11 @@ class Bench(Markdown):
             qkv = torch.randn(values.shape[0], 3 * heads * width, device=self.device).requires_grad_()
             attention_grad = torch.randn(values.shape[0], heads * width, device=self.device)
 
-            def attention():
+            def attention(backward: str = "two_phase"):
                 q, k, v = qkv.split(heads * width, dim=1)
                 with self.autocast():  # the op casts q, k, v to autocast's dtype, as in the encoder
                     return hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight,
-                                          bias.time_bias.weight, spec, kernel="triton")
+                                          bias.time_bias.weight, spec, kernel="triton", backward=backward)
 
             def forward_only():
                 with torch.no_grad(), self.autocast():
@@ -421,18 +421,24 @@ class Bench(Markdown):
                 with torch.no_grad():
                     attention()
 
-            def attention_gradients():
-                return torch.autograd.grad(attention(), (qkv, bias.position_bias.weight, bias.time_bias.weight),
-                                           attention_grad)
+            def attention_gradients(backward: str = "two_phase"):
+                return torch.autograd.grad(attention(backward), (qkv, bias.position_bias.weight,
+                                                                 bias.time_bias.weight), attention_grad)
+
+            def graphed_forward():
+                with torch.no_grad():
+                    attention()
 
             step, step_clear = self.step_fn(encoder, lengths)
-            forward, att_fwd, att_both, att_graph = self.time_all(
+            forward, att_fwd, att_both, att_graph, att_graph_fwd, att_graph_atomic = self.time_all(
                 [(forward_only, clear), (attention_forward, clear), (attention_both, clear),
-                 (self.replayable(attention_gradients), clear)])
+                 (self.replayable(attention_gradients), clear), (self.replayable(graphed_forward), clear),
+                 (self.replayable(lambda: attention_gradients("atomic_dq")), clear)])
             host = self.issue_seconds(step, step_clear)
             layers = s.num_layers
             attention_s[key] = att_both
             attention_s[f"{key} graphed"] = att_graph
+            attention_s[f"{key} graphed atomic_dq"] = att_graph_atomic
             total = curve["times"]["triton"][key]
             attention_ms = layers * att_both
             launches = kernel_launches(step) + 2 * layers  # the Triton op's two launches per layer
@@ -440,7 +446,8 @@ class Bench(Markdown):
                          f"{host / launches * 1e6:.0f}",
                          f"{forward * 1e3:.2f}", f"{layers * att_fwd * 1e3:.2f}",
                          f"{layers * (att_both - att_fwd) * 1e3:.2f}", f"{(total - attention_ms) * 1e3:.2f}",
-                         f"{att_both * 1e3:.2f}", f"{att_graph * 1e3:.2f}"])
+                         f"{att_both * 1e3:.2f}", f"{att_graph * 1e3:.2f}", f"{att_graph_fwd * 1e3:.2f}",
+                         f"{att_graph_atomic * 1e3:.2f}"])
             step_clear()
         self.emit(f"## d. Where a target batch's step goes ({self.elapsed()})")
         self.emit()
@@ -449,11 +456,14 @@ class Bench(Markdown):
                   f"kernel (counted once, untimed) plus the Triton op's two per layer. Attention: the op alone on "
                   f"the batch's shape, times {s.num_layers} layers. Rest: the step minus attention forward+backward. "
                   f"One layer: the op's forward+backward issued eagerly, and replayed as one CUDA graph (GPU "
-                  f"time alone{'; the smoke run reruns it' if self.smoke else ''}).")
+                  f"time alone{'; the smoke run reruns it' if self.smoke else ''}): with the default backward "
+                  f"(two_phase), its forward alone, and with the atomic_dq backward (training.ops.hstu_attention."
+                  f"Backward).")
         self.emit()
         self.table(["batch", "step ms", "host ms to issue", "launches", "host us per launch", "encoder forward ms",
                     "attention forward ms", "attention backward ms", "rest of the step ms",
-                    "one layer fwd+bwd ms", "one layer fwd+bwd, graphed ms"], rows)
+                    "one layer fwd+bwd ms", "one layer fwd+bwd, graphed ms", "one layer fwd, graphed ms",
+                    "one layer fwd+bwd, graphed, atomic_dq ms"], rows)
         return attention_s
 
     def replayable(self, run):
@@ -580,6 +590,9 @@ class Bench(Markdown):
             [f"issue 24, {s.target_label('long')}: the same, replayed as a CUDA graph (GPU time alone)",
              "<= 1.25 ms", f"{attention['long graphed'] * 1e3:.2f} ms",
              verdict(attention["long graphed"] <= 1.25e-3 and self.precision == "bf16")],
+            [f"issue 24, {s.target_label('long')}: the same with the atomic_dq backward",
+             "<= 1.25 ms", f"{attention['long graphed atomic_dq'] * 1e3:.2f} ms",
+             verdict(attention["long graphed atomic_dq"] <= 1.25e-3 and self.precision == "bf16")],
             [f"issue 24, {s.target_label('short')}: {s.num_layers}-layer encoder forward+backward ({self.precision})",
              "<= 2 ms", f"{short_t * 1e3:.2f} ms", verdict(short_t <= 2e-3 and self.precision == "bf16")],
             [f"issue 24, {s.target_label('short')}: the same through CUDA graphs (training.cuda_graphs)",

@@ -41,12 +41,15 @@ DEFAULT_CONFIGS = "64/4/2,64/8/2,32/4/2,64/4/1,64/8/1,128/8/2"
 OPERAND_DTYPES = {"fp32": "*fp32", "bf16": "*bf16"}
 """``--dtype`` -> the pointer type of q, k, v, the output and their gradients (the dots' operands)."""
 OPERANDS = ("Q", "K", "V", "OUT", "DOUT", "DQ_OUT", "DK_OUT", "DV_OUT")
+KERNELS = {"forward": ("_forward_kernel", {}), "backward": ("_backward_kernel", {"ATOMIC_DQ": False}),
+           "backward_atomic_dq": ("_backward_kernel", {"ATOMIC_DQ": True})}
+"""``--kernels`` names -> the kernel and its variant's constants (``training.ops.hstu_attention.Backward``)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="BLOCK/num_warps/num_stages, comma-separated")
-    parser.add_argument("--kernels", default="forward,backward")
+    parser.add_argument("--kernels", default="forward,backward", help=f"any of {', '.join(KERNELS)}")
     parser.add_argument("--dtype", choices=sorted(OPERAND_DTYPES), default="fp32",
                         help="q, k, v and what is computed in their dtype (default fp32)")
     parser.add_argument("--output", type=Path, help="also write the tables here")
@@ -59,8 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--configs: expected BLOCK/num_warps/num_stages[,...], got {args.configs!r}")
     args.kernels = args.kernels.split(",")
-    if not set(args.kernels) <= {"forward", "backward"}:
-        parser.error(f"--kernels: forward and/or backward, got {','.join(args.kernels)}")
+    if not set(args.kernels) <= set(KERNELS):
+        parser.error(f"--kernels: any of {', '.join(KERNELS)}, got {','.join(args.kernels)}")
     return args
 
 
@@ -70,10 +73,11 @@ def compile_kernel(ops, name: str, block: int, warps: int, stages: int, dtype: s
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel = getattr(ops, f"_{name}_kernel")
+    function, variant = KERNELS[name]
+    kernel = getattr(ops, function)
     names = kernel.arg_names
     constants = {"DQ": 64, "DV": 64, "BLOCK_DQ": 64, "BLOCK_DV": 64, "BLOCK": block, "NUM_POS": 64,
-                 "NUM_TIME": 64, "PRECISION": "tf32", "STRIPES": ops.BIAS_STRIPES}
+                 "NUM_TIME": 64, "PRECISION": "tf32", "STRIPES": ops.BIAS_STRIPES, **variant}
     constants = {k: v for k, v in constants.items() if k in names}
     pointers = {"offsets": "*i64", "times": "*i64", "pos_lut": "*i32", "time_thr": "*i32"}
     signature = {}
@@ -82,6 +86,8 @@ def compile_kernel(ops, name: str, block: int, warps: int, stages: int, dtype: s
             signature[arg] = "constexpr"
         elif arg in pointers:
             signature[arg] = pointers[arg]
+        elif arg == "DQ_OUT" and variant.get("ATOMIC_DQ"):
+            signature[arg] = "*fp32"  # atomic_dq adds into fp32
         elif arg in OPERANDS:
             signature[arg] = OPERAND_DTYPES[dtype]
         elif (arg.isupper() and arg != "H") or arg.endswith("_w"):  # tensors; H is the head count

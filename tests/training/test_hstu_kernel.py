@@ -70,7 +70,7 @@ def jagged_inputs(lengths: list[int], config: HSTUConfig, seed: int = 0, shuffle
 
 
 def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16, shuffle_times: bool = False,
-             wide_times: bool = False):
+             wide_times: bool = False, backward: str = "two_phase"):
     """Forward and the five gradients (q, k, v, position table, time table) of both kernels; ``block``
     is the kernel's tile and the reference's row block."""
     torch.manual_seed(0)
@@ -84,8 +84,9 @@ def run_both(lengths: list[int], config: HSTUConfig, block: int | None = 16, shu
     for kernel in ("triton", "reference"):
         inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         bias.zero_grad(set_to_none=True)
+        variant = {"backward": backward} if kernel == "triton" else {}
         out = hstu_attention(*inputs, offsets, timestamps, bias.position_bias.weight, bias.time_bias.weight,
-                             bias_spec(config), kernel=kernel, block=block)
+                             bias_spec(config), kernel=kernel, block=block, **variant)
         out.backward(grad)
         results.append([out.detach(), *(t.grad for t in inputs),
                         bias.position_bias.weight.grad.clone(), bias.time_bias.weight.grad.clone()])
@@ -107,6 +108,32 @@ def test_kernel_equals_grouped_forward_and_every_gradient(lengths: list[int]) ->
     for name, actual, expected in zip(NAMES, triton_out, grouped_out):
         assert actual.shape == expected.shape, name
         assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
+
+
+@pytest.mark.parametrize("lengths", [
+    pytest.param([23], id="one-sample-across-two-tiles"),
+    pytest.param([1, 17, 33, 5, 16, 15], id="lengths-crossing-the-tile"),
+    pytest.param([40, 3], id="longest-allowed"),
+])
+def test_atomic_dq_backward_equals_grouped_in_every_gradient(lengths: list[int]) -> None:
+    """The one-pass variant (dQ and the bias tables by atomics from phase 1's score tiles)."""
+    triton_out, grouped_out = run_both(lengths, CONFIG, backward="atomic_dq")
+    for name, actual, expected in zip(NAMES, triton_out, grouped_out):
+        assert relative_error(actual, expected) <= TOLERANCE, f"{name}: {relative_error(actual, expected):.2e}"
+    odd = HSTUConfig(**{**CONFIG.__dict__, "attention_normalization": "max_seq_len", "attention_dim": 12,
+                        "linear_dim": 20})
+    for name, actual, expected in zip(NAMES, *run_both(lengths, odd, backward="atomic_dq")):
+        assert relative_error(actual, expected) <= TOLERANCE, f"odd widths, {name}"
+
+
+def test_backward_variant_is_checked() -> None:
+    q, k, v, offsets, timestamps = jagged_inputs([5], CONFIG)
+    tables = RelativeAttentionBias(CONFIG)
+    args = (q, k, v, offsets, timestamps, tables.position_bias.weight, tables.time_bias.weight, bias_spec(CONFIG))
+    with pytest.raises(ValueError, match="backward must be one of"):
+        hstu_attention(*args, kernel="triton", backward="fused")
+    with pytest.raises(ValueError, match="the reference has one backward"):
+        hstu_attention(*args, kernel="reference", backward="atomic_dq")
 
 
 def test_kernel_equals_grouped_with_constant_normaliser_and_odd_head_widths() -> None:

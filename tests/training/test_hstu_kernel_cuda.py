@@ -50,7 +50,7 @@ def problem():
     return (qkv.to(device), offsets.to(device), timestamps.to(device), grad.to(device), bias.to(device))
 
 
-def run(problem, kernel: str, dtype=torch.float32, precise: bool = False):
+def run(problem, kernel: str, dtype=torch.float32, precise: bool = False, backward: str = "two_phase"):
     qkv, offsets, timestamps, grad, bias = problem
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv.split(CONFIG.num_heads * CONFIG.attention_dim, 1))
     bias.zero_grad(set_to_none=True)
@@ -58,8 +58,9 @@ def run(problem, kernel: str, dtype=torch.float32, precise: bool = False):
     # The reference's matmuls (torch's) in full fp32, forward and backward; the kernel's dots follow `precise`.
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
+        variant = {"backward": backward} if kernel == "triton" else {}
         out = hstu_attention(q, k, v, offsets, timestamps, bias.position_bias.weight, bias.time_bias.weight,
-                             bias_spec(CONFIG), kernel=kernel, precise=precise)
+                             bias_spec(CONFIG), kernel=kernel, precise=precise, **variant)
         out.backward(grad.to(out.dtype))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
@@ -67,19 +68,26 @@ def run(problem, kernel: str, dtype=torch.float32, precise: bool = False):
             bias.time_bias.weight.grad.clone()]
 
 
-def test_full_fp32_dots_equal_grouped(problem) -> None:
-    for name, a, b in zip(NAMES, run(problem, "triton", precise=True), run(problem, "reference")):
+BACKWARDS = pytest.mark.parametrize("backward", ["two_phase", "atomic_dq"])
+
+
+@BACKWARDS
+def test_full_fp32_dots_equal_grouped(problem, backward: str) -> None:
+    for name, a, b in zip(NAMES, run(problem, "triton", precise=True, backward=backward), run(problem, "reference")):
         assert relative_error(a, b) <= 1e-4, f"{name}: {relative_error(a, b):.2e}"
 
 
-def test_tf32_dots_stay_within_tf32_rounding(problem) -> None:
-    for name, a, b in zip(NAMES, run(problem, "triton"), run(problem, "reference")):
+@BACKWARDS
+def test_tf32_dots_stay_within_tf32_rounding(problem, backward: str) -> None:
+    for name, a, b in zip(NAMES, run(problem, "triton", backward=backward), run(problem, "reference")):
         assert relative_error(a, b) <= 1e-2, f"{name}: {relative_error(a, b):.2e}"
 
 
-def test_bf16_is_as_close_as_bf16_can_be(problem) -> None:
+@BACKWARDS
+def test_bf16_is_as_close_as_bf16_can_be(problem, backward: str) -> None:
     """bf16 carries 8 bits: the kernel in bf16 against fp32 stays within a few bf16 steps."""
-    for name, a, b in zip(NAMES, run(problem, "triton", dtype=torch.bfloat16), run(problem, "reference")):
+    for name, a, b in zip(NAMES, run(problem, "triton", dtype=torch.bfloat16, backward=backward),
+                          run(problem, "reference")):
         assert relative_error(a, b) <= 5e-2, f"{name}: {relative_error(a, b):.2e}"
 
 

@@ -30,7 +30,7 @@ Kernel = Literal["triton", "reference"]
 def hstu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
     position_weight: torch.Tensor, time_weight: torch.Tensor, spec: BiasSpec, kernel: Kernel = "triton",
-    block: int | None = None, precise: bool = False,
+    block: int | None = None, precise: bool = False, backward: str = "two_phase",
 ) -> torch.Tensor:
     """``A V`` of every sample over its own positions, ``[T, H * dv]`` in jagged order.
 
@@ -40,15 +40,18 @@ def hstu_attention(
     block (None: a whole sample). ``precise`` (triton only): full fp32 dots instead of TF32. The
     reference's matmuls are torch's, so their TF32 follows ``torch.backends.cuda.matmul.allow_tf32``,
     which its caller sets around forward and backward; here it could only reach the forward, so
-    ``precise`` with the reference is refused rather than half kept.
+    ``precise`` with the reference is refused rather than half kept. ``backward`` (triton only): the
+    backward kernel's variant, ``training.ops.hstu_attention.Backward``.
     """
     if kernel == "triton":
         return _triton().jagged_hstu_attention(q, k, v, offsets, timestamps, position_weight, time_weight, spec,
-                                               block=block, precise=precise)
+                                               block=block, precise=precise, backward=backward)
     if kernel == "reference":
         if precise:
             raise ValueError("precise=True is the triton kernel's; the reference's matmuls follow "
                              "torch.backends.cuda.matmul.allow_tf32, set it around forward and backward")
+        if backward != "two_phase":
+            raise ValueError(f"backward={backward!r} is a triton kernel variant; the reference has one backward")
         return reference_hstu_attention(q, k, v, offsets, timestamps, position_weight, time_weight, spec,
                                         block=block)
     raise ValueError(f"kernel must be one of {get_args(Kernel)}, not {kernel!r}")

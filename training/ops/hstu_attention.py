@@ -61,7 +61,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -365,6 +367,52 @@ def _query_tile_grads(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n,
 
 
 @triton.jit
+def _pair_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt, stride_gt,
+                pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit, grad_pos, grad_time, DQ_ACC,
+                start, DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
+    """``atomic_dq``'s one pass: query tile ``i0`` against this program's key tile, every gradient
+    from one score tile. ``dK`` and ``dV`` accumulate here; ``dQ`` (fp32) and both bias tables take
+    relaxed atomic adds. Query rows past the sample load ``dO = 0``, so their ``dS`` is exactly 0."""
+    rows = i0 + tl.arange(0, BLOCK)
+    in_sample = rows < n
+    dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
+    q = tl.load(q_base + rows[:, None] * stride_qt + dq_range[None, :],
+                mask=in_sample[:, None] & (dq_range < DQ)[None, :], other=0.0)
+    g = tl.load(g_base + rows[:, None] * stride_gt + dv_range[None, :],
+                mask=in_sample[:, None] & (dv_range < DV)[None, :], other=0.0)
+    t_m = tl.load(t_base + tl.minimum(rows, n - 1))
+    s, pos_b, time_b = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
+                             pos_limit, gap_limit, NUM_TIME, PRECISION)
+    sig = _sigmoid(s)
+    w = s * sig * inv_n
+    ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, sig, inv_n)
+    # Run ends of the bias gradients, as _query_tile_grads (the key tile is never the sample's last
+    # partial one here unless it is the diagonal, where the causal mask covers the keys past it).
+    after = own + 1
+    pos_next = _position_bucket(rows[:, None] - after[None, :], pos_lut, pos_limit)
+    time_next = _time_bucket(_clamped_gap(t_m, tl.load(t_base + tl.minimum(after, n - 1)), gap_limit),
+                             time_thr, time_scale, NUM_TIME)
+    has_next = (tl.arange(0, BLOCK) < BLOCK - 1)[None, :] & in_sample[:, None]
+    if DIAGONAL:
+        causal = rows[:, None] >= own[None, :]
+        w = tl.where(causal, w, 0.0)
+        ds = tl.where(causal, ds, 0.0)
+        counted = causal & in_sample[:, None]
+        has_next = has_next & (rows[:, None] >= after[None, :])
+    else:
+        counted = in_sample[:, None] & (own >= 0)[None, :]
+    _add_runs(grad_pos, ds, tl.where(counted, pos_b, -1), tl.where(has_next, pos_next, -1), h, H)
+    _add_runs(grad_time, ds, tl.where(counted, time_b, -1), tl.where(has_next, time_next, -1), h, H)
+    dq = tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
+    tl.atomic_add(DQ_ACC + ((start + rows) * H + h)[:, None] * DQ + dq_range[None, :], dq,
+                  mask=in_sample[:, None] & (dq_range < DQ)[None, :], sem="relaxed")
+    dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _backward_kernel(
     Q, K, V, DOUT, DQ_OUT, DK_OUT, DV_OUT, DBIAS,
     offsets, times, pos_w, time_w, pos_lut, time_thr,
@@ -372,7 +420,7 @@ def _backward_kernel(
     H, normalizer, time_scale, pos_limit, gap_limit, num_samples, search_steps,
     DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr,
-    STRIPES: tl.constexpr,
+    STRIPES: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     h = tl.program_id(1)
     _, start, n, m0 = _work_item(offsets, num_samples, search_steps, BLOCK)
@@ -399,19 +447,32 @@ def _backward_kernel(
     v = tl.load(v_base + own[:, None] * stride_vt + dv_range[None, :], mask=in_sample[:, None] & v_cols, other=0.0)
     dk = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
-    dk, dv = _key_tile_grads(dk, dv, k, v, own, m0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
+    if ATOMIC_DQ:  # one pass: dQ and the bias tables by atomics from the same score tiles
+        dk, dv = _pair_grads(dk, dv, k, v, own, m0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
                              stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                             DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
-    for i0 in range(m0 + BLOCK, n, BLOCK):
-        dk, dv = _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
+                             grad_pos, grad_time, DQ_OUT, start, DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME,
+                             PRECISION, True)
+        for i0 in range(m0 + BLOCK, n, BLOCK):
+            dk, dv = _pair_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
                                  stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                                 DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
+                                 grad_pos, grad_time, DQ_OUT, start, DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME,
+                                 PRECISION, False)
+    else:
+        dk, dv = _key_tile_grads(dk, dv, k, v, own, m0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
+                                 stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                                 DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
+        for i0 in range(m0 + BLOCK, n, BLOCK):
+            dk, dv = _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n,
+                                     stride_qt, stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit,
+                                     gap_limit, DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
     # The gradient outputs are contiguous [T, H, D] buffers allocated by the wrapper.
     tl.store(DK_OUT + ((start + own) * H + h)[:, None] * DQ + dq_range[None, :],
              dk.to(DK_OUT.dtype.element_ty), mask=in_sample[:, None] & q_cols)
     tl.store(DV_OUT + ((start + own) * H + h)[:, None] * DV + dv_range[None, :],
              dv.to(DV_OUT.dtype.element_ty), mask=in_sample[:, None] & v_cols)
 
+    if ATOMIC_DQ:
+        return
     # Phase 2: this program's tile as queries -> dQ, bias-table gradients.
     q = tl.load(q_base + own[:, None] * stride_qt + dq_range[None, :], mask=in_sample[:, None] & q_cols, other=0.0)
     g = tl.load(g_base + own[:, None] * stride_gt + dv_range[None, :], mask=in_sample[:, None] & v_cols, other=0.0)
@@ -452,13 +513,14 @@ def _work_item_kernel(offsets, OUT, num_samples, search_steps, BLOCK: tl.constex
     tl.store(OUT + 2 * p + 1, tl.where(m0 < n, m0, -1).to(tl.int64))
 
 
-def _tuned(kernel, configs: list[tuple[int, int, int]], reset: list[str]):
-    """``kernel`` autotuned over ``(BLOCK, num_warps, num_stages)`` once per head widths; ``reset``
-    names the buffers it accumulates into, zeroed before each trial so the trials leave no sum behind."""
+def _tuned(kernel, configs: list[tuple[int, int, int]], reset: list[str], key: tuple[str, ...] = ()):
+    """``kernel`` autotuned over ``(BLOCK, num_warps, num_stages)`` once per head widths (and ``key``'s
+    other arguments); ``reset`` names the buffers it accumulates into, zeroed before each trial so the
+    trials leave no sum behind."""
     return triton.autotune(
         configs=[triton.Config({"BLOCK": block}, num_warps=warps, num_stages=stages)
                  for block, warps, stages in configs],
-        key=["DQ", "DV"], reset_to_zero=reset or None,
+        key=["DQ", "DV", *key], reset_to_zero=reset or None,
     )(kernel)
 
 
@@ -466,7 +528,15 @@ def _tuned(kernel, configs: list[tuple[int, int, int]], reset: list[str]):
 # docs/results/kernel_static.md): 128-row tiles need more shared memory than an SM has, and the
 # backward's 64-row tiles on 4 warps spill hundreds of registers per tile, so neither is offered.
 _forward_tuned = _tuned(_forward_kernel, [(64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 1)], [])
-_backward_tuned = _tuned(_backward_kernel, [(32, 4, 2), (64, 8, 2), (64, 8, 1), (32, 2, 2)], ["DBIAS"])
+_backward_tuned = _tuned(_backward_kernel, [(32, 4, 2), (64, 8, 2), (64, 8, 1), (32, 2, 2)], ["DBIAS", "DQ_OUT"],
+                         key=("ATOMIC_DQ",))
+
+Backward = Literal["two_phase", "atomic_dq"]
+"""How the backward gets ``dQ`` and the bias gradients. ``two_phase`` (the default): a second pass per
+program over its tile as queries, recomputing the scores. ``atomic_dq``: one pass, every gradient from
+the same score tile, ``dQ`` by relaxed fp32 atomic adds (FlashAttention-2's trade: half the score and
+bias work for ``BLOCK x d`` atomics per tile pair). Which is faster is the GPU's to say
+(``benchmarks/hstu_gpu_bench.py``, section d); both are tested against the reference."""
 
 BIAS_STRIPES = 16
 """Copies of the bias-table gradients the backward's programs spread their atomics over."""
@@ -565,7 +635,7 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 class _JaggedHSTUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, position_weight, time_weight, offsets, timestamps,
-                spec: BiasSpec, block: int | None, precision: str):
+                spec: BiasSpec, block: int | None, precision: str, backward: Backward):
         total, heads, dq = q.shape
         dv = v.shape[2]
         out = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
@@ -583,7 +653,7 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 NUM_TIME=spec.num_time_buckets, PRECISION=precision,
             )
         ctx.save_for_backward(q, k, v, position_weight, time_weight, offsets, timestamps)
-        ctx.spec, ctx.block, ctx.precision = spec, block, precision
+        ctx.spec, ctx.block, ctx.precision, ctx.atomic_dq = spec, block, precision, backward == "atomic_dq"
         return out
 
     @staticmethod
@@ -596,7 +666,9 @@ class _JaggedHSTUAttention(torch.autograd.Function):
         # tl.dot takes two operands of one dtype: dO meets V in dO V^T.
         grad_out = grad_out.to(v.dtype)
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        grad_q = torch.empty(total, heads, dq, dtype=q.dtype, device=q.device)
+        # atomic_dq adds into fp32 zeros (cast below); two_phase stores each row once, in q's dtype
+        grad_q = (torch.zeros(total, heads, dq, dtype=torch.float32, device=q.device) if ctx.atomic_dq
+                  else torch.empty(total, heads, dq, dtype=q.dtype, device=q.device))
         grad_k = torch.empty(total, heads, dq, dtype=k.dtype, device=k.device)
         grad_v = torch.empty(total, heads, dv, dtype=v.dtype, device=v.device)
         num_pos = spec.num_position_buckets
@@ -613,10 +685,11 @@ class _JaggedHSTUAttention(torch.autograd.Function):
                 DQ=dq, DV=dv, BLOCK_DQ=max(16, triton.next_power_of_2(dq)),
                 BLOCK_DV=max(16, triton.next_power_of_2(dv)),
                 NUM_POS=num_pos, NUM_TIME=spec.num_time_buckets, PRECISION=ctx.precision, STRIPES=BIAS_STRIPES,
+                ATOMIC_DQ=ctx.atomic_dq,
             )
         grad_bias = grad_bias.sum(0)
-        return (grad_q, grad_k, grad_v, grad_bias[:num_pos].to(position_weight.dtype),
-                grad_bias[num_pos:].to(time_weight.dtype), None, None, None, None, None)
+        return (grad_q.to(q.dtype), grad_k, grad_v, grad_bias[:num_pos].to(position_weight.dtype),
+                grad_bias[num_pos:].to(time_weight.dtype), None, None, None, None, None, None)
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -647,7 +720,7 @@ def kernel_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dty
 def jagged_hstu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
     position_weight: torch.Tensor, time_weight: torch.Tensor, spec: BiasSpec,
-    block: int | None = None, precise: bool = False,
+    block: int | None = None, precise: bool = False, backward: Backward = "two_phase",
 ) -> torch.Tensor:
     """``A V`` of every sample over its own positions, ``[T, H * dv]`` in jagged order.
 
@@ -656,6 +729,7 @@ def jagged_hstu_attention(
     ``timestamps`` ``[T]`` seconds; the bias tables ``[buckets, H]``; ``block``
     fixes the tile rows (tests) instead of autotuning them. fp32 dots run in TF32, as the
     trainer's matmuls do on GPUs; ``precise`` makes them full fp32 (slower; for checking).
+    ``backward``: the backward kernel's variant (``Backward``).
 
     Precision (``training.precision``): ``q``, ``k``, ``v`` are cast to ``kernel_dtype``'s dtype
     here, outside the autograd function, so under bf16 autocast the kernels see bf16 operands
@@ -666,12 +740,14 @@ def jagged_hstu_attention(
     if spec.activation != "silu":
         raise ValueError(f"the triton kernel computes SiLU weights only, not {spec.activation!r} "
                          "(model.hstu.attention_activation; the grouped kernel takes it)")
+    if backward not in typing.get_args(Backward):
+        raise ValueError(f"backward must be one of {typing.get_args(Backward)}, not {backward!r}")
     heads = position_weight.shape[1]
     dtype = kernel_dtype(q, k, v)
     out = _JaggedHSTUAttention.apply(
         *(_heads(t.to(dtype), heads) for t in (q, k, v)),
         position_weight.contiguous(), time_weight.contiguous(),
         offsets.to(torch.int64).contiguous(), timestamps.to(torch.int64).contiguous(),
-        spec, block, "ieee" if precise and dtype == torch.float32 else "tf32",
+        spec, block, "ieee" if precise and dtype == torch.float32 else "tf32", backward,
     )
     return out.view(out.shape[0], -1)
