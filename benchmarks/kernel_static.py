@@ -218,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     emit(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit: {commit}; "
          f"machine: {platform.machine()} CPU, triton {triton.__version__} (its ptxas and nvdisasm)")
     emit(f"- command: python -m benchmarks.kernel_static --configs "
-         f"{','.join('/'.join(map(str, c)) for c in args.configs)}" + (f" --dtype {args.dtype}" if args.dtype != "fp32"
-                                                                         else ""))
+         f"{','.join('/'.join(map(str, c)) for c in args.configs)}"
+         + (f" --kernels {','.join(args.kernels)}" if args.kernels != ["forward", "backward"] else "")
+         + (f" --dtype {args.dtype}" if args.dtype != "fp32" else ""))
     emit("- loop rows: one iteration (one tile) along the cheapest path; `per entry` is instructions issued per "
          "tile entry by all threads (instructions x threads / BLOCK^2)")
     emit()

@@ -65,3 +65,15 @@ def test_bf16_kernels_compile_with_bf16_dots_and_no_spills_in_their_loops(tmp_pa
         found = loops_of(rows, kernel)
         assert len(found) == loops
         assert all(loop["fits"] and loop["spill ld/st"] == 0 and loop["tensor-core"] > 0 for loop in found)
+
+
+def test_atomic_dq_backward_is_one_loop_with_fewer_instructions_per_entry_than_both_phases(tmp_path_factory) -> None:
+    """``backward="atomic_dq"`` in bf16 at 32/4/2: one tile loop (every gradient from one score tile),
+    relaxed atomics (no fences), its dots on tensor cores, no spills in the loop, and fewer instructions
+    per tile entry than the two-phase backward's two loops together (both visit every tile pair)."""
+    rows = compile_rows(tmp_path_factory, "--dtype", "bf16", "--kernels", "backward,backward_atomic_dq")
+    (fused,) = loops_of(rows, "backward_atomic_dq")
+    phases = loops_of(rows, "backward")
+    assert fused["fits"] and fused["spill ld/st"] == 0 and fused["tensor-core"] > 0
+    assert fused["atomics"] > 0 and fused["fences"] == 0
+    assert fused["per entry"] < sum(loop["per entry"] for loop in phases)
