@@ -279,11 +279,13 @@ class GraphedEncoder:
         return bucket, ""
 
     def _check_parameters(self) -> None:
-        """Graphs read parameters where they were at capture: if any moved or changed whether it
-        trains, drop every graph (captured again on demand)."""
-        params = tuple(p for p in self.encoder.parameters() if p.requires_grad)
-        addresses = tuple(p.data_ptr() for p in params)
-        if addresses != self._addresses or len(params) != len(self._params):
+        """Graphs read parameters and buffers where they were at capture, and give gradients to the
+        parameters that trained then: if any moved or changed whether it trains, drop every graph
+        (captured again on demand)."""
+        tensors = (*self.encoder.parameters(), *self.encoder.buffers())
+        addresses = tuple((t.data_ptr(), t.requires_grad) for t in tensors)
+        if addresses != self._addresses:
+            params = tuple(p for p in self.encoder.parameters() if p.requires_grad)
             self.stats.dropped += len(self._graphs)
             self._graphs.clear()
             self._params, self._addresses = params, addresses

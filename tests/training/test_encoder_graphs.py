@@ -189,3 +189,20 @@ def test_only_an_encoder_that_reads_nothing_on_the_host_is_capturable() -> None:
     assert "grouped attention kernel reads the batch's lengths" in hstu.not_capturable("cpu")
     sasrec = build_encoder(ModelConfig(encoder="sasrec"))
     assert "reads the batch's lengths on the host" in sasrec.not_capturable("cuda")
+
+
+def test_freezing_a_parameter_drops_the_graphs_and_it_gets_no_gradient() -> None:
+    eager, plain = encoder_pair()
+    graphed = GraphedEncoder(plain, BUCKETS, replay="rerun")
+    inputs = batch([12, 30], 3)
+    step(graphed, *inputs)
+    plain.zero_grad(set_to_none=True)
+    for module in (eager, plain):
+        module.layers[0].uvqk.weight.requires_grad_(False)
+    values = inputs[0].clone().requires_grad_()
+    graphed(values, *inputs[1:3]).backward(inputs[3])
+    assert graphed.stats.dropped == 1 and plain.layers[0].uvqk.weight.grad is None
+    eager_values = inputs[0].clone().requires_grad_()
+    eager(eager_values, *inputs[1:3]).backward(inputs[3])
+    assert close(values.grad, eager_values.grad) and close(plain.layers[1].uvqk.weight.grad,
+                                                            eager.layers[1].uvqk.weight.grad)
