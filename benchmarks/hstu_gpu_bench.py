@@ -20,6 +20,8 @@ d. Where a target batch's step goes: the host's time to issue it, the encoder's 
 e. CUDA graphs (``training.cuda_graphs = "encoder"``, ``training.encoder_graphs``): the target batches'
    steps replayed per padded bucket against the eager step, alternated in one round robin; the
    launches and host time left.
+f. Where the GPU's time goes: one eager forward+backward of each target batch under torch.profiler,
+   its kernels by GPU time (the Triton kernels, the GEMMs, the elementwise rest) against the step.
 
 The model is the issue's: D = 256, 4 layers, 4 heads of 64, fp32 parameters with TF32 matmuls;
 the encoder computes at ``training.precision`` (``--precision``, else ``--config``'s, else fp32:
@@ -258,6 +260,7 @@ class Bench(Markdown):
         curve = self.cost_curve()
         attention = self.breakdown(curve)
         graphed = self.graphs(curve)
+        self.kernels(curve)
         fitted = self.fit()
         self.targets(curve, fitted, attention, graphed)
 
@@ -518,6 +521,45 @@ class Bench(Markdown):
         self.table(["batch", "eager step ms", "graphed step ms", "speedup", "host ms to issue (graphed)",
                     "PyTorch ops (graphed)"], rows)
         return out
+
+    def kernels(self, curve: dict, top: int = 8) -> None:
+        """Section f: the kernels of one eager step of each target batch by GPU time (torch.profiler);
+        on CPU (smoke), the operators by CPU time."""
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.device.type == "cuda"
+        encoder = self.encoders()["triton"]
+        rows = []
+        for key in ("short", "long"):
+            step, clear = self.step_fn(encoder, curve["batches"][key])
+            step()  # compiled and tuned before the profile
+            clear()
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiled:
+                step()
+                if cuda:
+                    torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+            clear()
+            timed = [(e.key, e.count, (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6)
+                     for e in profiled.key_averages()]
+            timed = [t for t in timed if t[2] > 0]
+            busy = sum(t[2] for t in timed)
+            label = self.sizes.target_label(key)
+            rows.append([label, "all", "", f"{busy * 1e3:.2f}",
+                         f"{busy / wall:.0%} of the profiled step's {wall * 1e3:.1f} ms"])
+            for name, count, seconds in sorted(timed, key=lambda t: -t[2])[:top]:
+                rows.append([label, name[:70], str(count), f"{seconds * 1e3:.2f}", f"{seconds / busy:.0%}"])
+        self.emit(f"## f. Where the GPU's time goes: one eager forward+backward under torch.profiler ({self.elapsed()})")
+        self.emit()
+        self.emit(f"The triton encoder's kernels by {'GPU' if cuda else 'CPU (smoke: operators, not kernels)'} "
+                  f"time, the top {top} of each batch; `all`: their sum against the profiled step's wall time "
+                  "(profiling slows the host, so the share is a floor on how busy the GPU is).")
+        self.emit()
+        self.table(["batch", "kernel", "calls", "ms", "share"], rows)
 
     def fit(self):
         """Section b, second half: the cost model fitted on mixed batches timed with the triton kernel."""

@@ -28,7 +28,8 @@ def test_smoke_run_prints_every_section_and_writes_them(smoke) -> None:
     run, written = smoke
     assert run.returncode == 0, run.stderr[-2000:]
     for heading in ("## a. Numerics", "## b. Cost curve", "## d. Where a target batch's step goes",
-                    "## e. CUDA graphs", "### Cost model fitted", "## Targets (issues 14 and 24"):
+                    "## e. CUDA graphs", "## f. Where the GPU's time goes", "### Cost model fitted",
+                    "## Targets (issues 14 and 24"):
         assert heading in run.stdout
     assert written.strip() == run.stdout.strip()
     assert "SMOKE RUN on CPU" in written and "issue 24, 1 x U[17, 20]: attention op" in written
