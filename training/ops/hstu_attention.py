@@ -304,13 +304,10 @@ def _forward_kernel(
 
 
 @triton.jit
-def _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt, stride_gt,
-                    pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                    DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
-    """Query tile ``i0`` against this program's key tile: ``dK`` and ``dV``. Query rows past the
-    sample load ``dO = 0``, so their ``dS`` is exactly 0 without a mask."""
-    rows = i0 + tl.arange(0, BLOCK)
+def _query_rows(q_base, g_base, t_base, rows, n, stride_qt, stride_gt, DQ: tl.constexpr, DV: tl.constexpr,
+                BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Q, dO and timestamps of query rows ``rows``; rows past the sample read 0 (their sample's last
+    timestamp), so their ``dS`` is exactly 0 without a mask."""
     in_sample = rows < n
     dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
     q = tl.load(q_base + rows[:, None] * stride_qt + dq_range[None, :],
@@ -318,6 +315,39 @@ def _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, 
     g = tl.load(g_base + rows[:, None] * stride_gt + dv_range[None, :],
                 mask=in_sample[:, None] & (dv_range < DV)[None, :], other=0.0)
     t_m = tl.load(t_base + tl.minimum(rows, n - 1))
+    return q, g, t_m
+
+
+@triton.jit
+def _bias_runs(grad_pos, grad_time, ds, rows, cols, t_m, pos_b, time_b, t_base, h, H, n, pos_lut, time_thr,
+               time_scale, pos_limit, gap_limit, BLOCK: tl.constexpr, NUM_TIME: tl.constexpr,
+               DIAGONAL: tl.constexpr):
+    """Both bias tables' gradients from one tile's ``dS`` (masked on the diagonal by the caller), by
+    runs (``_add_runs``): each entry against its right neighbour (-1: none). Query rows past the
+    sample have ``dS = 0`` and are left out of the runs."""
+    after = cols + 1
+    pos_next = _position_bucket(rows[:, None] - after[None, :], pos_lut, pos_limit)
+    time_next = _time_bucket(_clamped_gap(t_m, tl.load(t_base + tl.minimum(after, n - 1)), gap_limit),
+                             time_thr, time_scale, NUM_TIME)
+    rows_in = rows < n
+    has_next = (tl.arange(0, BLOCK) < BLOCK - 1)[None, :] & rows_in[:, None]
+    if DIAGONAL:
+        counted = (rows[:, None] >= cols[None, :]) & rows_in[:, None]
+        has_next = has_next & (rows[:, None] >= after[None, :])
+    else:
+        counted = rows_in[:, None] & (cols >= 0)[None, :]
+    _add_runs(grad_pos, ds, tl.where(counted, pos_b, -1), tl.where(has_next, pos_next, -1), h, H)
+    _add_runs(grad_time, ds, tl.where(counted, time_b, -1), tl.where(has_next, time_next, -1), h, H)
+
+
+@triton.jit
+def _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt, stride_gt,
+                    pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
+                    DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
+    """Query tile ``i0`` against this program's key tile: ``dK`` and ``dV``."""
+    rows = i0 + tl.arange(0, BLOCK)
+    q, g, t_m = _query_rows(q_base, g_base, t_base, rows, n, stride_qt, stride_gt, DQ, DV, BLOCK_DQ, BLOCK_DV)
     s, _, _ = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
                     pos_limit, gap_limit, NUM_TIME, PRECISION)
     sig = _sigmoid(s)
@@ -346,23 +376,10 @@ def _query_tile_grads(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n,
                              pos_limit, gap_limit, NUM_TIME, PRECISION)
     ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, _sigmoid(s),
                      inv_n)
-    # Run ends of the bias gradients: each entry against its right neighbour (-1: none). Query
-    # rows past the sample have dS = 0 (dO = 0) and are left out of the runs.
-    after = cols + 1
-    pos_next = _position_bucket(own[:, None] - after[None, :], pos_lut, pos_limit)
-    time_next = _time_bucket(_clamped_gap(t_own, tl.load(t_base + tl.minimum(after, n - 1)), gap_limit),
-                             time_thr, time_scale, NUM_TIME)
-    rows_in = own < n
-    has_next = (tl.arange(0, BLOCK) < BLOCK - 1)[None, :] & rows_in[:, None]
     if DIAGONAL:
-        causal = own[:, None] >= cols[None, :]
-        ds = tl.where(causal, ds, 0.0)
-        counted = causal & rows_in[:, None]
-        has_next = has_next & (own[:, None] >= after[None, :])
-    else:
-        counted = rows_in[:, None] & (cols >= 0)[None, :]
-    _add_runs(grad_pos, ds, tl.where(counted, pos_b, -1), tl.where(has_next, pos_next, -1), h, H)
-    _add_runs(grad_time, ds, tl.where(counted, time_b, -1), tl.where(has_next, time_next, -1), h, H)
+        ds = tl.where(own[:, None] >= cols[None, :], ds, 0.0)
+    _bias_runs(grad_pos, grad_time, ds, own, cols, t_own, pos_b, time_b, t_base, h, H, n, pos_lut, time_thr,
+               time_scale, pos_limit, gap_limit, BLOCK, NUM_TIME, DIAGONAL)
     return dq + tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
 
 
@@ -373,40 +390,25 @@ def _pair_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, i
                 BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
     """``atomic_dq``'s one pass: query tile ``i0`` against this program's key tile, every gradient
     from one score tile. ``dK`` and ``dV`` accumulate here; ``dQ`` (fp32) and both bias tables take
-    relaxed atomic adds. Query rows past the sample load ``dO = 0``, so their ``dS`` is exactly 0."""
+    relaxed atomic adds. The key tile is the sample's last, partial one only on the diagonal, where
+    the causal mask covers the keys past the sample."""
     rows = i0 + tl.arange(0, BLOCK)
-    in_sample = rows < n
-    dq_range, dv_range = tl.arange(0, BLOCK_DQ), tl.arange(0, BLOCK_DV)
-    q = tl.load(q_base + rows[:, None] * stride_qt + dq_range[None, :],
-                mask=in_sample[:, None] & (dq_range < DQ)[None, :], other=0.0)
-    g = tl.load(g_base + rows[:, None] * stride_gt + dv_range[None, :],
-                mask=in_sample[:, None] & (dv_range < DV)[None, :], other=0.0)
-    t_m = tl.load(t_base + tl.minimum(rows, n - 1))
+    q, g, t_m = _query_rows(q_base, g_base, t_base, rows, n, stride_qt, stride_gt, DQ, DV, BLOCK_DQ, BLOCK_DV)
     s, pos_b, time_b = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
                              pos_limit, gap_limit, NUM_TIME, PRECISION)
     sig = _sigmoid(s)
     w = s * sig * inv_n
     ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, sig, inv_n)
-    # Run ends of the bias gradients, as _query_tile_grads (the key tile is never the sample's last
-    # partial one here unless it is the diagonal, where the causal mask covers the keys past it).
-    after = own + 1
-    pos_next = _position_bucket(rows[:, None] - after[None, :], pos_lut, pos_limit)
-    time_next = _time_bucket(_clamped_gap(t_m, tl.load(t_base + tl.minimum(after, n - 1)), gap_limit),
-                             time_thr, time_scale, NUM_TIME)
-    has_next = (tl.arange(0, BLOCK) < BLOCK - 1)[None, :] & in_sample[:, None]
     if DIAGONAL:
         causal = rows[:, None] >= own[None, :]
         w = tl.where(causal, w, 0.0)
         ds = tl.where(causal, ds, 0.0)
-        counted = causal & in_sample[:, None]
-        has_next = has_next & (rows[:, None] >= after[None, :])
-    else:
-        counted = in_sample[:, None] & (own >= 0)[None, :]
-    _add_runs(grad_pos, ds, tl.where(counted, pos_b, -1), tl.where(has_next, pos_next, -1), h, H)
-    _add_runs(grad_time, ds, tl.where(counted, time_b, -1), tl.where(has_next, time_next, -1), h, H)
+    _bias_runs(grad_pos, grad_time, ds, rows, own, t_m, pos_b, time_b, t_base, h, H, n, pos_lut, time_thr,
+               time_scale, pos_limit, gap_limit, BLOCK, NUM_TIME, DIAGONAL)
+    dq_range = tl.arange(0, BLOCK_DQ)
     dq = tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
     tl.atomic_add(DQ_ACC + ((start + rows) * H + h)[:, None] * DQ + dq_range[None, :], dq,
-                  mask=in_sample[:, None] & (dq_range < DQ)[None, :], sem="relaxed")
+                  mask=(rows < n)[:, None] & (dq_range < DQ)[None, :], sem="relaxed")
     dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
     return dk, dv
