@@ -386,7 +386,7 @@ class Bench(Markdown):
     def breakdown(self, curve: dict) -> dict[str, float]:
         """Section d (printed after b): the two target batches' steps taken apart; the attention op's
         forward+backward seconds for one layer of each."""
-        torch, np = self.torch, self.np
+        torch = self.torch
         from training.hstu import bias_spec
         from training.ops.attention import hstu_attention
 
