@@ -15,10 +15,12 @@ cd "$(dirname "$0")/.."
 out="${OUT:-out/gpu-check}"
 mkdir -p "$out"
 status=0
+mark() { echo "[${SECONDS} s] $*" | tee -a "$out/timings.txt"; }  # when each part started, for the budgets
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'nccl', '.'.join(map(str, torch.cuda.nccl.version())))"
 } 2>&1 | tee "$out/machine.txt"
 graphs=encoder
+mark "CUDA graphs' tests"
 timeout 60 python -m pytest -q -rs -p no:cacheprovider tests/training/test_encoder_graphs_cuda.py \
   2>&1 | tee "$out/graph_tests.txt" | tail -n 15
 if ! grep -q " passed" "$out/graph_tests.txt" || grep -qE "failed|error" "$out/graph_tests.txt"; then
@@ -27,17 +29,22 @@ if ! grep -q " passed" "$out/graph_tests.txt" || grep -qE "failed|error" "$out/g
 fi
 echo "training.cuda_graphs = $graphs" | tee -a "$out/machine.txt"
 config=benchmarks/configs/gpu_virtual_ranks.toml
+mark "calibrate"
 timeout 60 python -m jobs.cli calibrate --device cuda --config "$config" --output "$out/cost_model.json" \
   --overwrite --repeats 3 --warmup 1 --held-out-batches 8 --tracking-uri none --training.cuda_graphs "$graphs" \
   > "$out/calibrate.log" 2>&1 || { status=1; tail -n 20 "$out/calibrate.log"; }
 if [ -f "$out/cost_model.json" ]; then
+  mark "virtual ranks"
   timeout 240 python -m benchmarks.virtual_ranks_gpu --config "$config" --cost-model "$out/cost_model.json" \
     --output "$out/virtual_ranks.md" --training.cuda_graphs "$graphs" > "$out/virtual_ranks.log" 2>&1 || status=1
   cat "$out/virtual_ranks.md" 2>/dev/null || tail -n 40 "$out/virtual_ranks.log"
 fi
+mark "kernel bench"
 timeout 115 python -m benchmarks.hstu_gpu_bench --precision bf16 --repeats 3 --output "$out/hstu_gpu.md" 2>&1 \
   | tail -n 200 > "$out/hstu_gpu.log" || status=1
 cat "$out/hstu_gpu.md" 2>/dev/null || tail -n 40 "$out/hstu_gpu.log"
+mark "GPU tests"
 timeout 105 python -m pytest -q -rs -p no:cacheprovider tests/comm/test_comm_cuda.py tests/training/test_hstu_kernel_cuda.py \
   2>&1 | tee "$out/gpu_tests.txt" | tail -n 15 || status=1
+mark "done, status $status"
 exit $status
