@@ -187,9 +187,11 @@ class _Bucket:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(forward, pool=pool):
+        # thread_local: a trainer's other threads (NCCL's watchdog, the comm layer's collectives) may
+        # query events while this thread captures; "global" would fail the capture for them.
+        with torch.cuda.graph(forward, pool=pool, capture_error_mode="thread_local"):
             self.run_forward()
-        with torch.cuda.graph(backward, pool=pool):
+        with torch.cuda.graph(backward, pool=pool, capture_error_mode="thread_local"):
             self.run_backward()
         self.replay_forward, self.replay_backward = forward.replay, backward.replay
 
