@@ -342,14 +342,18 @@ def _bias_runs(grad_pos, grad_time, ds, rows, cols, t_m, pos_b, time_b, t_base, 
 
 @triton.jit
 def _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt, stride_gt,
-                    pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                    DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
-    """Query tile ``i0`` against this program's key tile: ``dK`` and ``dV``."""
+                    pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit, grad_pos, grad_time, DQ_ACC,
+                    start, DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr,
+                    ATOMIC_DQ: tl.constexpr):
+    """Query tile ``i0`` against this program's key tile: ``dK`` and ``dV``; with ``ATOMIC_DQ`` (the
+    one-pass backward) also ``dQ``, by relaxed fp32 atomic adds into ``DQ_ACC``, and both bias
+    tables, from the same score tile. The key tile is the sample's last, partial one only on the
+    diagonal, where the causal mask covers the keys past the sample."""
     rows = i0 + tl.arange(0, BLOCK)
     q, g, t_m = _query_rows(q_base, g_base, t_base, rows, n, stride_qt, stride_gt, DQ, DV, BLOCK_DQ, BLOCK_DV)
-    s, _, _ = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
-                    pos_limit, gap_limit, NUM_TIME, PRECISION)
+    s, pos_b, time_b = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
+                             pos_limit, gap_limit, NUM_TIME, PRECISION)
     sig = _sigmoid(s)
     w = s * sig * inv_n
     ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, sig, inv_n)
@@ -357,6 +361,13 @@ def _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, 
         causal = rows[:, None] >= own[None, :]
         w = tl.where(causal, w, 0.0)
         ds = tl.where(causal, ds, 0.0)
+    if ATOMIC_DQ:
+        _bias_runs(grad_pos, grad_time, ds, rows, own, t_m, pos_b, time_b, t_base, h, H, n, pos_lut, time_thr,
+                   time_scale, pos_limit, gap_limit, BLOCK, NUM_TIME, DIAGONAL)
+        dq_range = tl.arange(0, BLOCK_DQ)
+        tl.atomic_add(DQ_ACC + ((start + rows) * H + h)[:, None] * DQ + dq_range[None, :],
+                      tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION),
+                      mask=(rows < n)[:, None] & (dq_range < DQ)[None, :], sem="relaxed")
     dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
     dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
     return dk, dv
@@ -381,37 +392,6 @@ def _query_tile_grads(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n,
     _bias_runs(grad_pos, grad_time, ds, own, cols, t_own, pos_b, time_b, t_base, h, H, n, pos_lut, time_thr,
                time_scale, pos_limit, gap_limit, BLOCK, NUM_TIME, DIAGONAL)
     return dq + tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
-
-
-@triton.jit
-def _pair_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt, stride_gt,
-                pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit, grad_pos, grad_time, DQ_ACC,
-                start, DQ: tl.constexpr, DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK: tl.constexpr, NUM_TIME: tl.constexpr, PRECISION: tl.constexpr, DIAGONAL: tl.constexpr):
-    """``atomic_dq``'s one pass: query tile ``i0`` against this program's key tile, every gradient
-    from one score tile. ``dK`` and ``dV`` accumulate here; ``dQ`` (fp32) and both bias tables take
-    relaxed atomic adds. The key tile is the sample's last, partial one only on the diagonal, where
-    the causal mask covers the keys past the sample."""
-    rows = i0 + tl.arange(0, BLOCK)
-    q, g, t_m = _query_rows(q_base, g_base, t_base, rows, n, stride_qt, stride_gt, DQ, DV, BLOCK_DQ, BLOCK_DV)
-    s, pos_b, time_b = _tile(q, k, rows, own, t_m, t_own, h, H, pos_w, time_w, pos_lut, time_thr, time_scale,
-                             pos_limit, gap_limit, NUM_TIME, PRECISION)
-    sig = _sigmoid(s)
-    w = s * sig * inv_n
-    ds = _score_grad(tl.dot(g, tl.trans(v), out_dtype=tl.float32, input_precision=PRECISION), s, sig, inv_n)
-    if DIAGONAL:
-        causal = rows[:, None] >= own[None, :]
-        w = tl.where(causal, w, 0.0)
-        ds = tl.where(causal, ds, 0.0)
-    _bias_runs(grad_pos, grad_time, ds, rows, own, t_m, pos_b, time_b, t_base, h, H, n, pos_lut, time_thr,
-               time_scale, pos_limit, gap_limit, BLOCK, NUM_TIME, DIAGONAL)
-    dq_range = tl.arange(0, BLOCK_DQ)
-    dq = tl.dot(ds.to(k.dtype), k, out_dtype=tl.float32, input_precision=PRECISION)
-    tl.atomic_add(DQ_ACC + ((start + rows) * H + h)[:, None] * DQ + dq_range[None, :], dq,
-                  mask=(rows < n)[:, None] & (dq_range < DQ)[None, :], sem="relaxed")
-    dv += tl.dot(tl.trans(w.to(g.dtype)), g, out_dtype=tl.float32, input_precision=PRECISION)
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, out_dtype=tl.float32, input_precision=PRECISION)
-    return dk, dv
 
 
 @triton.jit
@@ -444,29 +424,21 @@ def _backward_kernel(
     in_sample = own < n
     t_own = tl.load(t_base + tl.minimum(own, n - 1))
 
-    # Phase 1: this program's tile as keys -> dK, dV.
+    # Phase 1: this program's tile as keys -> dK, dV (ATOMIC_DQ: and, by atomics from the same score
+    # tiles, dQ and the bias tables; no phase 2).
     k = tl.load(k_base + own[:, None] * stride_kt + dq_range[None, :], mask=in_sample[:, None] & q_cols, other=0.0)
     v = tl.load(v_base + own[:, None] * stride_vt + dv_range[None, :], mask=in_sample[:, None] & v_cols, other=0.0)
     dk = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_DV], dtype=tl.float32)
-    if ATOMIC_DQ:  # one pass: dQ and the bias tables by atomics from the same score tiles
-        dk, dv = _pair_grads(dk, dv, k, v, own, m0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
+    dk, dv = _key_tile_grads(dk, dv, k, v, own, m0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
                              stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
                              grad_pos, grad_time, DQ_OUT, start, DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME,
-                             PRECISION, True)
-        for i0 in range(m0 + BLOCK, n, BLOCK):
-            dk, dv = _pair_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
+                             PRECISION, True, ATOMIC_DQ)
+    for i0 in range(m0 + BLOCK, n, BLOCK):
+        dk, dv = _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
                                  stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
                                  grad_pos, grad_time, DQ_OUT, start, DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME,
-                                 PRECISION, False)
-    else:
-        dk, dv = _key_tile_grads(dk, dv, k, v, own, m0, q_base, g_base, t_base, t_own, h, H, n, inv_n, stride_qt,
-                                 stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit, gap_limit,
-                                 DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, True)
-        for i0 in range(m0 + BLOCK, n, BLOCK):
-            dk, dv = _key_tile_grads(dk, dv, k, v, own, i0, q_base, g_base, t_base, t_own, h, H, n, inv_n,
-                                     stride_qt, stride_gt, pos_w, time_w, pos_lut, time_thr, time_scale, pos_limit,
-                                     gap_limit, DQ, DV, BLOCK_DQ, BLOCK_DV, BLOCK, NUM_TIME, PRECISION, False)
+                                 PRECISION, False, ATOMIC_DQ)
     # The gradient outputs are contiguous [T, H, D] buffers allocated by the wrapper.
     tl.store(DK_OUT + ((start + own) * H + h)[:, None] * DQ + dq_range[None, :],
              dk.to(DK_OUT.dtype.element_ty), mask=in_sample[:, None] & q_cols)
