@@ -38,13 +38,14 @@ def test_bucket_settings_are_checked(bad: dict) -> None:
         ShapeBuckets(**bad)
 
 
-def batch(lengths: list[int], seed: int):
+def batch(lengths: list[int], seed: int, width: int = WIDTH):
+    """``values [T, width]``, offsets, timestamps and an output gradient of a batch of ``lengths``."""
     generator = torch.Generator().manual_seed(seed)
     offsets = offsets_from_lengths(torch.tensor(lengths))
     total = int(offsets[-1])
-    values = torch.randn(total, WIDTH, generator=generator)
+    values = torch.randn(total, width, generator=generator)
     timestamps = torch.cumsum(torch.randint(0, 10**5, (total,), generator=generator), 0)
-    grad = torch.randn(total, WIDTH, generator=generator)
+    grad = torch.randn(total, width, generator=generator)
     return values, offsets, timestamps, grad
 
 

@@ -12,7 +12,7 @@ import torch
 from training.config import HSTUConfig
 from training.encoder_graphs import GraphedEncoder, ShapeBuckets
 from training.hstu import HSTUEncoder
-from training.jagged import offsets_from_lengths
+from tests.training import test_encoder_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs a CUDA GPU (CUDA graphs)")
@@ -25,13 +25,7 @@ SEQUENCE = [[300, 200, 7, 1], [100, 250, 90, 2], [1024, 700, 65, 64], [64, 63, 1
 
 
 def batch(lengths: list[int], seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    offsets = offsets_from_lengths(torch.tensor(lengths))
-    total = int(offsets[-1])
-    values = torch.randn(total, WIDTH, generator=generator)
-    timestamps = torch.cumsum(torch.randint(0, 10**5, (total,), generator=generator), 0)
-    grad = torch.randn(total, WIDTH, generator=generator)
-    return [t.cuda() for t in (values, offsets, timestamps, grad)]
+    return [t.cuda() for t in test_encoder_graphs.batch(lengths, seed, WIDTH)]
 
 
 def step(encoder, values, offsets, timestamps, grad, params):
