@@ -60,6 +60,8 @@ class SequenceBatch:
     user_features: torch.Tensor | None = None
     """Optional ``[B, F]`` int64 id of each of the ``F`` user features (0 = unknown), in
     the manifest's ``user_features`` order. ``None`` when the data has none."""
+    targets_counted: int | None = None
+    """``num_targets`` as counted on the host when the batch left it (``to``); None: not yet."""
 
     @property
     def batch_size(self) -> int:
@@ -68,6 +70,14 @@ class SequenceBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.item_ids.numel())
+
+    @property
+    def num_targets(self) -> int:
+        """Next-item targets of this batch, ``sum max(L - 1, 0)``: counted where ``lengths`` were on the
+        host, so a GPU step never reads it back (``training.jagged.next_item_positions``)."""
+        if self.targets_counted is not None:
+            return self.targets_counted
+        return int((self.lengths - 1).clamp(min=0).sum())
 
     @property
     def offsets(self) -> torch.Tensor:
@@ -79,7 +89,8 @@ class SequenceBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
-        return replace(self, **{name: move(getattr(self, name)) for name in TENSOR_FIELDS})
+        counted = self.num_targets if self.lengths.device.type == "cpu" else self.targets_counted
+        return replace(self, **{name: move(getattr(self, name)) for name in TENSOR_FIELDS}, targets_counted=counted)
 
     @classmethod
     def concat(cls, batches: list["SequenceBatch"]) -> "SequenceBatch":
@@ -93,8 +104,10 @@ class SequenceBatch:
             values = [getattr(b, name) for b in batches]
             return None if values[0] is None else torch.cat(values)
 
+        counted = [b.targets_counted for b in batches]
         return replace(first, **{name: joined(name) for name in TENSOR_FIELDS},
-                       user_ids=[user for b in batches for user in b.user_ids])
+                       user_ids=[user for b in batches for user in b.user_ids],
+                       targets_counted=None if None in counted else sum(counted))
 
     def features(self, negatives: torch.Tensor) -> KeyedJaggedTensor:
         """KJT with keys ``["item", "negative"]`` for the item table.

@@ -65,21 +65,26 @@ def last_positions(offsets: torch.Tensor) -> torch.Tensor:
     return offsets[1:] - 1
 
 
-def next_item_positions(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def next_item_positions(offsets: torch.Tensor, num_targets: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows that predict and rows that are predicted in next-item training.
 
     For a sample of length ``L``, positions ``0..L-2`` are queries and positions
     ``1..L-1`` their targets; samples with ``L < 2`` contribute nothing.
-    Returns ``(query_rows, target_rows)``, both int64 ``[T - B']`` where ``B'``
-    counts non-empty samples.
+    Returns ``(query_rows, target_rows)``, both int64 ``[N]``, ``N = sum max(L - 1, 0)``.
+
+    ``num_targets``: ``N`` counted on the host (``SequenceBatch.num_targets``). With it nothing here
+    reads the device, so a GPU step does not wait for its queued work here; without it ``N`` is
+    read from ``offsets`` (on a GPU, a wait).
     """
-    lengths = lengths_from_offsets(offsets)
-    total = int(offsets[-1])
-    # A row is a query unless it is the last row of its sample.
-    is_query = torch.ones(total, dtype=torch.bool, device=offsets.device)
-    nonempty_last = last_positions(offsets)[lengths > 0]
-    is_query[nonempty_last] = False
-    query_rows = torch.nonzero(is_query, as_tuple=False).squeeze(1)
+    counts = (lengths_from_offsets(offsets) - 1).clamp(min=0)
+    if num_targets is None:
+        num_targets = int(counts.sum())
+    ends = torch.cumsum(counts, 0)
+    # Target i belongs to the first sample whose targets end past it; its row is that sample's
+    # start plus its place among the sample's targets.
+    index = torch.arange(num_targets, dtype=torch.int64, device=offsets.device)
+    sample = torch.searchsorted(ends, index, right=True)
+    query_rows = offsets[sample] + index - (ends[sample] - counts[sample])
     return query_rows, query_rows + 1
 
 

@@ -113,15 +113,21 @@ class LossHead(Protocol):
         ``T``. Per sample, so a rank's work stays the sum of its samples' (the balancer's cost model)."""
         ...
 
+    def prepare(self, target_ids: torch.Tensor, generator: torch.Generator | None) -> object:
+        """What the head draws from the targets alone, before the encoder runs, handed back to the
+        call: a size that depends on the data (``unique``) makes a GPU step wait for its queued work,
+        which before the encoder is the lookups, after it the whole forward. ``generator``: its draws'."""
+        ...
+
     def __call__(self, hidden: torch.Tensor, query_rows: torch.Tensor, positive: torch.Tensor,
                  target_ids: torch.Tensor, negatives: torch.Tensor, negative_ids: torch.Tensor,
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+                 prepared: object) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         """``(mean loss over the targets, negatives per query, stats)``.
 
         ``hidden`` ``[T, D]`` the encoder's L2-normalised outputs; ``query_rows`` ``[N]`` the rows
         that predict a next item, ``positive`` ``[N, D]`` their targets' normalised rows and
         ``target_ids`` ``[N]`` their ids; ``negatives`` ``[M, D]`` the rows (not normalised) of the
-        ``negative_count`` uniform ids ``negative_ids`` ``[M]``; ``generator`` any further draw's.
+        ``negative_count`` uniform ids ``negative_ids`` ``[M]``; ``prepared`` what ``prepare`` gave.
         Stats are detached scalars."""
         ...
 
@@ -145,16 +151,24 @@ class SampledSoftmax:
     def negative_count(num_negatives: int, num_tokens: int) -> int:
         return num_negatives
 
+    def prepare(self, target_ids: torch.Tensor,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The in-batch negatives: their ids and, for each, one of its target rows (None without)."""
+        if not self.in_batch:
+            return None
+        # Unique, so a popular item is not counted several times in each partition function.
+        unique_ids, first = _unique_with_first_index(target_ids)
+        if self.max_in_batch and unique_ids.numel() > self.max_in_batch:
+            keep = torch.randperm(unique_ids.numel(), generator=generator)[:self.max_in_batch].to(target_ids.device)
+            unique_ids, first = unique_ids[keep], first[keep]
+        return unique_ids, first
+
     def __call__(self, hidden: torch.Tensor, query_rows: torch.Tensor, positive: torch.Tensor,
                  target_ids: torch.Tensor, negatives: torch.Tensor, negative_ids: torch.Tensor,
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+                 prepared: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         negatives = F.normalize(negatives, dim=-1)
-        if self.in_batch:
-            # Unique, so a popular item is not counted several times in each partition function.
-            unique_ids, first = _unique_with_first_index(target_ids)
-            if self.max_in_batch and unique_ids.numel() > self.max_in_batch:
-                keep = torch.randperm(unique_ids.numel(), generator=generator)[:self.max_in_batch].to(target_ids.device)
-                unique_ids, first = unique_ids[keep], first[keep]
+        if prepared is not None:
+            unique_ids, first = prepared
             negatives = torch.cat([negatives, positive[first]])
             negative_ids = torch.cat([negative_ids, unique_ids])
         loss, stats = sampled_softmax_loss(hidden[query_rows], positive, negatives, target_ids, negative_ids,
@@ -180,9 +194,13 @@ class BinaryCrossEntropy:
     def negative_count(num_negatives: int, num_tokens: int) -> int:
         return num_tokens
 
+    def prepare(self, target_ids: torch.Tensor, generator: torch.Generator | None) -> None:
+        """Nothing: each query's negative is its row's uniform one."""
+        return None
+
     def __call__(self, hidden: torch.Tensor, query_rows: torch.Tensor, positive: torch.Tensor,
                  target_ids: torch.Tensor, negatives: torch.Tensor, negative_ids: torch.Tensor,
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+                 prepared: None) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
         if negative_ids.numel() != hidden.shape[0]:
             raise ValueError(f"loss kind 'bce' takes one negative per position: got {negative_ids.numel()} "
                              f"negatives for {hidden.shape[0]} positions")

@@ -426,17 +426,21 @@ class SequentialRecommender(nn.Module):
         user_vectors = self.user_vectors(user_embeddings)
 
         offsets = batch.offsets
-        hidden = self.encode_rows(item_embeddings, offsets, batch.timestamps, batch.ratings, user_vectors)
-        query_rows, target_rows = next_item_positions(offsets)
+        # The targets and what the loss draws from them, before the encoder: on a GPU the in-batch
+        # negatives' unique ids wait for the queued work, here the lookups; after the encoder they
+        # would wait for its whole forward, and the GPU would idle while the host issued the rest.
+        query_rows, target_rows = next_item_positions(offsets, batch.num_targets)
         target_ids = batch.item_ids[target_rows]
+        prepared = head.prepare(target_ids, generator)
+        hidden = self.encode_rows(item_embeddings, offsets, batch.timestamps, batch.ratings, user_vectors)
         positive = F.normalize(item_embeddings[target_rows], dim=-1)
         # Asked for only now: a source may still be receiving the negatives while the encoder runs.
         loss, used_negatives, stats = head(hidden, query_rows, positive, target_ids, source.negatives(),
-                                           negative_ids, generator)
-        stats = {
+                                           negative_ids, prepared)
+        stats = {  # filled on the device: a host number copied in would wait for the GPU
             "loss": loss.detach(),
-            "num_targets": torch.tensor(float(target_ids.numel()), device=device),
-            "num_negatives": torch.tensor(float(used_negatives), device=device),
+            "num_targets": torch.full((), float(target_ids.numel()), device=device),
+            "num_negatives": torch.full((), float(used_negatives), device=device),
             **stats,
         }
         return loss, stats

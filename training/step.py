@@ -124,7 +124,8 @@ class TrainStep(ABC):
                                   loss_kind=parts.loss.kind)
         timer.loss(stats)
         if batch.step_targets > 0:
-            return loss * (float(stats["num_targets"]) * parts.world_size / batch.step_targets)
+            # The host's count (SequenceBatch.num_targets): reading stats' would wait for the GPU.
+            return loss * (batch.num_targets * parts.world_size / batch.step_targets)
         return loss
 
     def _finish(self, timer: StepTimer) -> None:

@@ -207,3 +207,45 @@ def test_freezing_a_parameter_drops_the_graphs_and_it_gets_no_gradient() -> None
     eager(eager_values, *inputs[1:3]).backward(inputs[3])
     assert close(values.grad, eager_values.grad) and close(plain.layers[1].uvqk.weight.grad,
                                                             eager.layers[1].uvqk.weight.grad)
+
+
+# Operators that make a CUDA host wait for the GPU's queued work: a host-side read of a value
+# (item), or an output whose size depends on the data.
+WAITS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "_unique2", "unique_dim",
+         "unique_consecutive", "masked_select"}
+
+
+def test_after_the_encoder_the_training_step_issues_nothing_that_waits_for_the_gpu() -> None:
+    """With the encoder graphed its replay waits for nothing, so the host could queue the loss and the
+    backward while the GPU runs it, unless the rest of the step reads the device. The model's step
+    reads it only before the encoder (the in-batch negatives' unique ids, with the default loss)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from training.calibrate import synthetic_batch
+    from training.config import ModelConfig
+    from training.model import build_dense_model
+
+    torch.manual_seed(0)
+    model, table = build_dense_model(50, ModelConfig(embedding_dim=WIDTH, hstu=CONFIG))
+    model.train()
+    ops: list[str] = []
+    called_at: list[int] = []
+
+    def replayed_encoder(values, offsets, timestamps):  # stands in for the graphs' replay, which reads nothing
+        called_at.append(len(ops))
+        return torch.nn.functional.normalize(values, dim=-1)
+
+    model.graphed_encoder = replayed_encoder
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    batch = synthetic_batch([12, 1, 0, 30, 7], 50, seed=0).to("cpu")  # counted on the host, as the loader's
+    with Record():
+        loss, _ = model(batch, 8, generator=torch.Generator().manual_seed(0), source=table.source())
+        loss.backward()
+    (start,) = called_at
+    assert not WAITS & set(ops[start:]), sorted(WAITS & set(ops[start:]))
+    assert "_unique2" in ops[:start]  # the default loss's in-batch negatives: read before the encoder

@@ -100,6 +100,20 @@ def test_next_item_positions_skip_last_row_of_each_sample() -> None:
     queries, targets = next_item_positions(offsets)
     assert queries.tolist() == [0, 1, 4]
     assert targets.tolist() == [1, 2, 5]
+    assert next_item_positions(offsets, num_targets=3)[0].tolist() == [0, 1, 4]  # the host's count
+    assert next_item_positions(offsets_from_lengths(torch.tensor([], dtype=torch.int64)))[0].numel() == 0
+
+
+def test_next_item_positions_are_every_row_but_each_samples_last() -> None:
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        lengths = torch.randint(0, 6, (int(torch.randint(1, 12, (1,), generator=generator)),), generator=generator)
+        offsets = offsets_from_lengths(lengths)
+        last = {int(offsets[i + 1]) - 1 for i in range(len(lengths)) if lengths[i] > 0}
+        expected = [r for r in range(int(offsets[-1])) if r not in last]
+        batch_count = int((lengths - 1).clamp(min=0).sum())
+        assert next_item_positions(offsets)[0].tolist() == expected
+        assert next_item_positions(offsets, batch_count)[0].tolist() == expected
 
 
 def test_group_by_length_covers_every_row_once_without_padding() -> None:
