@@ -41,8 +41,8 @@ if [ -f "$out/cost_model.json" ]; then
 fi
 mark "kernel bench"
 timeout 115 python -m benchmarks.hstu_gpu_bench --precision bf16 --repeats 3 --output "$out/hstu_gpu.md" 2>&1 \
-  | tail -n 200 > "$out/hstu_gpu.log" || status=1
-cat "$out/hstu_gpu.md" 2>/dev/null || tail -n 40 "$out/hstu_gpu.log"
+  | tail -n 200 > "$out/hstu_gpu.log" || { status=1; tail -n 20 "$out/hstu_gpu.log"; }
+cat "$out/hstu_gpu.md" 2>/dev/null
 mark "GPU tests"
 timeout 105 python -m pytest -q -rs -p no:cacheprovider tests/comm/test_comm_cuda.py tests/training/test_hstu_kernel_cuda.py \
   2>&1 | tee "$out/gpu_tests.txt" | tail -n 15 || status=1
