@@ -36,8 +36,9 @@ timeout 60 python -m jobs.cli calibrate --device cuda --config "$config" --outpu
 if [ -f "$out/cost_model.json" ]; then
   mark "virtual ranks"
   timeout 240 python -m benchmarks.virtual_ranks_gpu --config "$config" --cost-model "$out/cost_model.json" \
-    --output "$out/virtual_ranks.md" --training.cuda_graphs "$graphs" > "$out/virtual_ranks.log" 2>&1 || status=1
-  cat "$out/virtual_ranks.md" 2>/dev/null || tail -n 40 "$out/virtual_ranks.log"
+    --output "$out/virtual_ranks.md" --training.cuda_graphs "$graphs" > "$out/virtual_ranks.log" 2>&1 \
+    || { status=1; tail -n 20 "$out/virtual_ranks.log"; }
+  cat "$out/virtual_ranks.md" 2>/dev/null
 fi
 mark "kernel bench"
 timeout 115 python -m benchmarks.hstu_gpu_bench --precision bf16 --repeats 3 --output "$out/hstu_gpu.md" 2>&1 \
