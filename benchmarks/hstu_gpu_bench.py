@@ -428,14 +428,10 @@ class Bench(Markdown):
                 return torch.autograd.grad(attention(backward), (qkv, bias.position_bias.weight,
                                                                  bias.time_bias.weight), attention_grad)
 
-            def graphed_forward():
-                with torch.no_grad():
-                    attention()
-
             step, step_clear = self.step_fn(encoder, lengths)
             forward, att_fwd, att_both, att_graph, att_graph_fwd, att_graph_atomic = self.time_all(
                 [(forward_only, clear), (attention_forward, clear), (attention_both, clear),
-                 (self.replayable(attention_gradients), clear), (self.replayable(graphed_forward), clear),
+                 (self.replayable(attention_gradients), clear), (self.replayable(attention_forward), clear),
                  (self.replayable(lambda: attention_gradients("atomic_dq")), clear)])
             host = self.issue_seconds(step, step_clear)
             layers = s.num_layers
@@ -470,21 +466,15 @@ class Bench(Markdown):
         return attention_s
 
     def replayable(self, run):
-        """``run`` captured as a CUDA graph (after two warm-up calls on a side stream), as a ``(step, clear)``
-        whose step replays it; on CPU (smoke), ``run`` itself."""
-        torch = self.torch
+        """``run`` captured as a CUDA graph (``training.encoder_graphs``' warm-up and capture), as the
+        function that replays it; on CPU (smoke), ``run`` itself."""
         if self.device.type != "cuda":
             return run
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), self.autocast():
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), self.autocast():
-            run()
-        return graph.replay
+        from training.encoder_graphs import capture, warm_up
+
+        with self.autocast():
+            warm_up(run)
+            return capture(run).replay
 
     def graphs(self, curve: dict) -> dict[str, float]:
         """Section e: the target batches' steps through ``training.encoder_graphs`` against eager (same

@@ -457,10 +457,9 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
-        if self.precision not in typing.get_args(Precision):
-            raise ValueError(f"precision must be one of {typing.get_args(Precision)}, got {self.precision!r}")
-        if self.cuda_graphs not in typing.get_args(CudaGraphs):
-            raise ValueError(f"cuda_graphs must be one of {typing.get_args(CudaGraphs)}, got {self.cuda_graphs!r}")
+        for name, choice in (("precision", Precision), ("cuda_graphs", CudaGraphs)):
+            if getattr(self, name) not in typing.get_args(choice):
+                raise ValueError(f"{name} must be one of {typing.get_args(choice)}, got {getattr(self, name)!r}")
         if self.max_steps < 0:
             raise ValueError(f"max_steps must be >= 0 (0 = one pass over the shards), got {self.max_steps}")
         if self.max_epochs < 0:

@@ -51,8 +51,29 @@ same fixed tensors at every replay, which keeps everything but the capture (padd
 gradients) testable on a CPU."""
 
 WARMUP_PASSES = 2
-"""Forward+backward passes on a side stream before a capture: the Triton autotuner, cuBLAS's
-workspaces and the allocator do their one-time work there, never inside a graph."""
+"""Passes on a side stream before a capture: the Triton autotuner, cuBLAS's workspaces and the
+allocator do their one-time work there, never inside a graph."""
+
+
+def warm_up(run: Callable[[], object], passes: int = WARMUP_PASSES) -> None:
+    """``run`` ``passes`` times on a side stream, then wait for it: what a capture needs done first."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(passes):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def capture(run: Callable[[], object], pool=None) -> torch.cuda.CUDAGraph:
+    """``run`` captured as a CUDA graph (into ``pool`` if given), after ``warm_up``."""
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a trainer's other threads (NCCL's watchdog, the comm layer's collectives) may
+    # query events while this thread captures; "global" would fail the capture for them.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        run()
+    return graph
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -174,30 +195,18 @@ class _Bucket:
         grads = torch.autograd.grad(self.out, (self.values, *self.params), self.grad_out, allow_unused=True)
         self.grad_values, self.grad_params = grads[0], tuple(grads[1:])
 
-    def capture(self, pool) -> None:
-        """Warm up on a side stream, then capture the forward and the backward into ``pool``."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_PASSES):
-                self.run_forward()
-                if self.grad_out is None:
-                    self.grad_out = torch.zeros_like(self.out)
-                self.run_backward()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        # thread_local: a trainer's other threads (NCCL's watchdog, the comm layer's collectives) may
-        # query events while this thread captures; "global" would fail the capture for them.
-        with torch.cuda.graph(forward, pool=pool, capture_error_mode="thread_local"):
-            self.run_forward()
-        with torch.cuda.graph(backward, pool=pool, capture_error_mode="thread_local"):
-            self.run_backward()
-        self.replay_forward, self.replay_backward = forward.replay, backward.replay
-
-    def prepare_rerun(self) -> None:
+    def step(self) -> None:
+        """One forward and backward, the output gradient allocated (zeros) on the first."""
         self.run_forward()
-        self.grad_out = torch.zeros_like(self.out)
+        if self.grad_out is None:
+            self.grad_out = torch.zeros_like(self.out)
+        self.run_backward()
+
+    def capture(self, pool) -> None:
+        """Warm up, then capture the forward and the backward into ``pool``."""
+        warm_up(self.step)
+        forward, backward = capture(self.run_forward, pool), capture(self.run_backward, pool)
+        self.replay_forward, self.replay_backward = forward.replay, backward.replay
 
 
 class _Replayed(torch.autograd.Function):
@@ -275,7 +284,7 @@ class GraphedEncoder:
                 self._pool = torch.cuda.graph_pool_handle()
             bucket.capture(self._pool)
         else:
-            bucket.prepare_rerun()
+            bucket.step()
         self._graphs[key] = bucket
         self.stats.captures += 1
         return bucket, ""

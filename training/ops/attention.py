@@ -22,15 +22,22 @@ import torch
 
 from training.ops.hstu_attention_reference import BiasSpec, reference_hstu_attention
 
-__all__ = ["BiasSpec", "Kernel", "hstu_attention"]
+__all__ = ["Backward", "BiasSpec", "Kernel", "hstu_attention"]
 
 Kernel = Literal["triton", "reference"]
+
+Backward = Literal["two_phase", "atomic_dq"]
+"""How the backward gets ``dQ`` and the bias gradients. ``two_phase`` (the default): a second pass per
+program over its tile as queries, recomputing the scores. ``atomic_dq``: one pass, every gradient from
+the same score tile, ``dQ`` by relaxed fp32 atomic adds (FlashAttention-2's trade: half the score and
+bias work for ``BLOCK x d`` atomics per tile pair). Which is faster is the GPU's to say
+(``benchmarks/hstu_gpu_bench.py``, section d); both are tested against the reference."""
 
 
 def hstu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor,
     position_weight: torch.Tensor, time_weight: torch.Tensor, spec: BiasSpec, kernel: Kernel = "triton",
-    block: int | None = None, precise: bool = False, backward: str = "two_phase",
+    block: int | None = None, precise: bool = False, backward: Backward = "two_phase",
 ) -> torch.Tensor:
     """``A V`` of every sample over its own positions, ``[T, H * dv]`` in jagged order.
 

@@ -63,12 +63,12 @@ import math
 import os
 import typing
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
+from training.ops.attention import Backward
 from training.ops.hstu_attention_reference import BiasSpec
 from training.ops.kernel_limits import INT32_MAX, POSITION_TABLE_LIMIT, position_table_too_long, time_gaps_too_wide
 from training.ops.relative_buckets import bucket_by_thresholds, bucket_scale, bucket_thresholds, last_finite_threshold
@@ -448,8 +448,7 @@ def _backward_kernel(
     if ATOMIC_DQ:
         return
     # Phase 2: this program's tile as queries -> dQ, bias-table gradients.
-    q = tl.load(q_base + own[:, None] * stride_qt + dq_range[None, :], mask=in_sample[:, None] & q_cols, other=0.0)
-    g = tl.load(g_base + own[:, None] * stride_gt + dv_range[None, :], mask=in_sample[:, None] & v_cols, other=0.0)
+    q, g, _ = _query_rows(q_base, g_base, t_base, own, n, stride_qt, stride_gt, DQ, DV, BLOCK_DQ, BLOCK_DV)
     dq = tl.zeros([BLOCK, BLOCK_DQ], dtype=tl.float32)
     for j0 in range(0, m0, BLOCK):
         dq = _query_tile_grads(dq, q, g, own, t_own, j0, k_base, v_base, t_base, h, H, n, inv_n, stride_kt,
@@ -504,13 +503,6 @@ def _tuned(kernel, configs: list[tuple[int, int, int]], reset: list[str], key: t
 _forward_tuned = _tuned(_forward_kernel, [(64, 4, 2), (64, 8, 2), (32, 4, 2), (64, 4, 1)], [])
 _backward_tuned = _tuned(_backward_kernel, [(32, 4, 2), (64, 8, 2), (64, 8, 1), (32, 2, 2)], ["DBIAS", "DQ_OUT"],
                          key=("ATOMIC_DQ",))
-
-Backward = Literal["two_phase", "atomic_dq"]
-"""How the backward gets ``dQ`` and the bias gradients. ``two_phase`` (the default): a second pass per
-program over its tile as queries, recomputing the scores. ``atomic_dq``: one pass, every gradient from
-the same score tile, ``dQ`` by relaxed fp32 atomic adds (FlashAttention-2's trade: half the score and
-bias work for ``BLOCK x d`` atomics per tile pair). Which is faster is the GPU's to say
-(``benchmarks/hstu_gpu_bench.py``, section d); both are tested against the reference."""
 
 BIAS_STRIPES = 16
 """Copies of the bias-table gradients the backward's programs spread their atomics over."""
