@@ -15,7 +15,7 @@ a distribution. The second line is everything in a step besides the slowest rank
 per sample of the rank's batch; per-rank bytes of an all-to-all or a ring all-reduce hardly
 change with K, and the latency is held constant (a lower bound when K grows).
 
-The fractions are the trainer's (training/bubbles.py), from the same per-step quantities:
+The fractions are the trainer's (training/timing/bubbles.py), from the same per-step quantities:
 ``bubble_fraction = sum_s sum_k (max_k compute - compute) / (K * sum_s step_time)`` and
 ``idle_fraction = 1 - sum compute / (K * sum_s step_time)``, both written with
 ``balancing.metrics.bubble_of_totals`` (this package must not import the trainer's torch).

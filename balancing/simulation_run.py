@@ -18,7 +18,7 @@ from balancing.simulate import (PLAN_BYTES_PER_SAMPLE, Noise, TimeModel, lognorm
 from balancing.simulation_spec import parse_lengths
 from balancing.time_model import (check_same_cost_model, describe_cost_model, fit_time_model, mirror_noise, read_run,
                                   runs_cost_model)
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 if TYPE_CHECKING:
     from balancing.simulation_spec import SimulationSpec

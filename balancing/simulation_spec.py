@@ -1,4 +1,4 @@
-"""`freescale simulate`'s options, declared once (pipeline/options.py): the job's command line is
+"""`freescale simulate`'s options, declared once (runtime/options.py): the job's command line is
 derived from ``SimulationSpec``, and the spec is what the simulation's library functions take
 (balancing/simulation_run.py, shards/simulation.py).
 
@@ -17,9 +17,9 @@ from typing import Literal
 from balancing.inputs import DEFAULT_FLOP_WIDTH
 from balancing.simulate import NoiseDist
 from balancing.strategies import PER_BATCH, STRATEGIES, per_batch_conflict
-from pipeline import options
-from pipeline.errors import InputError
-from pipeline.options import option
+from runtime import options
+from runtime.errors import InputError
+from runtime.options import option
 
 LENGTHS_SPEC = re.compile(r"^lognormal:([^,]+),([^,]+)$")
 # `--lengths lognormal:` clips as pipeline/synthetic.py's generator does by default (its module
@@ -92,7 +92,7 @@ class SimulationSpec:
     calibrate_from: tuple[str, ...] | None = option(
         None, "runs' --summary-json: seconds per cost unit and the comm term (latency + per sample)",
         metavar="SUMMARY")
-    """Several files on a command line (``nargs="+"``, which pipeline.options does not derive)."""
+    """Several files on a command line (``nargs="+"``, which runtime.options does not derive)."""
     seconds_per_cost: float | None = option(None, "seconds per cost unit (overrides --calibrate-from)")
     comm_latency_s: float | None = option(None, "seconds per step outside compute (overrides --calibrate-from)")
     comm_bytes_per_sample: float | None = option(None, "bytes a rank moves per sample per step "
@@ -163,7 +163,7 @@ class SimulationSpec:
 
 def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     """The spec's options on a command line, in `freescale simulate`'s order: exactly one of the
-    sources (a required group, which pipeline.options does not derive), then the rest, with
+    sources (a required group, which runtime.options does not derive), then the rest, with
     --calibrate-from taking one or more files."""
     fields = options.on_surface(SimulationSpec, "cli")
     names = [f.name for f in fields]

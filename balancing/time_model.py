@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from balancing.simulate import Noise, TimeModel, fit_comm, fit_seconds_per_cost, non_compute_s, rank_noise
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 if TYPE_CHECKING:
     from pipeline.cost_model import CostModel
@@ -39,7 +39,7 @@ class RunTimings:
 
 def read_run(path: str) -> RunTimings:
     """A `freescale train --summary-json` file's per-step, per-rank timings."""
-    from pipeline.json_files import read_json
+    from runtime.json_files import read_json
 
     data = read_json(path, "run summary (freescale train --summary-json)")
     try:

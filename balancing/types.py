@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 LeftoverPolicy = Literal["drop", "keep"]
 """The samples of a last, partial global batch: ``drop`` leaves them out (counted and reported),

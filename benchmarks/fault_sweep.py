@@ -34,7 +34,7 @@ from benchmarks.common import FREESCALE, MOVIELENS_DIR, REPO
 
 UNREACHABLE = "http://127.0.0.1:9/"  # the discard port: nothing listens there
 READ_ONLY = "sqlite:////sys/mlflow.db"  # a system folder no process may create files in
-# Spark's progress lines (pipeline/progress.py) are not errors: off, as in the test suite, so a
+# Spark's progress lines (runtime/progress.py) are not errors: off, as in the test suite, so a
 # case's stderr is the lines that matter.
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "FREESCALE_PROGRESS": "0"}
 
@@ -785,7 +785,7 @@ CASES = [
            output=lambda s, f=file: s.path(f"{f}-out"), check=within(5))
       for what, file in (("an empty", "empty.csv"), ("a header-only", "header-only.csv"),
                          ("a wrong-columns", "wrong-columns.csv"))],
-    # 15. fixed by others for issue 17 (jobs/launch.py; training/resume.py, training/checkpoint.py)
+    # 15. fixed by others for issue 17 (jobs/launch.py; training/checkpoint/resume.py, training/checkpoint/checkpointer.py)
     Case("train --shards /nonexistent", "fail", lambda s: s.freescale("train", "--shards", "/nonexistent"),
          check=within(1)),
     Case("train resumed beside a half-written checkpoint folder", "ok", half_written_checkpoint_resume,

@@ -17,7 +17,7 @@ d. Where a target batch's step goes: the host's time to issue it, the encoder's 
    attention op's forward and backward alone (times the layers), so a missed target says whether
    launches (host), attention or the rest of the layer is what to cut. The op is also replayed as a
    CUDA graph: its GPU time without the host's.
-e. CUDA graphs (``training.cuda_graphs = "encoder"``, ``training.encoder_graphs``): the target batches'
+e. CUDA graphs (``training.cuda_graphs = "encoder"``, ``training.model.encoder_graphs``): the target batches'
    steps replayed per padded bucket against the eager step, alternated in one round robin; the
    launches and host time left.
 f. Where the GPU's time goes: one eager forward+backward of each target batch under torch.profiler,
@@ -71,7 +71,7 @@ class Sizes:
     """Position and time buckets (the model's default; fewer only to keep the interpreter quick)."""
     warmup: bool = True
     graph_buckets: tuple[tuple[str, int], ...] = ()
-    """``training.encoder_graphs.ShapeBuckets`` fields over its defaults (the smoke run's small rungs)."""
+    """``training.model.encoder_graphs.ShapeBuckets`` fields over its defaults (the smoke run's small rungs)."""
 
     def target_label(self, key: str) -> str:
         """``"short"`` / ``"long"``: the target batch's name in every table, e.g. ``128 x U[1, 200]``."""
@@ -147,7 +147,7 @@ class Bench(Markdown):
         self.device = torch.device("cpu" if self.smoke else "cuda")
         self.sizes = SMOKE if self.smoke else GPU
         self.repeats = 1 if self.smoke else args.repeats
-        from training.precision import encoder_autocast
+        from training.model.precision import encoder_autocast
 
         self.precision, self.encoder_autocast = args.precision, encoder_autocast  # imported once, not per step
         torch.backends.cuda.matmul.allow_tf32 = True  # the trainer's fp32 setting on GPUs
@@ -171,7 +171,7 @@ class Bench(Markdown):
 
     def encoders(self):
         """The same weights under both kernels."""
-        from training.hstu import HSTUEncoder
+        from training.model.hstu import HSTUEncoder
 
         torch = self.torch
         out = {}
@@ -182,7 +182,7 @@ class Bench(Markdown):
 
     def batch(self, lengths, requires_grad: bool = True):
         """Device tensors of one jagged batch (built outside any timed span)."""
-        from training.jagged import offsets_from_lengths
+        from training.ops.jagged import offsets_from_lengths
 
         torch = self.torch
         lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
@@ -293,7 +293,7 @@ class Bench(Markdown):
     def numerics(self) -> None:
         """Section a: the op's output and five gradients, triton vs grouped."""
         torch = self.torch
-        from training.hstu import RelativeAttentionBias, bias_spec
+        from training.model.hstu import RelativeAttentionBias, bias_spec
         from training.ops.attention import hstu_attention
 
         config = self.config("triton")
@@ -387,7 +387,7 @@ class Bench(Markdown):
         """Section d (printed after b): the two target batches' steps taken apart; the attention op's
         forward+backward seconds for one layer of each."""
         torch = self.torch
-        from training.hstu import bias_spec
+        from training.model.hstu import bias_spec
         from training.ops.attention import hstu_attention
 
         s = self.sizes
@@ -466,20 +466,20 @@ class Bench(Markdown):
         return attention_s
 
     def replayable(self, run):
-        """``run`` captured as a CUDA graph (``training.encoder_graphs``' warm-up and capture), as the
+        """``run`` captured as a CUDA graph (``training.model.encoder_graphs``' warm-up and capture), as the
         function that replays it; on CPU (smoke), ``run`` itself."""
         if self.device.type != "cuda":
             return run
-        from training.encoder_graphs import capture, warm_up
+        from training.model.encoder_graphs import capture, warm_up
 
         with self.autocast():
             warm_up(run)
             return capture(run).replay
 
     def graphs(self, curve: dict) -> dict[str, float]:
-        """Section e: the target batches' steps through ``training.encoder_graphs`` against eager (same
+        """Section e: the target batches' steps through ``training.model.encoder_graphs`` against eager (same
         weights, alternated), with the launches and host time a graphed step leaves."""
-        from training.encoder_graphs import GraphedEncoder, ShapeBuckets
+        from training.model.encoder_graphs import GraphedEncoder, ShapeBuckets
 
         s = self.sizes
         encoder = self.encoders()["triton"]
@@ -503,7 +503,7 @@ class Bench(Markdown):
                          f"{eager_s / graphed_s:.2f}x", f"{host * 1e3:.2f}", str(launches)])
         self.emit(f"## e. CUDA graphs: training.cuda_graphs = \"encoder\" ({self.elapsed()})")
         self.emit()
-        self.emit(f"The same weights eager and through training.encoder_graphs (rows padded to a bucket, "
+        self.emit(f"The same weights eager and through training.model.encoder_graphs (rows padded to a bucket, "
                   f"{graphed.stats.summary()}), alternated in one round robin. Launches: PyTorch ops the host still "
                   f"issues per graphed step (copies in, the padding's offsets, gradient accumulation), plus two "
                   f"replays{'; the smoke run reruns instead of replaying' if self.smoke else ''}.")

@@ -47,8 +47,8 @@ import torch
 
 from pipeline.cost_model import CostModel, default_cost_model
 from training.config import HSTUConfig, ModelConfig
-from training.hstu import HSTUEncoder
-from training.jagged import offsets_from_lengths
+from training.model.hstu import HSTUEncoder
+from training.ops.jagged import offsets_from_lengths
 
 WIDTH = ModelConfig().embedding_dim  # the model's default width (model.embedding_dim)
 CALIBRATION: dict[str, list[int]] = {

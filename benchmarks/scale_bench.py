@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = textwrap.dedent("""\
     import sys
     from pyspark.sql import functions as F
-    from pipeline.session import build_spark_session
+    from runtime.session import build_spark_session
     spark = build_spark_session(None, "freescale-scale-reference")
     if sys.argv[1] == "generate":
         from pipeline.synthetic import synthetic_interactions

@@ -12,7 +12,7 @@ about 500, capped at 4,096; and MovieLens-100K's history lengths) and planned th
 recsys-examples: Karmarkar-Karp on L^2 + 2.5 d L per global batch, equal counts) and ``kk``
 (FreeScale: the calibrated cost model, the whole window). Each (step, rank) batch is then timed on
 this GPU in turn, the model's dense forward+backward as ``freescale calibrate`` times it
-(training/calibrate.py: the model of ``--config``, at its training.precision, a plain item table);
+(training/calibration/calibrate.py: the model of ``--config``, at its training.precision, a plain item table);
 a step takes its slowest rank. Medians of ``--repeats`` round-robin passes.
 
 Beside each measurement: what ``freescale simulate`` predicts from the plan's loads and the same
@@ -224,7 +224,7 @@ class Bench(Markdown):
     def time_batches(self, batches: list) -> "object":
         """Median wall seconds of each batch's dense forward+backward, timed round-robin."""
         np = self.np
-        from training.calibrate import synthetic_batch, time_dense_step, time_round_robin
+        from training.calibration.calibrate import synthetic_batch, time_dense_step, time_round_robin
 
         model, table = self.model()
         loss = self.config.loss
@@ -242,7 +242,7 @@ class Bench(Markdown):
         """The timed model and its plain item table, built once: no step changes the weights, and
         every case after the first replays the CUDA graphs already captured for its shapes."""
         if self._model is None:
-            from training.model import build_dense_model
+            from training.model.recommender import build_dense_model
 
             self.torch.manual_seed(self.args.seed)
             model, table = build_dense_model(self.args.num_items, self.config.model, device=self.device,

@@ -8,7 +8,7 @@ Per step the clock reports
 * ``comm_s``: the time at least one collective was in flight (the union of
   ``[issued, finished]`` intervals, clipped to the step);
 * ``exposed_comm_s``: the time the compute thread spent blocked in ``wait``;
-* ``waits``: those blocked intervals, so the step timer (training/step_timer.py) can take
+* ``waits``: those blocked intervals, so the step timer (training/timing/step_timer.py) can take
   the ones that fall inside the dense span out of its dense compute time.
 
 An interval ends at the later of the completion stamp and the end of any wait on

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from comm.backend import BackendUnavailable, CollectiveBackend, TorchWork, Work
-from pipeline.errors import one_line
+from runtime.errors import one_line
 
 ZERO_CTA_MIN_NCCL = (2, 28)  # NCCL_CTA_POLICY_ZERO and copy-engine collectives arrived in NCCL 2.28
 MIN_SLOT_BYTES = 1 << 20

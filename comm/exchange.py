@@ -1,7 +1,7 @@
 """The embedding exchange, overlapped with compute and sent in priority order.
 
 One step's exchange (:class:`StepExchange`) goes through four phases, each a call
-the training step (training/step.py) makes where the result is first needed:
+the training step (training/loop/step.py) makes where the result is first needed:
 
 1. ``StepExchange(exchange, ids)``: every feature's ids are routed to the ranks
    holding their rows; the per-(rank, feature) counts leave in one all-to-all.

@@ -20,9 +20,9 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
-from pipeline.job_errors import run_job
-from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
-from pipeline import options
+from runtime.job_errors import run_job
+from tracking.runs import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from runtime import options
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 
 
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_inputs(spec: BalanceSpec) -> None:
     """What can be checked without Spark (local paths; Spark checks remote ones): the output is not
     an input, --input holds sequences, and a --master spark://... takes connections."""
-    from pipeline.atomic_output import check_local_output_free, check_no_overlap
+    from runtime.atomic_output import check_local_output_free, check_no_overlap
     from pipeline import preflight
     from shards.spark_balance import check_local_input
 
@@ -51,12 +51,12 @@ def balance(spec: BalanceSpec, tracking: Tracking) -> int:
     # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
     check_inputs(spec)
 
-    from pipeline.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
-    from pipeline.hadoop_fs import HadoopFS
-    from training.tracking import DataRef, job_run, reachable_tracking_uri, run_tags
+    from runtime.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
+    from runtime.hadoop_fs import HadoopFS
+    from tracking.runs import DataRef, job_run, reachable_tracking_uri, run_tags
     from pipeline.prepared import METADATA_NAME
     from pipeline.cost_model import CostModel, default_cost_model
-    from pipeline.session import build_spark_session, checkpoints_removed
+    from runtime.session import build_spark_session, checkpoints_removed
     from shards import spark_balance
     from shards.schema import MANIFEST_NAME
     uri = reachable_tracking_uri("balance", tracking.uri)  # unreachable: one warning, untracked
@@ -97,7 +97,7 @@ def balance(spec: BalanceSpec, tracking: Tracking) -> int:
 def run(spec_of: Callable[[], BalanceSpec], tracking: Tracking) -> int:
     """The job on the spec ``spec_of()`` builds (inside the job's error handling: a bad value is its
     one line); its exit status. `freescale compare` and `freescale pipeline` call it in-process."""
-    from pipeline.progress import spark_progress  # stdlib only; pyspark loads when a stage runs
+    from runtime.progress import spark_progress  # stdlib only; pyspark loads when a stage runs
 
     with spark_progress("balance"):  # one line with the running stage and its fraction done
         return run_job("balance", lambda: balance(spec_of(), tracking))
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def spec() -> BalanceSpec:
-        from pipeline.atomic_output import check_no_overlap
+        from runtime.atomic_output import check_no_overlap
 
         if args.capacities and args.capacities.startswith("@"):  # before the file is read
             check_no_overlap(args.output, {"--capacities": args.capacities[1:]})

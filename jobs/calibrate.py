@@ -6,7 +6,7 @@
     freescale balance ... --cost-model cost_model.json --capacities @rank_speeds.json
 
 1. Times the configured model's dense forward+backward on synthetic batches, the encoder
-   at the config's ``training.precision`` (training/calibrate.py explains the design), fits
+   at the config's ``training.precision`` (training/calibration/calibrate.py explains the design), fits
    ``cost = a L^2 + b L + c`` and a table of costs at the profiled lengths
    (pipeline/calibration.py), and writes the form that predicts held-out lengths better
    as a cost-model JSON whose ``provenance`` records the machine, config, fits, errors and
@@ -26,8 +26,8 @@ arguments are checked before torch is loaded, so that takes a fraction of a seco
 
 This module is the command line and the entry points (`freescale pipeline` calls :func:`run`
 with a spec; each rank-speed rank runs ``python -m jobs.calibrate --rank-speeds-worker``). The
-options are training/calibrate_spec.py's, the run in its MLflow run training/calibration_run.py's,
-the ranks training/rank_speed_ranks.py's, the timing training/calibrate.py's.
+options are training/calibration/calibrate_spec.py's, the run in its MLflow run training/calibration/run.py's,
+the ranks training/calibration/rank_speed_ranks.py's, the timing training/calibration/calibrate.py's.
 
 Timing is on this machine's CPU with one intra-op thread (the trainer's setting
 when ranks fill the cores, as on a 2-core machine with 2 ranks). CUDA ranks would
@@ -42,12 +42,12 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from pipeline.job_errors import run_job
-from pipeline import options
-from training.calibrate_spec import CalibrateSpec  # standard library only
-from training.calibration_run import calibrate_and_record, calibration_device  # torch loads when they run
-from training.rank_speed_ranks import WORKER_FLAG, RankSpeedsFailed  # torch loads in the ranks
-from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from runtime.job_errors import run_job
+from runtime import options
+from training.calibration.calibrate_spec import CalibrateSpec  # standard library only
+from training.calibration.run import calibrate_and_record, calibration_device  # torch loads when they run
+from training.calibration.rank_speed_ranks import WORKER_FLAG, RankSpeedsFailed  # torch loads in the ranks
+from tracking.runs import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +71,7 @@ def calibrate(spec: CalibrateSpec, overrides: list[str], tracking: Tracking) -> 
     config = load_config(spec.config, overrides)
     device = calibration_device(spec.device, config.model)
 
-    from training.tracking import job_run, reachable_tracking_uri
+    from tracking.runs import job_run, reachable_tracking_uri
     uri = reachable_tracking_uri("calibrate", tracking.uri)  # unreachable: one warning, untracked
 
     # The run spans the job's work (profiling, rank speeds), FAILED if the job fails.
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def rank_main(argv: list[str]) -> None:
     """One rank of the rank-speed measurement (``python -m jobs.calibrate --rank-speeds-worker``)."""
-    from training.distributed import exit_without_finalization
-    from training.rank_speed_ranks import rank_speeds_worker
+    from training.parallel.distributed import exit_without_finalization
+    from training.calibration.rank_speed_ranks import rank_speeds_worker
 
     exit_without_finalization(run_job(f"calibrate (rank {os.environ.get('RANK', '0')})",
                                       lambda: rank_speeds_worker(argv)))

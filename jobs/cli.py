@@ -5,7 +5,7 @@
     freescale train ...     shards -> trained model, measured bubbles (jobs/train.py, torchrun)
     freescale calibrate ... fit the cost model and rank speeds to this machine (jobs/calibrate.py)
     freescale compare ...   contiguous vs balanced (vs mirror control) training, one MLflow parent run (jobs/compare.py)
-    freescale pipeline ...  prepare, calibrate, balance, train [, compare, export] from one TOML, rerun-safe (jobs/workflow.py)
+    freescale pipeline ...  prepare, calibrate, balance, train [, compare, export] from one TOML, rerun-safe (jobs/workflow/run.py)
     freescale simulate ...  predicted step time and bubbles of a plan on K ranks (jobs/simulate.py)
     freescale export ...    a training checkpoint -> one model folder and an MLflow model (jobs/export.py)
     freescale demo          the pipeline on the embedded synthetic default, ending with a comparison and the model
@@ -43,8 +43,8 @@ def demo(argv: list[str]) -> int:
 
     Stages whose fingerprint matches and whose output is intact are skipped, so a rerun resumes where it stopped.
     """
-    from jobs import workflow
-    from jobs.workflow_config import load_workflow_config
+    from jobs.workflow import run as workflow
+    from jobs.workflow.config import load_workflow_config
 
     p = argparse.ArgumentParser(prog="freescale demo", description=demo.__doc__)
     p.add_argument("--workdir", default="out/demo", help="where the stages write (default out/demo)")
@@ -70,8 +70,8 @@ def demo(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.job_errors import run_job
-    from pipeline import logs
+    from runtime.job_errors import run_job
+    from runtime import logs
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--verbose" in argv:  # every subcommand's flag, handled here so no job parser needs it
@@ -106,7 +106,7 @@ def _dispatch(command: str, rest: list[str]) -> int:
     elif command == "compare":
         from jobs.compare import main as run
     elif command == "pipeline":
-        from jobs.workflow import main as run
+        from jobs.workflow.run import main as run
     elif command == "simulate":
         from jobs.simulate import main as run
     elif command == "export":

@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline.job_errors import error_line, run_job
-from pipeline import options
-from pipeline.errors import InputError
+from runtime.job_errors import error_line, run_job
+from runtime import options
+from runtime.errors import InputError
 from pipeline.prepared import METADATA_NAME, is_prepared  # standard library only
-from pipeline.stops import Stopped, stops_on_signals
+from runtime.stops import Stopped, stops_on_signals
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 from shards.shard_sets import check_shard_sets, parse_shard_sets
-from training.comparison import (  # no torch
+from training.timing.comparison import (  # no torch
     HEAD,
     PLOT_NAME,
     Comparison,
@@ -46,7 +46,7 @@ from training.comparison import (  # no torch
     plot_comparison,
     run_trainings,
 )
-from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from tracking.runs import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 
 
 # ----------------------------------------------------------------------- arguments
@@ -71,7 +71,7 @@ def spec_of_args(args: argparse.Namespace) -> CompareSpec:
 def check_args(spec: CompareSpec, overrides: list[str]) -> dict:
     """Everything that needs no Spark, torch or MLflow: a bad argument is one line within a second.
     With --shards: their manifests ({variant: Manifest}); with --input: {}."""
-    from training.rank_checks import check_ranks_can_run
+    from training.parallel.rank_checks import check_ranks_can_run
     from training.config import load_config
 
     manifests = {}
@@ -138,7 +138,7 @@ def build_shard_sets(args: CompareSpec, work: Path, tracking: Tracking) -> dict[
 def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, started: float) -> dict:
     """The parent run: the shard sets, every training, the medians and the plot; the comparison's summary."""
     from shards.schema import MANIFEST_NAME
-    from training.tracking import NOTE_TAG, DataRef, job_run, run_tags, run_url
+    from tracking.runs import NOTE_TAG, DataRef, job_run, run_tags, run_url
 
     params = {"input": args.input, "shards": args.shards, "world_size": cmp.world_size,
               "local_batch_size": cmp.local_batch_size, **args.balanced, "strategy": cmp.strategy,
@@ -182,7 +182,7 @@ def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, sta
 def compare(spec: CompareSpec, overrides: list[str], tracking: Tracking) -> int:
     manifests = check_args(spec, overrides)  # before anything heavy
 
-    from training.tracking import reachable_tracking_uri
+    from tracking.runs import reachable_tracking_uri
 
     # One check for every stage: they get the answer (or 'none'), never a second warning.
     tracking = dataclasses.replace(tracking, uri=reachable_tracking_uri("compare", tracking.uri))

@@ -7,8 +7,8 @@ any number of ranks, in this one process without TorchRec, and writes one folder
 weights (fp32), the model config, the item vocabulary (dense id -> raw item id of the input logs),
 the evaluation protocol. It is logged as an MLflow pyfunc model on the training's own run (or, when
 the tracking store does not hold it, on this job's run) and, with --register, registered in the
-model registry. The options are training/export_spec.py's ExportSpec; the work is
-training/export.py's; the model's predict, training/exported_model.py's.
+model registry. The options are training/export/spec.py's ExportSpec; the work is
+training/export/exporter.py's; the model's predict, training/export/exported_model.py's.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import argparse
 import sys
 from typing import Callable
 
-from pipeline.job_errors import run_job
-from pipeline import options
-from training.export_spec import ExportSpec, check_arguments  # standard library only
-from training.tracking import Tracking, add_tracking_arguments, resolve_tracking_uri  # no mlflow import
+from runtime.job_errors import run_job
+from runtime import options
+from training.export.spec import ExportSpec, check_arguments  # standard library only
+from tracking.runs import Tracking, add_tracking_arguments, resolve_tracking_uri  # no mlflow import
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 def export(spec: ExportSpec, tracking: Tracking) -> int:
     # Arguments first: a bad one is reported before torch or mlflow loads, and before anything is written.
     check_arguments(spec, resolve_tracking_uri(tracking.uri))
-    from training.export import export as export_checkpoint
+    from training.export.exporter import export as export_checkpoint
 
     return export_checkpoint(spec, tracking)
 

@@ -7,7 +7,7 @@ The ranks' progress lines reach the terminal as they come; tracebacks, torchrun'
 logging and its failure report go to the job's log only (--verbose shows everything). A
 failed run ends with one line gathering the failed ranks' reasons and naming the log, and
 returns the ranks' exit status (2 bad input, 3 environment, 1 anything else), not
-torchrun's 1. Each rank runs `jobs/train.py`; training/launcher.py starts torchrun and does the above.
+torchrun's 1. Each rank runs `jobs/train.py`; training/parallel/launcher.py starts torchrun and does the above.
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline import options
-from pipeline.options import option
+from runtime import options
+from runtime.options import option
 from training.config import CommMode  # the typed config, no torch
-from training.launcher import RDZV_TIMEOUT_S  # the launcher's logic, no torch either
-from training.tracking import TRACKING_URI_HELP
+from training.parallel.launcher import RDZV_TIMEOUT_S  # the launcher's logic, no torch either
+from tracking.runs import TRACKING_URI_HELP
 
 
 CLI = ("cli",)
@@ -55,7 +55,7 @@ class LaunchSpec:
                                               "prioritized)", surfaces=CLI)
 
     def check(self) -> None:
-        from pipeline.errors import InputError
+        from runtime.errors import InputError
 
         if self.max_steps is not None and self.max_steps < 1:
             raise InputError(f"--max-steps must be a positive integer (omit it for one pass over the shards), "
@@ -77,7 +77,7 @@ def launch(argv: list[str] | None = None) -> int:
 def run(spec_of: Callable[[], LaunchSpec], overrides: list[str]) -> int:
     """The training of ``spec_of()`` (built inside the job's error handling), ``overrides`` on its ranks'
     config (``--section.key VALUE``); its exit status. `freescale pipeline` calls it in-process."""
-    from pipeline.job_errors import run_job
+    from runtime.job_errors import run_job
 
     return run_job("train", lambda: _launch(spec_of(), overrides))
 
@@ -89,10 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _launch(args: LaunchSpec, overrides: list[str]) -> int:
-    """This node's ranks (training/launcher.py runs them), after the launch's own checks."""
-    from pipeline.errors import InputError
-    from training import launcher
-    from training.rank_checks import check_ranks_can_run
+    """This node's ranks (training/parallel/launcher.py runs them), after the launch's own checks."""
+    from runtime.errors import InputError
+    from training.parallel import launcher
+    from training.parallel.rank_checks import check_ranks_can_run
     from training.config import load_config
 
     # Checked here, not by the ranks: starting torchrun and its ranks takes seconds. What is in

@@ -22,9 +22,9 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
-from pipeline.job_errors import run_job
-from training.tracking import Tracking, add_tracking_arguments  # no mlflow import until a run opens
-from pipeline import options
+from runtime.job_errors import run_job
+from tracking.runs import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from runtime import options
 from pipeline.prepare_spec import PrepareSpec  # standard library only
 
 
@@ -39,7 +39,7 @@ def check_inputs(spec: PrepareSpec) -> None:
     """What can be checked without Spark (local paths; remote ones are checked by Spark):
     the output is not an input, the inputs exist, Parquet footers are readable and have
     the needed columns, a --master spark://... takes connections."""
-    from pipeline.atomic_output import check_local_output_free, check_no_overlap
+    from runtime.atomic_output import check_local_output_free, check_no_overlap
     from pipeline import preflight
     from pipeline.spark_prepare import check_local_inputs
 
@@ -53,12 +53,12 @@ def prepare(spec: PrepareSpec, tracking: Tracking) -> int:
     # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
     check_inputs(spec)
 
-    from pipeline.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
-    from pipeline.hadoop_fs import HadoopFS
-    from training.tracking import DataRef, job_run, reachable_tracking_uri
+    from runtime.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
+    from runtime.hadoop_fs import HadoopFS
+    from tracking.runs import DataRef, job_run, reachable_tracking_uri
     from pipeline import spark_prepare
     from pipeline.prepared import METADATA_NAME, metadata_text
-    from pipeline.session import build_spark_session, checkpoints_removed
+    from runtime.session import build_spark_session, checkpoints_removed
     uri = reachable_tracking_uri("prepare", tracking.uri)  # unreachable: one warning, untracked
 
     # The run spans the job's work: opened before Spark starts, FAILED if the job fails.
@@ -103,7 +103,7 @@ def summary_line(spec: PrepareSpec, inputs, prepared, output_uri: str) -> str:
 def run(spec_of: Callable[[], PrepareSpec], tracking: Tracking) -> int:
     """The job on the spec ``spec_of()`` builds (inside the job's error handling: a bad value is its
     one line); its exit status. `freescale pipeline` calls it in-process."""
-    from pipeline.progress import spark_progress  # stdlib only; pyspark loads when a stage runs
+    from runtime.progress import spark_progress  # stdlib only; pyspark loads when a stage runs
 
     with spark_progress("prepare"):  # one line with the running stage and its fraction done
         return run_job("prepare", lambda: prepare(spec_of(), tracking))

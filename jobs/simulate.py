@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 
 from balancing.simulation_spec import SimulationSpec, add_simulation_arguments  # numpy only
-from pipeline.job_errors import run_job
-from pipeline import options
-from training.tracking import add_tracking_arguments  # no mlflow import until a run opens
+from runtime.job_errors import run_job
+from runtime import options
+from tracking.runs import add_tracking_arguments  # no mlflow import until a run opens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,9 +54,9 @@ def simulate(spec: SimulationSpec, args: argparse.Namespace) -> int:
                                              row_metrics)
     from balancing.simulation_run import build_time_model
     from balancing.time_model import predict, reductions
-    from pipeline.json_files import write_json
+    from runtime.json_files import write_json
     from shards.simulation import simulation_plans
-    from training.tracking import job_run, reachable_tracking_uri
+    from tracking.runs import job_run, reachable_tracking_uri
 
     model, described, runs_model = build_time_model(spec, warn)  # measured runs first: a bad file fails before planning
     uri = reachable_tracking_uri("simulate", args.tracking_uri)

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 
-from pipeline.stops import Stopped
-from training.mlflow_sink import MLflowSink, build_sink  # no mlflow import until used
+from runtime.stops import Stopped
+from training.loop.mlflow_sink import MLflowSink, build_sink  # no mlflow import until used
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # how torchrun (and a terminal) stop the ranks
 
@@ -76,7 +76,7 @@ def train(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     config = load_config(args.config, overrides)
     if not config.data.shards:
-        from pipeline.errors import InputError
+        from runtime.errors import InputError
         raise InputError("no shard directory: set data.shards in the config or pass --data.shards DIR")
     job = RankJob()
     job.stop_on_signals()
@@ -94,10 +94,10 @@ def train(argv: list[str]) -> int:
 def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     import torch.distributed as dist
 
-    from training.tracking import DISABLED, reachable_tracking_uri
+    from tracking.runs import DISABLED, reachable_tracking_uri
     from pipeline.run_summary import write_run_summary
-    from training.bubbles import TIMING_FIELDS
-    from training.trainer import NullSink, Trainer
+    from training.timing.bubbles import TIMING_FIELDS
+    from training.loop.trainer import NullSink, Trainer
 
     # Only rank 0 records the run: it checks the server before any work (RANK is what
     # the trainer's process group reads too), so an unreachable one costs seconds.
@@ -121,7 +121,7 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
                                   cost_model=trainer.manifest.cost_model, fields=TIMING_FIELDS,
                                   timings=result.timings.tolist())
         if sink is not None:
-            from training.bubble_plot import plot_rank_timelines
+            from training.timing.bubble_plot import plot_rank_timelines
 
             artifacts = [plot_rank_timelines(result.timings, result.steps, Path(tmp) / "rank_timelines.png",
                                              title=f"{sink.run.info.run_name}")]
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     """One rank: its failure is one line on stderr; the traceback goes to the job's log."""
     import faulthandler
 
-    from pipeline.job_errors import run_job
-    from pipeline import logs
+    from runtime.job_errors import run_job
+    from runtime import logs
 
     global _fault_log
     # A rank killed by a native abort still leaves where every thread was: in the log the
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.job_errors import record_rank_status
-    from training.distributed import exit_without_finalization, wait_for_peers_to_report
+    from runtime.job_errors import record_rank_status
+    from training.parallel.distributed import exit_without_finalization, wait_for_peers_to_report
 
     status = main()
     record_rank_status(status)

@@ -1,7 +1,7 @@
 """Fitting a cost model to measured batch times and choosing its form (NumPy only).
 
 ``freescale calibrate`` times batches on the training machine
-(training/calibrate.py) and hands the times to the functions here, which turn
+(training/calibration/calibrate.py) and hands the times to the functions here, which turn
 them into the ``CostModel`` the balancer reads (pipeline/cost_model.py). They
 time nothing and import no torch, so they are tested on exact synthetic times
 and can be used wherever the cost model is.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.cost_model import KINDS, CostModel
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 # ------------------------------------------------------------------------- lengths
 

@@ -14,7 +14,7 @@ Both add ``per_id * L`` for embedding ids looked up per sample.
 
 A model is a JSON file (``save``/``load``, format ``FORMAT``). ``freescale
 calibrate`` writes one fitted on the training machine (pipeline/calibration.py
-fits it to the times training/calibrate.py measures); ``default_cost_model`` is
+fits it to the times training/calibration/calibrate.py measures); ``default_cost_model`` is
 the analytic stand-in until then.
 
 This module must not import pyspark at import time: the trainer and the
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.errors import InputError
-from pipeline.json_files import read_json, write_json
+from runtime.errors import InputError
+from runtime.json_files import read_json, write_json
 
 if TYPE_CHECKING:
     from pyspark.sql import Column

@@ -31,7 +31,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.layouts import (
     ITEM_COLUMNS,
     LAYOUT_BY_FORMAT,
@@ -40,7 +40,7 @@ from pipeline.layouts import (
     TIME_COLUMNS,
     USER_COLUMNS,
 )
-from pipeline.paths import to_uri
+from runtime.paths import to_uri
 from pipeline.preflight import bad_line_message, check_line_layout_columns, pick_column, resolve_input
 
 # Spark reports every column as nullable; validation guarantees user_id, item

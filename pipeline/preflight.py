@@ -25,7 +25,7 @@ import socket
 import zlib
 from pathlib import Path
 
-from pipeline.errors import InputError, ServiceUnavailable, one_line
+from runtime.errors import InputError, ServiceUnavailable, one_line
 from pipeline.layouts import (
     COMPRESSION_SUFFIXES,
     FORMATS,
@@ -38,7 +38,7 @@ from pipeline.layouts import (
     USER_COLUMNS,
     uncompressed_name,
 )
-from pipeline.paths import local_path
+from runtime.paths import local_path
 
 
 

@@ -1,5 +1,5 @@
 """The prepare job's options, declared once: `freescale prepare`'s command line and the pipeline's
-``[prepare]`` section are derived from ``PrepareSpec`` (pipeline/options.py), and the spec is what
+``[prepare]`` section are derived from ``PrepareSpec`` (runtime/options.py), and the spec is what
 pipeline/spark_prepare.py takes. Standard library only.
 """
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.layouts import FORMATS  # plain data
-from pipeline.options import option
+from runtime.options import option
 
 FormatName = Literal[FORMATS]  # type: ignore[valid-type]
 CLI = ("cli",)

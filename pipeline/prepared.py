@@ -14,7 +14,7 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 PREPARE_FORMAT = "freescale.prepared/1"
 METADATA_NAME = "prepare.json"

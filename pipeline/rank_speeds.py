@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import InputError
-from pipeline.json_files import read_json, write_json
+from runtime.errors import InputError
+from runtime.json_files import read_json, write_json
 
 FORMAT = "freescale.rank_speeds/1"
 CONFIDENCE = 0.95

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 WHAT = "run summary (freescale train --summary-json)"
 
@@ -33,7 +33,7 @@ def write_run_summary(path: str | Path, *, summary: dict[str, float], run_id: st
 
 def read_run_summary(path: str | Path) -> dict[str, Any]:
     """A run summary, refused in one line naming the file when it is not one."""
-    from pipeline.json_files import read_json
+    from runtime.json_files import read_json
 
     data = read_json(path, WHAT)
     if not isinstance(data, dict) or not isinstance(data.get("summary"), dict):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from pyspark.sql import Column, DataFrame, Observation, Window
 from pyspark.sql import functions as F
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 MIN_INTERACTIONS = 3  # train >= 1 item, plus the validation and test targets
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.prepare_spec import PrepareSpec
 from pipeline.prepared import METADATA_NAME, PREPARE_FORMAT, SEQUENCES_DIR, metadata_text
 
@@ -45,7 +45,7 @@ def read_inputs(spark, fs, spec: PrepareSpec) -> Inputs:
     from pyspark.sql import functions as F
 
     from pipeline.ingest import read_interactions
-    from pipeline.session import checkpoint
+    from runtime.session import checkpoint
     from pipeline.synthetic import synthetic_interactions
     from pipeline.user_features import read_user_table
 
@@ -87,7 +87,7 @@ def write_prepared(spark, fs, staging: str, spec: PrepareSpec, inputs: Inputs) -
 
     from pipeline.ingest import drop_duplicate_interactions
     from pipeline.sequences import sequence_stats
-    from pipeline.session import checkpoint
+    from runtime.session import checkpoint
     from pipeline.user_features import build_user_feature_vocab, count_users_without_features, feature_cardinalities
 
     feature_vocab = None

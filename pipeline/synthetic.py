@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.ingest import _col, _id_expr, _pick, _read_raw, _short
 from pipeline.layouts import USER_COLUMNS
-from pipeline.paths import local_path
+from runtime.paths import local_path
 from pipeline.preflight import format_from_name
 
 USER_FEATURES_COLUMN = "user_features"

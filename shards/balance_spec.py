@@ -1,6 +1,6 @@
 """The balance job's options, declared once: `freescale balance`'s command line, the pipeline's
 ``[balance]`` section and `freescale compare`'s balanced variant are derived from ``BalanceSpec``
-(pipeline/options.py), and the spec itself is what the Spark planning takes (shards/spark_balance.py)
+(runtime/options.py), and the spec itself is what the Spark planning takes (shards/spark_balance.py)
 and ships to the executors.
 
 A new option is one field here; it is on every surface in ``SURFACES`` unless it names its own.
@@ -16,8 +16,8 @@ from typing import Any, Literal
 from balancing.inputs import DEFAULT_FLOP_WIDTH
 from balancing.strategies import STRATEGIES, per_batch_conflict
 from balancing.types import LeftoverPolicy
-from pipeline.errors import InputError
-from pipeline.options import option
+from runtime.errors import InputError
+from runtime.options import option
 
 StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]  # the balancing registry's names
 CLI = ("cli",)
@@ -91,7 +91,7 @@ class BalanceSpec:
         return self.window_steps * self.global_batch_size
 
     def check(self) -> None:
-        """What the fields' own checks (pipeline.options.check) cannot see: how they combine."""
+        """What the fields' own checks (runtime.options.check) cannot see: how they combine."""
         conflict = per_batch_conflict(self.strategy, self.window_steps, self.token_cap)
         if conflict:
             raise InputError(conflict)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
-from pipeline.paths import to_uri
+from runtime.paths import to_uri
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 def arrow_uri(path: str) -> str:
     """Hadoop prints a local path as file:/x, never percent-encoded; pyarrow wants a real URI
-    (file:///x, a space as %20): ``pipeline.paths.to_uri``, the one conversion."""
+    (file:///x, a space as %20): ``runtime.paths.to_uri``, the one conversion."""
     return to_uri(path)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import InputError, one_line
+from runtime.errors import InputError, one_line
 from shards.schema import MANIFEST_FORMAT, MANIFEST_NAME, rank_dir
 
 _CHUNK_BYTES = 1 << 22

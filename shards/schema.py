@@ -1,7 +1,7 @@
 """The shard format: file layout, format version, and every column with its Arrow type.
 
 A shard directory, written by the balance job (``jobs/balance.py``) and read by
-the trainer (``training/shard_reader.py``)::
+the trainer (``training/data/shard_reader.py``)::
 
     manifest.json                 what a rank needs to trust the directory (shards/manifest.py)
     rank=<k>/part-*.parquet       rank k's rows, in (step, slot) order

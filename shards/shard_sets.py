@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 VARIANTS = ("contiguous", "balanced", "control")
 
@@ -67,7 +67,7 @@ def check_shard_sets(sets: dict[str, Path], world_size: int | None, local_batch_
 
 def prepared_of(manifest) -> Path | None:
     """The prepared folder a shard set was balanced from (its manifest's input), when local."""
-    from pipeline.paths import local_path
+    from runtime.paths import local_path
 
     uri = manifest.input.get("uri")
     local = local_path(uri) if uri else None

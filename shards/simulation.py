@@ -13,7 +13,7 @@ import numpy as np
 
 from balancing.simulation_run import Plans, built_plans, check_runs_cost_model, load_cost_model, plans_cost_model
 from balancing.time_model import describe_cost_model
-from pipeline.errors import InputError, one_line
+from runtime.errors import InputError, one_line
 
 if TYPE_CHECKING:
     from balancing.simulation_spec import SimulationSpec
@@ -34,7 +34,7 @@ def shard_plan(spec: SimulationSpec, runs_model: CostModel | None) -> tuple[Plan
     import pyarrow.parquet as pq
 
     from pipeline.cost_model import CostModel
-    from pipeline.json_files import read_json
+    from runtime.json_files import read_json
     from shards.manifest import ShardError, load_manifest
     from shards.schema import MANIFEST_NAME
 

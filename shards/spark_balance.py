@@ -13,7 +13,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import InputError, one_line
+from runtime.errors import InputError, one_line
 from pipeline.prepared import SEQUENCES_DIR
 from shards.balance_spec import BalanceSpec
 
@@ -31,7 +31,8 @@ ROW_GROUP_BYTES = 4 << 20  # small row groups: the trainer streams a shard one r
 def check_local_input(spec: BalanceSpec) -> None:
     """Before Spark starts (a remote input is read_sequences' to check): a local --input is a prepare
     output or a sequences Parquet with REQUIRED_COLUMNS in every file's footer."""
-    from pipeline import paths, preflight
+    from pipeline import preflight
+    from runtime import paths
 
     local = paths.local_path(spec.input)
     if local is None:
@@ -104,7 +105,7 @@ def assign_samples(positioned: DataFrame, spec: BalanceSpec, num_samples: int) -
     the samples it plans, and the planning time in seconds."""
     from pyspark.sql import functions as F
 
-    from pipeline.session import checkpoint
+    from runtime.session import checkpoint
     from shards import spark_plan
 
     started = time.perf_counter()

@@ -42,7 +42,7 @@ def with_global_position(samples: DataFrame, seed: int) -> DataFrame:
     """
     from pyspark.sql import functions as F
 
-    from pipeline.session import checkpoint
+    from runtime.session import checkpoint
 
     spark = samples.sparkSession
     keyed = samples.withColumn("_key", F.xxhash64(F.col("user_id"), F.lit(seed)))

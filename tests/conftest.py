@@ -34,7 +34,7 @@ from tests.scenarios import SCENARIOS  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MOVIELENS_DIR = (REPO_ROOT / ".." / "shared" / "data" / "movielens-100k").resolve()
 
-# Jobs' Spark progress lines (pipeline/progress.py) off: tests count a job's stderr lines, and a
+# Jobs' Spark progress lines (runtime/progress.py) off: tests count a job's stderr lines, and a
 # loaded machine would make a stage long enough to print one. tests/pipeline/test_progress.py turns it on.
 os.environ.setdefault("FREESCALE_PROGRESS", "0")
 # Every Spark driver the suite starts (the session's, the jobs', spark-submit's) runs helpers.TEST_JVM_OPTS.
@@ -149,7 +149,8 @@ def pytest_terminal_summary(terminalreporter, config):
 def fresh_log(tmp_path, monkeypatch) -> Path:
     """In-process jobs log to tmp_path/logs, nothing verbose: an earlier in-process job of the session
     may have named a log, and its error lines would then end "(details: ...)"."""
-    from pipeline import job_errors, logs
+    from runtime import job_errors
+    from runtime import logs
 
     folder = tmp_path / "logs"
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(folder))
@@ -175,7 +176,7 @@ def single_thread():
 @pytest.fixture(scope="session")
 @helpers.spawns
 def spark():
-    from pipeline.session import build_spark_session
+    from runtime.session import build_spark_session
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     session = build_spark_session(master="local[2]", app_name="freescale-tests")

@@ -366,8 +366,8 @@ def train_in_process(*argv: str) -> int:
     import warnings
 
     from jobs import train
-    from pipeline.job_errors import run_job
-    from pipeline import logs
+    from runtime.job_errors import run_job
+    from runtime import logs
 
     handlers = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
     threads = torch.get_num_threads()
@@ -377,7 +377,7 @@ def train_in_process(*argv: str) -> int:
         os.environ.pop(name, None)
     os.environ[logs.LOG_DIR_ENV] = tempfile.mkdtemp(prefix="freescale-test-logs-")  # not the repo's out/logs
     logs._log_file, logs._verbose = None, False
-    # A rank quiets third-party loggers and warnings for its process (training/sharding.py): in
+    # A rank quiets third-party loggers and warnings for its process (training/parallel/sharding.py): in
     # this one, that would hide them from later tests.
     levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
               if isinstance(logger, logging.Logger)}
@@ -417,7 +417,7 @@ def without_torchrun(cmd):
 
 
 class _OneRankSubprocess:
-    """`subprocess` as training.launcher sees it once ``one_rank_without_torchrun`` is on."""
+    """`subprocess` as training.parallel.launcher sees it once ``one_rank_without_torchrun`` is on."""
 
     def __getattr__(self, name: str):
         return getattr(subprocess, name)
@@ -431,7 +431,7 @@ def one_rank_without_torchrun(monkeypatch=None) -> None:
     """`freescale train` of one rank starts that rank itself instead of torchrun (the pipeline tests'
     trainings: what they check is the stage engine, and a 1-rank torchrun launch is two processes
     and seconds more for nothing). With `monkeypatch`, undone after the test."""
-    from training import launcher
+    from training.parallel import launcher
 
     if monkeypatch is None:
         launcher.subprocess = _OneRankSubprocess()

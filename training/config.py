@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from comm.names import BackendName as CommBackendName
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 ShardingName = Literal["row_wise", "table_wise"]
 ParallelBackendName = Literal["auto", "gloo", "nccl"]
@@ -43,7 +43,7 @@ LearningRateDecay = Literal["constant", "linear", "cosine"]
 Precision = Literal["fp32", "bf16"]
 CudaGraphs = Literal["off", "encoder"]
 # The validation metrics early stopping can follow: the summary's names of the validation item's
-# scores (``training.evaluator``); the sampled ones need ``evaluation.sampled_negatives > 0``.
+# scores (``training.eval.evaluator``); the sampled ones need ``evaluation.sampled_negatives > 0``.
 ValidationMetric = Literal["valid_ndcg_at_10", "valid_hr_at_10", "valid_mrr",
                            "valid_sampled_ndcg_at_10", "valid_sampled_hr_at_10", "valid_sampled_mrr"]
 
@@ -69,7 +69,7 @@ def shape(default: Any) -> Any:
 
 @dataclass
 class HSTUConfig:
-    """Shape and regularisation of the HSTU encoder (``training.hstu``; ``[model.hstu]``). Its width
+    """Shape and regularisation of the HSTU encoder (``training.model.hstu``; ``[model.hstu]``). Its width
     is the model's, ``model.embedding_dim``."""
 
     num_layers: int = shape(2)
@@ -106,7 +106,7 @@ class HSTUConfig:
     position_embeddings: int = shape(0)
     """Learned absolute position embeddings added to the encoder's inputs, for positions
     ``0..position_embeddings-1`` counted from a history's oldest item (later positions share the
-    last one), as SASRec here (``training.jagged.jagged_positions``) and the reference HSTU code's
+    last one), as SASRec here (``training.ops.jagged.jagged_positions``) and the reference HSTU code's
     input preprocessor; started at the inputs' spread. 0 (default): none, the paper's formula, where
     order reaches the model through the relative position and time biases only. Experimental (issue 27)."""
     output_norm: bool = shape(False)
@@ -114,7 +114,7 @@ class HSTUConfig:
     LayerNorm here). False (default): none."""
     feed_forward_dim: int = shape(0)
     """Hidden width of a point-wise feed-forward block after each layer, SASRec's
-    (``Y + Dropout(FFN(LayerNorm(Y)))``, ``training.encoders.feed_forward_network``). 0 (default):
+    (``Y + Dropout(FFN(LayerNorm(Y)))``, ``training.model.encoders.feed_forward_network``). 0 (default):
     none, the paper's layer, whose gate U stands in for the FFN. Experimental (issue 27)."""
     norm_affine: bool = shape(True)
     """Learned scale and shift in each layer's two LayerNorms (on ``X`` and on ``A V``). False: none,
@@ -135,7 +135,7 @@ class HSTUConfig:
     same numbers. Asking for triton where it cannot run stops the job, never falls back; so does
     triton with a value it cannot take (``max_seq_len`` past 2^20, ``max_time_gap_seconds`` past
     2^31 s), which the grouped path takes. ``freescale train`` checks both before torchrun starts
-    (``training.attention_kernel``)."""
+    (``training.model.attention_kernel``)."""
 
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
@@ -163,7 +163,7 @@ class HSTUConfig:
 
 @dataclass
 class SASRecConfig:
-    """Shape and regularisation of the SASRec encoder (``training.sasrec``; ``[model.sasrec]``; Kang &
+    """Shape and regularisation of the SASRec encoder (``training.model.sasrec``; ``[model.sasrec]``; Kang &
     McAuley, "Self-Attentive Sequential Recommendation", ICDM 2018).
 
     Its width is the model's, ``model.embedding_dim`` (the item table's, which SASRec shares between
@@ -203,12 +203,12 @@ class SASRecConfig:
 
 @dataclass
 class ModelConfig:
-    """The recommender (``training.model``): its width, inputs, scores and negatives, and its encoder,
+    """The recommender (``training.model.recommender``): its width, inputs, scores and negatives, and its encoder,
     ``encoder``, shaped by its own section ``[model.<encoder>]``."""
 
     encoder: EncoderName = shape("hstu")
-    """Sequence encoder, a name in ``ENCODERS``: ``"hstu"`` (``training.hstu``, shaped by
-    ``model.hstu``) or ``"sasrec"`` (``training.sasrec``, the SASRec baseline, shaped by
+    """Sequence encoder, a name in ``ENCODERS``: ``"hstu"`` (``training.model.hstu``, shaped by
+    ``model.hstu``) or ``"sasrec"`` (``training.model.sasrec``, the SASRec baseline, shaped by
     ``model.sasrec``), or one registered with ``register_encoder``. Whichever it is, the item tables,
     user features, loss, comm modes, checkpoints and evaluation are the same."""
     embedding_dim: int = shape(64)
@@ -290,7 +290,7 @@ class EncoderSpec:
     model's keys in an optional ``check_with(model)``, the fields that size its parameters marked
     ``shape(...)``, and a ``max_seq_len``, the longest history it is shaped for."""
     build: Callable[[ModelConfig], Any]
-    """The model's config -> the encoder, a ``training.encoders.Encoder`` of width
+    """The model's config -> the encoder, a ``training.model.encoders.Encoder`` of width
     ``model.embedding_dim``. Called when a model is built, so it may import torch; loading a config
     never calls it."""
     check: Callable[[ModelConfig, str], None] = lambda model, device_type: None
@@ -320,19 +320,19 @@ def register_encoder(name: str, spec: EncoderSpec) -> None:
 
 
 def _build_hstu(model: ModelConfig) -> Any:
-    from training.hstu import HSTUEncoder  # torch: imported when a model is built, never when a config loads
+    from training.model.hstu import HSTUEncoder  # torch: imported when a model is built, never when a config loads
 
     return HSTUEncoder(model.hstu, model.embedding_dim, position_init_std=model.input_spread)
 
 
 def _check_hstu(model: ModelConfig, device_type: str) -> None:
-    from training.attention_kernel import attention_kernel_for  # here: that module imports this one
+    from training.model.attention_kernel import attention_kernel_for  # here: that module imports this one
 
     attention_kernel_for(model.hstu, device_type)
 
 
 def _build_sasrec(model: ModelConfig) -> Any:
-    from training.sasrec import SASRecEncoder
+    from training.model.sasrec import SASRecEncoder
 
     return SASRecEncoder(model.sasrec, model.embedding_dim, position_init_std=model.input_spread)
 
@@ -451,7 +451,7 @@ class TrainingConfig:
     this precision, and ``benchmarks/hstu_gpu_bench.py`` reads it (``--precision``)."""
     cuda_graphs: CudaGraphs = "off"
     """``"encoder"``: the encoder's training forward and backward replay CUDA graphs, one pair per
-    padded batch shape (``training.encoder_graphs``: rows padded by under 12.5%), so a step issues
+    padded batch shape (``training.model.encoder_graphs``: rows padded by under 12.5%), so a step issues
     about a dozen launches instead of ~45 per layer; CUDA only (refused on CPU). Evaluation and
     other no-grad forwards stay eager. ``freescale calibrate`` times the model this way too."""
 
@@ -641,7 +641,7 @@ def _hints(obj: Any) -> dict[str, Any]:
 def apply_table(obj: Any, values: dict[str, Any], source: str) -> None:
     """Set a TOML table on any typed config dataclass with this module's checks (unknown keys,
     Literal choices, types, ``__post_init__``), errors reading ``SOURCE: section.key ...``: the one
-    loader of every command's typed config (also `freescale pipeline`'s, jobs/workflow.py)."""
+    loader of every command's typed config (also `freescale pipeline`'s, jobs/workflow/run.py)."""
     _apply(obj, values, source)
 
 

@@ -43,9 +43,9 @@ def test_zero_noise_reproduces_the_plans_bubble():
 
 
 def test_the_fractions_are_the_trainers_on_the_simulated_steps():
-    """With noise and a comm term, the prediction equals training/bubbles.py's bubble_fraction and
+    """With noise and a comm term, the prediction equals training/timing/bubbles.py's bubble_fraction and
     idle_fraction of the very steps simulated (the same seed draws the same noise)."""
-    from training import bubbles
+    from training.timing import bubbles
 
     loads = np.random.default_rng(1).uniform(1.0, 3.0, size=(40, 4))
     model = TimeModel(0.01, 0.004, 0.0005, Noise("normal", 0.2))
@@ -117,7 +117,7 @@ def mirror_summary(path: Path, steps: int = 60, ranks: int = 2, seed: int = 0,
                    cost_model: dict | None = DEFAULT_MODEL_JSON) -> Path:
     """A `freescale train --summary-json` file of a mirror run (the trainer's field layout), of
     shards costed by `cost_model` (None: a summary from before summaries named it)."""
-    from training.bubbles import FIELD_INDEX, TIMING_FIELDS
+    from training.timing.bubbles import FIELD_INDEX, TIMING_FIELDS
 
     rng = np.random.default_rng(seed)
     table = np.zeros((steps, ranks, len(TIMING_FIELDS)))
@@ -181,7 +181,7 @@ def test_bad_input_is_one_line_and_exit_2(fresh_log, tmp_path, capsys, args, mes
 
 def test_a_run_that_is_not_a_mirror_control_is_refused_as_noise(fresh_log, tmp_path, capsys):
     from jobs import cli
-    from training.bubbles import FIELD_INDEX
+    from training.timing.bubbles import FIELD_INDEX
 
     summary = mirror_summary(tmp_path / "balanced.json")
     data = json.loads(summary.read_text())
@@ -321,13 +321,13 @@ def test_plan_memory_bytes_covers_what_planning_and_simulating_take():
 
 def simulation_spec(**values):
     from balancing.simulation_spec import SimulationSpec
-    from pipeline import options
+    from runtime import options
 
     return options.from_values(SimulationSpec, {"lengths": "lognormal:4.2,0.9", **values})
 
 
 def test_the_spec_checks_in_the_commands_order_and_gives_the_planned_sizes():
-    from pipeline.errors import InputError
+    from runtime.errors import InputError
 
     spec = simulation_spec(world_sizes="64, 8,8", calibrate_from=["a.json"])
     assert spec.planned_world_sizes == [8, 64] and spec.planned_batch_size == 16

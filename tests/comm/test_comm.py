@@ -305,7 +305,7 @@ def test_overlapped_modes_compute_what_plain_computes(sharding, request):
 
 
 def test_copy_engine_backend_without_a_gpu_is_one_line(movielens_shards_1, capsys):
-    """One rank, in process: an environment problem (exit 3, pipeline/job_errors.py) in one line."""
+    """One rank, in process: an environment problem (exit 3, runtime/job_errors.py) in one line."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert train_in_process(*in_process_args(movielens_shards_1, "--training.max_steps", "2",
@@ -315,7 +315,7 @@ def test_copy_engine_backend_without_a_gpu_is_one_line(movielens_shards_1, capsy
 
 
 def test_idle_and_overlap_fractions_hand_computed():
-    from training.bubbles import idle_fraction, overlap_fraction
+    from training.timing.bubbles import idle_fraction, overlap_fraction
 
     compute = np.array([[6.0, 8.0], [4.0, 4.0]])   # [steps, ranks]
     step_time = np.array([10.0, 5.0])               # rank-time 2 x 15 = 30, compute 22

@@ -129,7 +129,7 @@ def test_balance_on_the_cluster_writes_the_local_shards_though_a_worker_is_kille
     the zip only; a worker killed mid-job: Spark runs its tasks again and the shards are still the
     local ones, row for row. (One run for both: a clean cluster run would only repeat its first
     half.) With spark.checkpoint.dir set, balance keeps its intermediate tables there
-    (pipeline.session's checkpoint) rather than in the executors' block stores (localCheckpoint),
+    (runtime.session's checkpoint) rather than in the executors' block stores (localCheckpoint),
     where the lost worker's blocks could not be recomputed (CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND).
     Runs last in this module: the killed worker is not replaced."""
     starts = Path(f"{executor_python}.starts")

@@ -86,7 +86,7 @@ def test_mlflow_shows_the_comparison_and_the_data_each_run_used(movielens_compar
 
 
 def test_the_verdict_on_the_floor_reads_the_repeats_ranges():
-    from training.comparison import floor_verdict
+    from training.timing.comparison import floor_verdict
 
     def runs(**bubbles):
         return {v: [{"summary": {"bubble_fraction": b}} for b in values] for v, values in bubbles.items()}
@@ -106,7 +106,7 @@ def test_repeats_alternate_the_variants_with_one_seed_per_repeat(tmp_path, monke
     come back per variant in repeat order."""
     import argparse
 
-    from training import comparison
+    from training.timing import comparison
 
     calls = []
 
@@ -338,8 +338,8 @@ def test_given_shard_sets_run_in_variant_order_with_their_own_strategy(tmp_path)
     its variants in contiguous, balanced, control order (the order the runs alternate in)."""
     from jobs import compare
     from shards.shard_sets import check_shard_sets, parse_shard_sets
-    from training.comparison import describe
-    from training.tracking import Tracking
+    from training.timing.comparison import describe
+    from tracking.runs import Tracking
 
     sets = {"control": fake_shard_set(tmp_path / "mirror", "contiguous", "mirror", seed=2),
             "balanced": fake_shard_set(tmp_path / "lpt", "lpt", seed=1),

@@ -1,5 +1,5 @@
 """Every job fails the same way: one line last (naming the log when it holds a trace), no trace on
-the terminal unless --verbose, and one exit status per kind of failure (pipeline/job_errors.py)."""
+the terminal unless --verbose, and one exit status per kind of failure (runtime/job_errors.py)."""
 from __future__ import annotations
 
 import os
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import job_errors
-from pipeline.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED
-from pipeline import logs
+from runtime import job_errors
+from runtime.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED
+from runtime import logs
 
 REPO = Path(__file__).resolve().parents[2]
 DETAILS = re.compile(r" \(details: (.+\.log)\)$")
@@ -47,7 +47,7 @@ def logged(line: str, logs_dir: Path) -> str:
 def test_exit_codes_by_kind():
     from balancing.types import InfeasibleError
     from comm.errors import BackendUnavailable
-    from pipeline.errors import InputError
+    from runtime.errors import InputError
     from pyspark.errors import AnalysisException, PySparkRuntimeError
     from shards.manifest import ShardError
     from training.config import ConfigError
@@ -64,7 +64,7 @@ def test_exit_codes_by_kind():
 
 def test_bad_input_errors_share_one_base_that_the_exit_code_reads():
     from balancing.types import InfeasibleError
-    from pipeline.errors import InputError
+    from runtime.errors import InputError
     from shards.manifest import ShardError
     from training.config import ConfigError
 
@@ -120,7 +120,7 @@ def test_verbose_puts_the_traceback_on_the_terminal_and_the_line_last(fresh_log,
 
 
 def test_debug_reraises_expected_errors(fresh_log, monkeypatch):
-    from pipeline.errors import InputError
+    from runtime.errors import InputError
 
     monkeypatch.setenv(logs.DEBUG_ENV, "1")
 

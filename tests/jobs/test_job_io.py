@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs import balance, prepare
-from pipeline.paths import overlap, to_uri
+from runtime.paths import overlap, to_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NO_TRACKING = ["--tracking-uri", "none"]
@@ -140,7 +140,7 @@ def test_prepare_and_balance_on_odd_paths_end_to_end(odd_prepared, tmp_path):
     """A space, 'ä' and '%' in the input and output paths: prepare and balance run, the
     manifest names the files, and the trainer's loader reads every rank."""
     from shards.manifest import load_manifest
-    from training.shard_reader import build_loader
+    from training.data.shard_reader import build_loader
 
     meta = json.loads((odd_prepared / "prepare.json").read_text())
     assert meta["users"] == 300
@@ -394,7 +394,7 @@ def test_balance_killed_then_rerun_cleans_up(odd_prepared, tmp_path, capsys):
 def test_a_stopped_job_removes_its_staging_even_when_the_jvm_is_gone(tmp_path):
     """A stop signal sent to the job's process group takes Spark's JVM with it, and Hadoop's
     delete then fails: the local staging folder is removed all the same, and the stop goes on."""
-    from pipeline.atomic_output import atomic_output
+    from runtime.atomic_output import atomic_output
 
     class DeadJvm:
         def exists(self, path: str) -> bool:

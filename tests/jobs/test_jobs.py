@@ -233,7 +233,7 @@ def test_balance_refuses_existing_output_without_overwrite(prepared_ml, tmp_path
 
 def test_an_existing_local_output_is_refused_before_spark_starts(prepared_ml, tmp_path, capsys, monkeypatch):
     """A scheduler's accidental rerun learns it in a second, not after Spark's ~10 s start."""
-    from pipeline import session
+    from runtime import session
 
     monkeypatch.setattr(session, "build_spark_session", lambda *a, **k: pytest.fail("Spark was started"))
     out = tmp_path / "out"

@@ -18,7 +18,7 @@ STEPS = 20
 
 
 class NoProcesses:
-    """training.launcher's `subprocess` for launches that must stop before starting torchrun."""
+    """training.parallel.launcher's `subprocess` for launches that must stop before starting torchrun."""
 
     def __getattr__(self, name: str):
         raise AssertionError(f"the launcher used subprocess.{name}")
@@ -39,7 +39,7 @@ class NoProcesses:
 ])
 def test_a_bad_launch_is_one_line_before_torchrun(movielens_shards, monkeypatch, capsys, args, message):
     from jobs import cli
-    from training import launcher
+    from training.parallel import launcher
 
     monkeypatch.setattr(launcher, "subprocess", NoProcesses())
     if "--shards" not in args:
@@ -51,7 +51,7 @@ def test_a_bad_launch_is_one_line_before_torchrun(movielens_shards, monkeypatch,
 
 def test_nodes_must_divide_the_manifests_ranks(movielens_shards_1, monkeypatch, capsys):
     from jobs import cli
-    from training import launcher
+    from training.parallel import launcher
 
     monkeypatch.setattr(launcher, "subprocess", NoProcesses())
     assert cli.main(["train", "--shards", str(movielens_shards_1), "--nnodes", "2",
@@ -65,7 +65,7 @@ def test_nodes_must_divide_the_manifests_ranks(movielens_shards_1, monkeypatch, 
 def test_the_default_rdzv_timeout_is_torchruns():
     from torch.distributed.launcher.api import LaunchConfig
 
-    from training.launcher import RDZV_TIMEOUT_S
+    from training.parallel.launcher import RDZV_TIMEOUT_S
 
     assert LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1).rdzv_configs["timeout"] == RDZV_TIMEOUT_S
 
@@ -95,7 +95,7 @@ IN_USE = ("torch.distributed.DistNetworkError: The server socket has failed to l
      "failed: torchrun exited with status 1 before the 2 nodes met", 1),
 ])
 def test_a_failed_rendezvous_says_what_torchrun_knew(said, gave_up, reason, code):
-    from training.launcher import RendezvousWait
+    from training.parallel.launcher import RendezvousWait
 
     waiting = RendezvousWait("127.0.0.1:29517", 2, 10, say=print)
     waiting.gave_up = gave_up

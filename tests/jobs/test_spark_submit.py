@@ -36,7 +36,7 @@ def test_movielens_balance_via_spark_submit(movielens_prepared, tmp_path):
     assert manifest["strategy"] == "ortools" and manifest["world_size"] == 8
     assert manifest["stats"]["bubble"] < manifest["stats"]["bubble_contiguous"]
     # Quiet as under `freescale`: Spark logs at ERROR from its SparkContext's start (spark.log.level;
-    # pipeline/session.py), so its stream (the JVM's stderr; the job's own lines are on stdout)
+    # runtime/session.py), so its stream (the JVM's stderr; the job's own lines are on stdout)
     # ends with its note of that setting.
     spark = run.stderr.splitlines()
     assert spark and spark[-1] == 'Setting Spark log level to "ERROR".', spark[-5:]

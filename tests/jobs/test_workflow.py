@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs import workflow
-from pipeline import logs
+from jobs.workflow import run as workflow
+from runtime import logs
 from tests.helpers import one_rank_without_torchrun, sqlite_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -283,10 +283,10 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     calibrate are too slow to run here."""
     from jobs import compare
     from jobs.launch import LaunchSpec
-    from pipeline import options
+    from runtime import options
     from pipeline.prepare_spec import PrepareSpec
     from shards.balance_spec import BalanceSpec
-    from training.calibrate_spec import CalibrateSpec
+    from training.calibration.calibrate_spec import CalibrateSpec
 
     config = write_config(tmp_path, tmp_path / "work", extra='[train.overrides]\n"model.hstu.num_layers" = 1\n'
                                                               '"training.precision" = "bf16"\n"training.seed" = 3\n')
@@ -313,7 +313,7 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     compared = options.from_values(compare.CompareSpec, workflow.compare_values(loaded, work))
     assert compared.control and compared.input == str(work.prepared) and compared.repeats == 1
     assert compared.cost_model == cal.output and compared.balanced == {"strategy": "kk", "window_steps": 4}
-    from training.export_spec import ExportSpec
+    from training.export.spec import ExportSpec
 
     exported = options.from_values(ExportSpec, workflow.export_values(loaded, work))
     assert (exported.checkpoint, exported.output, exported.register) == (str(work.checkpoints), str(work.model), "m")
@@ -325,7 +325,7 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
 def _fake_prepare(uri: str, then) -> object:
     """A prepare job that opens its MLflow run, as the job does, then calls ``then()`` (no Spark)."""
     def run(spec_of, tracking) -> int:
-        from training.tracking import job_run
+        from tracking.runs import job_run
 
         with job_run("prepare", tracking_uri=uri, experiment="pipeline-test"):
             then()
@@ -387,7 +387,7 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
     stop (no error line of its own, its trace in the log), its run KILLED, the stage's record killed,
     the pipeline's one line and 128 + 15."""
     from jobs import prepare
-    from pipeline.job_errors import run_job
+    from runtime.job_errors import run_job
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
     monkeypatch.setattr(logs, "_log_file", None)
@@ -404,7 +404,7 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
     assert [r.info.status for r in _runs(uri)] == ["KILLED"]
     assert "KeyError: 'c'" in logs.log_file("prepare").read_text()
     assert not (work / workflow.LOCK).exists()
-    from pipeline.stops import stop_signal
+    from runtime.stops import stop_signal
 
     assert stop_signal() is None  # the stop is the pipeline's: forgotten when it ends
 
@@ -447,7 +447,7 @@ def test_a_stage_continues_its_last_run_when_its_record_says_it_started(tmp_path
     """A stage whose run a stop signal ended (record ``killed``, as run_stage writes it) continues from
     its checkpoints like one a kill -9 left ``running``; a stale record (an upstream stage reran)
     and a changed fingerprint start over."""
-    from pipeline import stages
+    from jobs.workflow import stages
 
     summary = tmp_path / "summary.json"
     seen: list[bool] = []

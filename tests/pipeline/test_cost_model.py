@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.cost_model import FORMAT, CostModel, cost_column, default_cost_model
-from pipeline.errors import InputError
+from runtime.errors import InputError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

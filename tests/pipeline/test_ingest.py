@@ -7,9 +7,9 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual, assertSchemaEqual
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.ingest import CANONICAL_SCHEMA, read_interactions
-from pipeline.paths import to_uri
+from runtime.paths import to_uri
 
 # (user, item, rating, timestamp) as the raw MovieLens files store them.
 RAW = [(1, 10, 5, 881250949), (2, 20, 3, 881250950), (1, 30, 4, 881250951)]

@@ -10,7 +10,7 @@ from pyspark.sql import functions as F
 
 from jobs import prepare
 from pipeline import preflight
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.ingest import read_interactions, read_numbered_lines
 
 FMT = "user-item-lines"

@@ -1,4 +1,4 @@
-"""The Spark progress line (pipeline/progress.py) on real Spark jobs, and the training ETA line."""
+"""The Spark progress line (runtime/progress.py) on real Spark jobs, and the training ETA line."""
 from __future__ import annotations
 
 import contextlib
@@ -7,8 +7,8 @@ import sys
 import threading
 import time
 
-from pipeline.progress import describe, spark_progress
-from training.step_report import format_step_line
+from runtime.progress import describe, spark_progress
+from training.timing.step_report import format_step_line
 
 LINE = re.compile(r"^freescale test: stage (\d+) \(count at test_progress\.py:\d+\) (\d+)% \((\d+)/8 tasks\)$")
 
@@ -103,11 +103,11 @@ def _planner_noise(monkeypatch, verbose: bool) -> list[str]:
 
     import torch
 
-    from training import sharding
+    from training.parallel import sharding
     from training.config import ParallelConfig
-    from training.distributed import DistEnv
+    from training.parallel.distributed import DistEnv
 
-    from pipeline import logs
+    from runtime import logs
 
     monkeypatch.setattr(logs, "_verbose", verbose)  # what --verbose sets
     for name in (logs.VERBOSE_ENV, logs.DEBUG_ENV):

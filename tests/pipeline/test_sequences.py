@@ -5,7 +5,7 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.ingest import CANONICAL_SCHEMA, read_interactions
 from pipeline.sequences import (
     SEQUENCE_COLUMNS,

@@ -1,5 +1,5 @@
-"""Cluster and storage errors are one line saying what to do, and exit 3 (pipeline/spark_errors.py,
-pipeline/session.py: check_master). The Java texts are those of real runs (py4j's Py4JJavaError:
+"""Cluster and storage errors are one line saying what to do, and exit 3 (runtime/spark_errors.py,
+runtime/session.py: check_master). The Java texts are those of real runs (py4j's Py4JJavaError:
 the JVM's exception and its "Caused by:" chain), cut to the lines that matter."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from pipeline import job_errors
-from pipeline.job_errors import EXIT_ENVIRONMENT
-from pipeline.spark_errors import spark_hadoop_version
+from runtime import job_errors
+from runtime.job_errors import EXIT_ENVIRONMENT
+from runtime.spark_errors import spark_hadoop_version
 
 # `freescale balance --output` on a 2 MiB tmpfs (mount -t tmpfs -o size=2M tmpfs DIR), Spark 4.3.
 FULL_DISK = """An error occurred while calling o625.parquet.
@@ -92,7 +92,7 @@ def _closed_port() -> int:
 
 
 def test_a_master_that_takes_no_connection_fails_in_a_second_naming_it():
-    from pipeline.errors import ServiceUnavailable
+    from runtime.errors import ServiceUnavailable
     from pipeline.preflight import check_master
 
     master = f"spark://127.0.0.1:{_closed_port()}"

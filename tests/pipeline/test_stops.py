@@ -1,5 +1,5 @@
 """A stop signal that lands inside a Spark action is reported as the stop, whatever the cleanup on its
-way out then meets (pipeline/stops.py: stops_on_signals, stop_of; pipeline/session.py:
+way out then meets (runtime/stops.py: stops_on_signals, stop_of; runtime/session.py:
 drop_gateway_connection, checkpoints_removed). The pipeline's side is tests/jobs/test_workflow.py's."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from pipeline.stops import Stopped, stop_of, stop_signal, stops_on_signals
+from runtime.stops import Stopped, stop_of, stop_signal, stops_on_signals
 
 
 class BrokenContext:
@@ -30,7 +30,7 @@ def broken_context(monkeypatch):
 def test_checkpoint_removal_never_replaces_a_stop(broken_context, monkeypatch, capsys):
     """A job that wrote reliable checkpoints is stopped and the JVM calls that remove them fail: the
     stop goes on, and the checkpoints left are one warning naming their folder."""
-    from pipeline import session
+    from runtime import session
 
     monkeypatch.setattr(session, "_checkpoint_folders", {"hdfs:///tmp/checkpoints/uuid-1"})
     with pytest.raises(Stopped):
@@ -44,7 +44,7 @@ def test_checkpoint_removal_never_replaces_a_stop(broken_context, monkeypatch, c
 
 def test_a_job_without_reliable_checkpoints_asks_the_jvm_nothing_on_its_way_out(broken_context, capsys):
     """Every local run: no checkpoint folder was written, so a broken JVM has nothing to break."""
-    from pipeline import session
+    from runtime import session
 
     with pytest.raises(Stopped):
         with session.checkpoints_removed("prepare"):
@@ -96,8 +96,8 @@ def test_a_stop_inside_a_spark_action_leaves_the_jvm_answering(spark):
 # A job's process that starts Spark inside stops_on_signals, as the pipeline's stages do.
 STARTS_SPARK = """
 import sys
-from pipeline.stops import Stopped, stops_on_signals
-from pipeline.session import build_spark_session
+from runtime.stops import Stopped, stops_on_signals
+from runtime.session import build_spark_session
 
 with stops_on_signals():
     try:

@@ -6,7 +6,7 @@ from pyspark.sql import Window
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual, assertSchemaEqual
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.ingest import CANONICAL_SCHEMA
 from pipeline.synthetic import DEFAULTS, synthetic_interactions
 

@@ -8,7 +8,7 @@ import pytest
 from pyspark.sql import functions as F
 from pyspark.testing import assertDataFrameEqual
 
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.user_features import (
     USER_FEATURES_COLUMN,
     build_user_feature_vocab,

@@ -1,5 +1,5 @@
 """Balance's options are declared once (shards/balance_spec.py) and derived everywhere: its command line,
-the pipeline's [balance] section and compare's balanced variant (pipeline/options.py)."""
+the pipeline's [balance] section and compare's balanced variant (runtime/options.py)."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import options
-from pipeline.errors import InputError
+from runtime import options
+from runtime.errors import InputError
 from shards.balance_spec import BalanceSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import shards.balance_spec as balance_spec
-from pipeline.options import option
+from runtime.options import option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +106,7 @@ def test_the_cli_states_each_default_once_from_the_spec():
 
 
 def test_the_pipeline_section_takes_zero_for_none():
-    from jobs.workflow_config import BalanceSection, CompareSection
+    from jobs.workflow.config import BalanceSection, CompareSection
 
     section = BalanceSection()
     assert (section.strategy, section.token_cap, section.time_limit) == ("kk", 0, 0.0)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import triton  # noqa: F401 -- imported under conftest.py's TRITON_INTERPRET, before a test here unsets it
 
-from pipeline.errors import InputError
-from training import attention_kernel
-from training.attention_kernel import attention_kernel_for, check_attention_kernel, rank_device_type
+from runtime.errors import InputError
+from training.model import attention_kernel
+from training.model.attention_kernel import attention_kernel_for, check_attention_kernel, rank_device_type
 from training.config import ConfigError, load_config
 from training.ops import kernel_limits
 from training.ops.kernel_limits import INT32_MAX, POSITION_TABLE_LIMIT
@@ -88,7 +88,7 @@ def test_triton_refuses_values_past_its_limits_naming_the_key(monkeypatch, overr
     """Under the interpreter triton runs on the CPU, so the limits are what stops it; the encoder
     (the ranks' model build) and calibrate's device check refuse the same way."""
     from jobs.calibrate import calibration_device
-    from training.hstu import HSTUEncoder
+    from training.model.hstu import HSTUEncoder
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     config = load_config(None, ["--model.hstu.attention_kernel", "triton", *overrides])
@@ -141,7 +141,7 @@ def test_freescale_train_refuses_triton_on_a_cpu_machine_before_torchrun(tmp_pat
 
 
 def test_a_pipeline_config_is_checked_before_its_first_stage(no_gpu, tmp_path):
-    from jobs.workflow_config import load_workflow_config
+    from jobs.workflow.config import load_workflow_config
 
     path = tmp_path / "pipeline.toml"
     path.write_text('[train.overrides]\n"model.hstu.attention_kernel" = "triton"\n')

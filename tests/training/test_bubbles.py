@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 
 from balancing.metrics import bubble, bubble_of_totals
-from training import bubbles
-from training.bubbles import FIELD_INDEX, TIMING_FIELDS
+from training.timing import bubbles
+from training.timing.bubbles import FIELD_INDEX, TIMING_FIELDS
 
 
 def table(**columns: list[list[float]]) -> np.ndarray:

@@ -5,7 +5,7 @@ they are deterministic. The end-to-end tests time a tiny model for real and only
 hold the results to loose bounds (the machine is shared and noisy). The import
 tests hold the layering: the fits and the rank-speeds file are read without torch,
 and a bad argument is reported before torch is loaded. The job's options are
-``training.calibrate_spec.CalibrateSpec``'s; `freescale pipeline` calls ``jobs.calibrate.run`` with one.
+``training.calibration.calibrate_spec.CalibrateSpec``'s; `freescale pipeline` calls ``jobs.calibrate.run`` with one.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ from pipeline.calibration import (
     quadratic_features,
 )
 from pipeline.cost_model import CostModel
-from pipeline.errors import InputError
+from runtime.errors import InputError
 from pipeline.rank_speeds import estimate_rank_speeds
-from training.calibrate import calibration_batches, probe_lengths
+from training.calibration.calibrate import calibration_batches, probe_lengths
 from tests.helpers import sqlite_store
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -293,9 +293,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, extra, words) -> None:
 def test_the_options_are_the_specs_and_its_typed_entry_checks_them(tmp_path, capsys, fresh_log) -> None:
     """The command line is derived from CalibrateSpec (plus the tracking options); the pipeline's entry,
     ``run`` with a spec built from values, reports a bad value as the command line does: one line, exit 2."""
-    from pipeline import options
-    from training.calibrate_spec import CalibrateSpec
-    from training.tracking import Tracking
+    from runtime import options
+    from training.calibration.calibrate_spec import CalibrateSpec
+    from tracking.runs import Tracking
 
     flags = {a.dest for a in calibrate.build_parser()._actions} - {"help", "tracking_uri", "experiment"}
     assert flags == {f.name for f in dataclasses.fields(CalibrateSpec)}
@@ -358,17 +358,17 @@ def test_quick_calibration_end_to_end(tmp_path, capsys) -> None:
 @pytest.mark.spawns  # in process, but its provenance runs uname -p (platform.processor)
 def test_calibration_times_the_configs_precision(tmp_path, capsys, monkeypatch) -> None:
     """``training.precision`` reaches the timed model and is recorded (about a second)."""
-    import training.calibrate
+    import training.calibration.calibrate
 
     built = []
-    build = training.calibrate.build_dense_model
+    build = training.calibration.calibrate.build_dense_model
 
     def spy(*args, **kwargs):
         model, table = build(*args, **kwargs)
         built.append(model)
         return model, table
 
-    monkeypatch.setattr(training.calibrate, "build_dense_model", spy)
+    monkeypatch.setattr(training.calibration.calibrate, "build_dense_model", spy)
     out = tmp_path / "cost_model.json"
     # Lengths up to 1024 and 3 rounds: with 4-16 and one round, the fit sometimes put every cost into the
     # step constant (exit 2: a model of zero costs), and on a loaded machine 16,64,256 did too for bf16.
@@ -386,7 +386,7 @@ def test_calibration_times_the_configs_precision(tmp_path, capsys, monkeypatch) 
 @pytest.mark.spawns  # in process, but its provenance runs uname -p (platform.processor)
 def test_failed_rank_speeds_keep_the_cost_model_and_exit_1(tmp_path, capsys, monkeypatch) -> None:
     """Ranks that fail end the job with its error line and exit 1 after the cost model was written."""
-    from training import rank_speed_ranks
+    from training.calibration import rank_speed_ranks
 
     def fail(spec, overrides):
         raise rank_speed_ranks.RankSpeedsFailed("rank-speed ranks failed (exit 1):\nboom")
@@ -431,7 +431,7 @@ def test_calibrate_times_the_model_with_torch_alone(tmp_path):
     """`freescale calibrate` on a machine with only torch, triton and numpy: the timing path (model
     without TorchRec tables, a plain item table) imports none of GPU_MACHINE_LACKS, which are made
     unimportable here, and a missing mlflow is one warning. On CPU: the CUDA path differs only in
-    its clock (training/calibrate.py, _time_cuda_step), which needs a GPU to run."""
+    its clock (training/calibration/calibrate.py, _time_cuda_step), which needs a GPU to run."""
     probe = (
         "import importlib.abc, json, sys\n"
         f"lacks = {GPU_MACHINE_LACKS!r}\n"

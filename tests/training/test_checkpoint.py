@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from training.checkpoint import CONFIG, LOCK, Checkpointer
+from training.checkpoint.checkpointer import CONFIG, LOCK, Checkpointer
 from training.config import ConfigError, TrainConfig, shape_keys, to_flat_dict
 from tests.helpers import in_process_args, train_in_process
 
@@ -127,7 +127,7 @@ def test_changed_hyperparameters_are_named_and_other_keys_ignored(tmp_path):
 
 
 def test_a_half_written_checkpoint_is_named_when_skipped(tmp_path, capsys):
-    from training.resume import resume_latest
+    from training.checkpoint.resume import resume_latest
 
     checkpointer = Checkpointer(str(tmp_path), rank=0)
     for step in (2, 4):

@@ -20,7 +20,7 @@ def test_shipped_configs_load():
     ``[pipeline]`` table) whose training config and overrides load too."""
     import tomllib
 
-    from jobs.workflow_config import load_workflow_config
+    from jobs.workflow.config import load_workflow_config
 
     kinds = set()
     for path in sorted((REPO / "configs").glob("*.toml")):

@@ -1,4 +1,4 @@
-"""``training.encoder_graphs`` captured as CUDA graphs, against the eager encoder on the same GPU with the
+"""``training.model.encoder_graphs`` captured as CUDA graphs, against the eager encoder on the same GPU with the
 Triton kernel (skips without a GPU). Run on the GPU machine with only torch, triton, numpy and pytest:
 ``python -m pytest -q tests/training/test_encoder_graphs_cuda.py``. The same plumbing without the capture
 is tests/training/test_encoder_graphs.py's, on CPU."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from training.config import HSTUConfig
-from training.encoder_graphs import GraphedEncoder, ShapeBuckets
-from training.hstu import HSTUEncoder
+from training.model.encoder_graphs import GraphedEncoder, ShapeBuckets
+from training.model.hstu import HSTUEncoder
 from tests.training import test_encoder_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",

@@ -26,8 +26,8 @@ from training.config import (
     shape_keys,
     to_flat_dict,
 )
-from training.encoders import Encoder
-from training.jagged import GroupedPlan, offsets_from_lengths
+from training.model.encoders import Encoder
+from training.ops.jagged import GroupedPlan, offsets_from_lengths
 from tests.helpers import free_port, write_shards
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,8 +110,8 @@ def test_an_unregistered_encoder_is_no_choice():
 
 
 def test_the_model_trains_it_and_its_outputs_are_causal(registered):
-    from training.batch import SequenceBatch
-    from training.model import build_local_model
+    from training.data.batch import SequenceBatch
+    from training.model.recommender import build_local_model
 
     torch.manual_seed(0)
     model = build_local_model(40, load_config(None, ["--model.encoder", NAME, "--model.embedding_dim", "16"]).model)
@@ -140,7 +140,7 @@ def test_the_model_trains_it_and_its_outputs_are_causal(registered):
 def _rank(rank: int, port: int, argv: list[str], logs: str) -> None:
     """One of 2 training ranks, as torchrun would start ``jobs.train``, in a process that imported
     this file: the encoder is registered here, not in any module the trainer knows."""
-    from pipeline.logs import LOG_DIR_ENV
+    from runtime.logs import LOG_DIR_ENV
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
@@ -176,7 +176,7 @@ def test_it_trains_on_two_ranks_checkpoints_and_resumes_exactly(tmp_path):
     assert resumed["steps"] == [2, 3]
     assert resumed["losses"] == reference["losses"][2:]  # to the bit
     # Its marked field is a shape key: the checkpoint refuses a resume into two layers.
-    from training.checkpoint import Checkpointer
+    from training.checkpoint.checkpointer import Checkpointer
 
     register()
     try:

@@ -1,10 +1,10 @@
-"""`freescale export` (jobs/export.py, training/export.py, training/exported_model.py): a training
+"""`freescale export` (jobs/export.py, training/export/exporter.py, training/export/exported_model.py): a training
 checkpoint -> one model folder and an MLflow pyfunc model.
 
 The end-to-end tests share one short 2-rank training with checkpoints, recorded on the session's
 mlflow server, and one export of it. A fresh process loads the MLflow model and predicts every
 test user's top 10 with no TorchRec imported: they are the trainer's own evaluation ranking (its
-model rebuilt here with TorchRec tables from the same checkpoint, scored by training.evaluator), and
+model rebuilt here with TorchRec tables from the same checkpoint, scored by training.eval.evaluator), and
 HR@10 and NDCG@10 computed from them are the run's summary. The fast tests build a model folder from
 a random dense model: the unknown-id policy, the input forms, the registry and bad-input refusals.
 """
@@ -46,9 +46,9 @@ def small_folder(root: Path, num_items: int = 30) -> tuple[Path, list[str]]:
     import torch
 
     from training.config import TrainConfig
-    from training.export import Source, Vocabulary, write_folder
-    from training.exported_model import ITEM_TABLE
-    from training.model import build_dense_model
+    from training.export.exporter import Source, Vocabulary, write_folder
+    from training.export.exported_model import ITEM_TABLE
+    from training.model.recommender import build_dense_model
 
     torch.manual_seed(0)
     config = TrainConfig()
@@ -65,7 +65,7 @@ def small_folder(root: Path, num_items: int = 30) -> tuple[Path, list[str]]:
 def test_unknown_items_are_skipped_and_counted(tmp_path):
     import pandas as pd
 
-    from training.exported_model import ExportedModel
+    from training.export.exported_model import ExportedModel
 
     folder, raw = small_folder(tmp_path)
     model = ExportedModel(folder)
@@ -79,7 +79,7 @@ def test_unknown_items_are_skipped_and_counted(tmp_path):
 
 
 def test_the_history_is_excluded_unless_asked_and_ids_may_be_integers(tmp_path):
-    from training.exported_model import ExportedModel
+    from training.export.exported_model import ExportedModel
 
     folder, raw = small_folder(tmp_path)
     model = ExportedModel(folder)
@@ -90,15 +90,15 @@ def test_the_history_is_excluded_unless_asked_and_ids_may_be_integers(tmp_path):
     assert sorted(everything, key=lambda r: int(r[1:])) == raw[1:]
     assert [r for r in everything if r not in history] == excluded  # the same order, the seen ones removed
     # prepare's string form of an integer id is its digits: 7 and 7.0 look up "7"
-    from training.exported_model import raw_key
+    from training.export.exported_model import raw_key
     assert raw_key(7) == raw_key(7.0) == raw_key("7") == "7"
 
 
 def test_only_the_most_recent_history_counts_and_bad_rows_are_one_line(tmp_path):
     import pandas as pd
 
-    from pipeline.errors import InputError
-    from training.exported_model import ExportedModel
+    from runtime.errors import InputError
+    from training.export.exported_model import ExportedModel
 
     folder, _ = small_folder(tmp_path)
     model = ExportedModel(folder)  # max_history 8
@@ -123,8 +123,8 @@ def test_the_best_validations_weights_are_exported_when_the_run_restored_them(tm
     import torch.distributed.checkpoint as dcp
 
     from training.config import TrainConfig
-    from training.export import ITEM_KEY, Source, load_weights
-    from training.safe_load import read_dcp_metadata
+    from training.export.exporter import ITEM_KEY, Source, load_weights
+    from training.checkpoint.safe_load import read_dcp_metadata
 
     last = {"model." + ITEM_KEY: torch.zeros(4, 2), "model.encoder.w": torch.zeros(3)}
     best = {key.replace("model.", "best_weights.", 1): torch.ones_like(value) for key, value in last.items()}
@@ -151,7 +151,7 @@ def test_register_without_a_registry_is_refused_before_anything_is_written(fresh
 
 
 def test_the_registry_check_accepts_databases_and_servers():
-    from training.export_spec import check_registry
+    from training.export.spec import check_registry
 
     for uri in ("sqlite:///mlflow.db", "http://127.0.0.1:5000", "postgresql://db/mlflow"):
         check_registry(uri)
@@ -224,13 +224,13 @@ def reference(trained, prepared: Path, users_table: Path):
     import torch.distributed.checkpoint as dcp
 
     from shards.manifest import load_manifest
-    from training.evaluator import evaluate_batch, history_of, score_queries
-    from training.export import saved_config
-    from training.jagged import jagged_concat_last
-    from training.model import build_local_model
-    from training.ranking_metrics import RetrievalMetrics
-    from training.safe_load import SafePlanner, SafeReader
-    from training.shard_reader import build_loader
+    from training.eval.evaluator import evaluate_batch, history_of, score_queries
+    from training.export.exporter import saved_config
+    from training.ops.jagged import jagged_concat_last
+    from training.model.recommender import build_local_model
+    from training.eval.ranking_metrics import RetrievalMetrics
+    from training.checkpoint.safe_load import SafePlanner, SafeReader
+    from training.data.shard_reader import build_loader
 
     step = trained.checkpoint / f"step_{STEPS}"
     config = saved_config(step)

@@ -14,11 +14,11 @@ import os
 import pytest
 import torch
 
-from pipeline.errors import InputError
-from training.attention_kernel import resolve_attention_kernel
+from runtime.errors import InputError
+from training.model.attention_kernel import resolve_attention_kernel
 from training.config import HSTUConfig
-from training.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias, bias_spec
-from training.jagged import offsets_from_lengths
+from training.model.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias, bias_spec
+from training.ops.jagged import offsets_from_lengths
 from training.ops.attention import hstu_attention
 from training.ops.relative_buckets import bucket_by_thresholds, log_bucket
 

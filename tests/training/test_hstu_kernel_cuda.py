@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from training.config import HSTUConfig
-from training.hstu import HSTUEncoder, RelativeAttentionBias, bias_spec
-from training.jagged import offsets_from_lengths
+from training.model.hstu import HSTUEncoder, RelativeAttentionBias, bias_spec
+from training.ops.jagged import offsets_from_lengths
 from training.ops.attention import hstu_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -104,7 +104,7 @@ def test_encoder_under_bf16_autocast_runs_the_kernel_in_bf16(monkeypatch: pytest
     dots). Not yet run on a GPU: the bounds come from this encoder and batch through the grouped
     path under CPU bf16 autocast against fp32 (relative L2: output 1.8e-3, parameter gradients at
     most 5.3e-2, the attention LayerNorms'; tests/training/test_precision.py checks that path on CPU)."""
-    from training.precision import encoder_autocast
+    from training.model.precision import encoder_autocast
 
     dtypes = []
     kernel_dtype = ops.kernel_dtype

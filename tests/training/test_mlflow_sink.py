@@ -1,9 +1,9 @@
-"""training/mlflow_sink.py's resume: a resumed training continues its run with every point once."""
+"""training/loop/mlflow_sink.py's resume: a resumed training continues its run with every point once."""
 from __future__ import annotations
 
 import pytest
 
-from training.mlflow_sink import MLflowSink
+from training.loop.mlflow_sink import MLflowSink
 from tests.helpers import sqlite_store
 
 

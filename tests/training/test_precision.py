@@ -14,11 +14,11 @@ import torch
 
 from tests import helpers
 from training.config import HSTUConfig, ModelConfig, SASRecConfig
-from training.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias
-from training.jagged import offsets_from_lengths
-from training.model import SequenceBatch, build_local_model
-from training.precision import encoder_autocast
-from training.sasrec import SASRecEncoder
+from training.model.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias
+from training.ops.jagged import offsets_from_lengths
+from training.model.recommender import SequenceBatch, build_local_model
+from training.model.precision import encoder_autocast
+from training.model.sasrec import SASRecEncoder
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-op thread
 

@@ -16,9 +16,9 @@ import torch
 
 from tests import helpers
 from training.config import ConfigError, OptimizerConfig, load_config
-from training.schedule import LearningRateSchedule
-from training.trainer import planned_steps
-from training.validation import ValidationRecord
+from training.loop.schedule import LearningRateSchedule
+from training.loop.trainer import planned_steps
+from training.eval.validation import ValidationRecord
 
 REPO = Path(__file__).resolve().parents[2]
 

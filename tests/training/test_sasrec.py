@@ -14,15 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from jobs import calibrate
-from training.batch import SequenceBatch
+from training.data.batch import SequenceBatch
 from training.config import ConfigError, LossConfig, ModelConfig, SASRecConfig, load_config
-from training.hstu import HSTUEncoder
-from training.jagged import next_item_positions, offsets_from_lengths
-from training.losses import binary_cross_entropy_loss
-from training.model import build_local_model
-from training.jagged import jagged_positions
-from training.sasrec import SASRecEncoder
-from training.seeding import StepNegatives
+from training.model.hstu import HSTUEncoder
+from training.ops.jagged import next_item_positions, offsets_from_lengths
+from training.model.losses import binary_cross_entropy_loss
+from training.model.recommender import build_local_model
+from training.ops.jagged import jagged_positions
+from training.model.sasrec import SASRecEncoder
+from training.loop.seeding import StepNegatives
 from tests.helpers import sqlite_store
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-op thread

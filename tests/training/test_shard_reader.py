@@ -24,8 +24,8 @@ import torch
 from shards.manifest import ShardError, load_manifest, parse_manifest, seal, verify_checksums
 from shards.schema import COLUMNS, MANIFEST_FORMAT, READ_COLUMNS, arrow_schema
 from tests.helpers import Row, write_shards
-from training.batch import SequenceBatch
-from training.shard_reader import (
+from training.data.batch import SequenceBatch
+from training.data.shard_reader import (
     NEXT_STEP_KEY,
     ShardReader,
     StepRows,

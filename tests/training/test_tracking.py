@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from training.tracking import DISABLED, reachable_tracking_uri
+from tracking.runs import DISABLED, reachable_tracking_uri
 from tests.helpers import (SMALL_RUN, in_process_args, logged_losses, read_until_step, runs_of, sqlite_store,
                            start_train, train_in_process, wait_for_logged_steps)
 
@@ -39,7 +39,7 @@ def test_a_rerun_to_the_same_output_ends_the_run_a_killed_job_left_running(tmp_p
     left alone."""
     from mlflow.tracking import MlflowClient
 
-    from training.tracking import job_run, output_key
+    from tracking.runs import job_run, output_key
 
     uri = sqlite_store(tmp_path / "mlflow.db")
     client = MlflowClient(uri)

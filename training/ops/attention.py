@@ -8,7 +8,7 @@ triton takes seconds, and the CPU path never needs it.
 ``reference``: ``training.ops.hstu_attention_reference.reference_hstu_attention``, PyTorch ops per
 group of equal-length samples; the model's ``grouped`` kernel (``model.hstu.attention_kernel``).
 
-Tests and benchmarks compare the two through this function. The encoder (``training.hstu``) builds
+Tests and benchmarks compare the two through this function. The encoder (``training.model.hstu``) builds
 its kernel's plan once per forward instead: the triton plan calls this entry, the grouped one
 keeps the reference's ``GroupedAttention`` for every layer (buckets built once, the batch permuted once).
 """

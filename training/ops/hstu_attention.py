@@ -543,7 +543,7 @@ class KernelTables:
 def kernel_tables(spec: BiasSpec, device: torch.device) -> KernelTables:
     """Built once per spec and device and never written to (a copy per layer would be a host-to-device
     copy per layer, which waits for the GPU). The trainer's config check refuses the same limits
-    before any rank starts (``training.attention_kernel``); this refusal is for direct callers."""
+    before any rank starts (``training.model.attention_kernel``); this refusal is for direct callers."""
     if position_table_too_long(spec.num_position_buckets, spec.max_position):
         raise ValueError(f"max_position {spec.max_position} needs a position table of more than "
                          f"{POSITION_TABLE_LIMIT + 1} entries, the kernel's limit")

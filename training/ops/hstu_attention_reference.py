@@ -7,7 +7,7 @@ For every sample ``s`` (rows ``offsets[s]:offsets[s+1]``), head ``h`` and query 
 
 with ``pb``/``tb`` the log buckets of ``training.ops.relative_buckets`` and ``n`` the sample's
 length (or ``BiasSpec.normalizer``). The samples of one length are gathered into one dense block
-(``training.jagged.GroupedPlan``), so a batch costs ``sum_i (a L_i^2 + b L_i + c)`` with no padding;
+(``training.ops.jagged.GroupedPlan``), so a batch costs ``sum_i (a L_i^2 + b L_i + c)`` with no padding;
 each group's ``L x L`` attention runs in causal row blocks. Every group costs a few dozen small ops
 per layer: noise next to the math on a CPU, milliseconds of launches on a GPU (hence the kernel).
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from training.config import AttentionActivation
-from training.jagged import GroupedPlan, LengthGroup
+from training.ops.jagged import GroupedPlan, LengthGroup
 from training.ops.relative_buckets import log_bucket
 
 
@@ -83,7 +83,7 @@ class AttentionGroup:
 
 @dataclass(frozen=True)
 class GroupedAttention:
-    """A batch in group order (``training.jagged.GroupedPlan``: each group a contiguous slice) and
+    """A batch in group order (``training.ops.jagged.GroupedPlan``: each group a contiguous slice) and
     each group's attention blocks; built once per forward and shared by every layer."""
 
     grouped: GroupedPlan

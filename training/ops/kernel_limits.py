@@ -1,7 +1,7 @@
 """The Triton attention kernel's limits on its bucket tables, importable without triton or torch.
 
 The kernel (``training.ops.hstu_attention``) imports triton when it is imported; the config
-check that runs before any rank starts (``training.attention_kernel``) must not wait for that,
+check that runs before any rank starts (``training.model.attention_kernel``) must not wait for that,
 nor for torch (1.5 s), so the limits live here and the kernel takes them from here.
 
 Both limits are on the last finite threshold of a bucket table (``training.ops.relative_buckets``):

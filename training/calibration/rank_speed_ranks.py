@@ -1,0 +1,112 @@
+"""The rank-speed measurement of `freescale calibrate --rank-speeds-output`: ``--nproc-per-node``
+gloo ranks, started with torch's elastic launcher (as `freescale train` starts its ranks), time the
+same batches in lock-step; rank 0 gathers the raw ``[repeats, ranks]`` times into a file the
+launching process reads. The statistics are pipeline/rank_speeds.py's.
+
+Each rank runs ``python -m jobs.calibrate --rank-speeds-worker`` (the ranks' entry point, which
+ends the process as every job does), i.e. :func:`rank_speeds_worker` here. Torch-free to import:
+the launcher needs no torch, each rank loads it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from training.calibration.calibrate_spec import CalibrateSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKER_MODULE, WORKER_FLAG = "jobs.calibrate", "--rank-speeds-worker"
+"""How a rank is started: ``python -m WORKER_MODULE WORKER_FLAG ARGS``."""
+RANK_SPEED_BATCHES = 4
+"""Mixed batches each rank times per repeat (identical on every rank)."""
+
+
+class RankSpeedsFailed(RuntimeError):
+    """The ranks did not write their times: the message has their exit status and last output lines."""
+
+
+def measure_rank_speeds(spec: CalibrateSpec, overrides: list[str]) -> dict:
+    """Launch the ranks with torch's elastic launcher; the raw ``[repeats, ranks]`` times rank 0 gathered."""
+    with tempfile.TemporaryDirectory(prefix="freescale-rank-speeds-") as tmp:
+        result = Path(tmp) / "times.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={spec.nproc_per_node}", "-m", WORKER_MODULE, WORKER_FLAG,
+               "--result", str(result), "--repeats", str(spec.rank_speed_repeats),
+               "--num-items", str(spec.num_items), "--seed", str(spec.seed)]
+        if spec.config:
+            cmd += ["--config", spec.config]
+        cmd += overrides
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if run.returncode != 0 or not result.exists():
+            tail = "\n".join((run.stdout + run.stderr).strip().splitlines()[-15:])
+            raise RankSpeedsFailed(f"rank-speed ranks failed (exit {run.returncode}):\n{tail}")
+        return json.loads(result.read_text())
+
+
+def rank_speeds_worker(argv: list[str]) -> int:
+    """One rank (under torch's launcher): time the same batches as every other rank, in lock-step."""
+    import torch
+    import torch.distributed as dist
+
+    from training.calibration.calibrate import (
+        caching_malloc,
+        heavy_tailed_batches,
+        synthetic_batch,
+        time_dense_step,
+    )
+    from training.config import ParallelConfig, load_config
+    from training.parallel.distributed import init_distributed
+    from training.model.recommender import build_dense_model
+
+    parser = argparse.ArgumentParser(prog=f"{WORKER_MODULE} {WORKER_FLAG}")
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--config")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--num-items", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args, overrides = parser.parse_known_args(argv)
+    config = load_config(args.config, overrides)
+    parallel = ParallelConfig(backend="gloo", collective_timeout_s=config.parallel.collective_timeout_s)
+    env = init_distributed(parallel, config.training.threads)
+
+    # Same seed on every rank: identical parameters, batches and negatives, so any
+    # difference in time is the rank's, not its work's.
+    torch.manual_seed(args.seed)
+    model, table = build_dense_model(args.num_items, config.model, precision=config.training.precision)
+    model.train()
+    max_length = config.model.max_seq_len
+    mixes = heavy_tailed_batches(RANK_SPEED_BATCHES, min(16, max_length), max_length, args.seed + 7)
+    batches = [synthetic_batch(m, args.num_items, seed=args.seed + i) for i, m in enumerate(mixes)]
+    gathered = []
+    with caching_malloc():
+        for repeat in range(args.warmup + args.repeats):
+            dist.barrier()  # lock-step: every rank starts the repeat together, under the same machine load
+            times = [time_dense_step(model, table, b, config.loss.num_negatives, config.loss.full_softmax, seed=i,
+                                     loss_kind=config.loss.kind)
+                     for i, b in enumerate(batches)]
+            local = torch.tensor([sum(t.wall_s for t in times), sum(t.cpu_s for t in times)], dtype=torch.float64)
+            everyone = [torch.empty_like(local) for _ in range(env.world_size)]
+            dist.all_gather(everyone, local)
+            if repeat >= args.warmup:
+                gathered.append(torch.stack(everyone).tolist())
+    hosts: list[Any] = [None] * env.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    if env.rank == 0:
+        Path(args.result).write_text(json.dumps({
+            "wall": [[rank[0] for rank in row] for row in gathered],
+            "cpu": [[rank[1] for rank in row] for row in gathered],
+            "hosts": hosts, "threads_per_rank": torch.get_num_threads(),
+            "batches": [list(m) for m in mixes]}))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

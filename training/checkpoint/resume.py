@@ -1,0 +1,119 @@
+"""What a rank's checkpoint holds, and the resume from the newest one."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.errors import InputError
+from training.checkpoint.checkpointer import Checkpointer, materialize_optimizer_state
+from training.config import TrainConfig, to_flat_dict
+from training.model.recommender import SequentialRecommender
+from training.eval.validation import is_sharded
+
+
+def checkpoint_states(sharded_model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: Any,
+                      loader: Any, best_weights: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(shared, own)`` ``Stateful`` objects for the checkpointer.
+
+    Shared (through DCP): the model, the item table's fused optimizer and the dense
+    optimizer. Own (this rank's file, plain data): the run's progress (step, RNG states, the sink's
+    record), the loader position and the user feature tables' fused optimizer (its local shards,
+    ``LocalShards``). The user
+    tables are sharded table-wise and their bag collection's optimizer lists only the
+    tables a rank holds (unlike the item table's, whose state is a ShardedTensor on every
+    rank), so DCP would find keys only some ranks have; the same world size and plan put
+    the same tables on the same rank on resume. Each sharded collection owns its fused
+    optimizer, so no key needs parsing. ``best_weights`` (``training.eval.validation.BestWeights``,
+    kept while validation runs during training) is shared too, laid out like the model.
+    """
+    model: SequentialRecommender = sharded_model.module
+    item_optimizer, *user_optimizer = model.fused_optimizers()
+    shared = {"model": sharded_model, "sparse_optimizer": item_optimizer, "dense_optimizer": dense_optimizer}
+    if best_weights is not None:
+        shared["best_weights"] = best_weights
+    own: dict[str, Any] = {"trainer": progress, "loader": loader}
+    if user_optimizer:
+        own["user_table_optimizer"] = LocalShards(user_optimizer[0])
+    return shared, own
+
+
+class LocalShards:
+    """A fused optimizer as a ``Stateful`` of plain data: each ShardedTensor of its state as the list of
+    this rank's local shards.
+
+    A rank's own file holds plain data only (``training.checkpoint.safe_load``): a ShardedTensor pickles as
+    torch.distributed classes rebuilt through ``getattr``, which no safe unpickler builds. The
+    local shards are all this rank needs: the same world size and table placement (checked,
+    ``training.checkpoint.checkpointer``) give it the same shards on resume, which are copied in place.
+    """
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return _local_shards(self.optimizer.state_dict())
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        live = self.optimizer.state_dict()  # the optimizer's own tensors, not copies
+        _copy_local_shards(live, saved, "user_table_optimizer")
+        self.optimizer.load_state_dict(live)  # TorchRec's checks and hooks; the values are in place already
+
+
+def _local_shards(state: Any) -> Any:
+    if isinstance(state, dict):
+        return {key: _local_shards(value) for key, value in state.items()}
+    if is_sharded(state):
+        return [shard.tensor for shard in state.local_shards()]
+    return state
+
+
+def _copy_local_shards(live: dict[str, Any], saved: dict[str, Any], where: str) -> None:
+    """Copy ``saved`` (``_local_shards`` of the same optimizer) into ``live``'s tensors."""
+    for key, value in live.items():
+        if key not in saved:
+            raise InputError(f"checkpoint's {where} has no {key} (saved with another table placement?)")
+        if isinstance(value, dict):
+            _copy_local_shards(value, saved[key], f"{where}.{key}")
+        elif is_sharded(value):
+            targets = [shard.tensor for shard in value.local_shards()]
+            if [t.shape for t in targets] != [t.shape for t in saved[key]]:
+                raise InputError(f"checkpoint's {where}.{key} holds local shards of shapes "
+                                 f"{[tuple(t.shape) for t in saved[key]]}, this rank's are "
+                                 f"{[tuple(t.shape) for t in targets]} (saved with another table placement?)")
+            for target, shard in zip(targets, saved[key]):
+                target.detach().copy_(shard)
+        elif isinstance(value, torch.Tensor):
+            value.detach().copy_(saved[key])
+        else:
+            live[key] = saved[key]
+
+
+def resume_latest(checkpointer: Checkpointer, config: TrainConfig, shards_sha256: str, rank: int,
+                  dense_optimizer: torch.optim.Optimizer, states: tuple[dict[str, Any], dict[str, Any]],
+                  max_steps: int) -> int | None:
+    """Load the newest complete checkpoint into ``states``; its step, or None when there is none.
+
+    Refused for other shards or another model shape; changed hyperparameters are named
+    in a warning (``training.checkpoint.checkpointer``)."""
+    step = checkpointer.latest_step()
+    skipped = [path for path in checkpointer.half_written() if step is None or int(path.name[5:]) > step]
+    if skipped and rank == 0:
+        print(f"freescale train: note: skipping {', '.join(map(str, skipped))}: no COMPLETE (a save cut short); "
+              + (f"resuming from {checkpointer.step_dir(step)}" if step is not None else "starting from step 0"),
+              file=sys.stderr, flush=True)
+    if step is None:
+        return None
+    checkpointer.check_shards(step, shards_sha256)
+    changed = checkpointer.check_config(step, to_flat_dict(config))
+    if changed and rank == 0:
+        print(f"freescale train: warning: resuming {checkpointer.step_dir(step)} with changed "
+              f"settings: {', '.join(changed)}", file=sys.stderr, flush=True)
+    materialize_optimizer_state(dense_optimizer)
+    checkpointer.load(step, *states)
+    if step >= max_steps and rank == 0:
+        print(f"freescale train: checkpoint {checkpointer.step_dir(step)} already reached max_steps "
+              f"{max_steps}: nothing left to train, evaluating only", file=sys.stderr, flush=True)
+    return step

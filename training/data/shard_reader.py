@@ -1,0 +1,425 @@
+"""Stream one rank's balanced shard into per-step batches.
+
+The balance job has already decided which samples every rank trains on at
+every step (``rank=<k>/part-*.parquet``, rows in ``(step, slot)`` order), so the
+input pipeline must not shuffle, drop or re-batch anything: it replays the plan.
+Its job is to do that with bounded memory and resumable state:
+
+* :class:`ShardReader` reads one Parquet row group at a time and yields all
+  rows of one step. Steps where the plan gave this rank nothing still yield an
+  (empty) item, because every rank must run exactly ``num_steps`` steps or the
+  collectives of the ranks would go out of step.
+* Its state is a position (file, row group, row offset, next step), so a resume
+  seeks straight to the row group holding the next row instead of replaying the
+  stream.
+* :func:`collate_step` turns a step's Arrow rows into flat tensors
+  (:class:`SequenceBatch`) with vectorised Arrow/NumPy operations.
+* :func:`build_loader` wires reader -> collate -> prefetch into a
+  ``torchdata.nodes.Loader``.
+
+Checkpointing the loader (all ranks do the same, each with its own loader)::
+
+    manifest = load_manifest(shards_dir, world_size, rank)  # shards.manifest; once per rank
+    loader = build_loader(manifest, rank)
+    if resume_state is not None:            # e.g. checkpoint["loader"][rank]
+        loader.load_state_dict(resume_state)  # applied at the next iter(loader)
+    for batch in loader:
+        train_step(batch.to(device))
+        if batch.step % save_every == 0:
+            save({"loader": loader.state_dict(), ...})  # state after `batch`
+
+``loader.state_dict()`` describes the position after the last batch the loader
+handed out (batches sitting in the prefetch queue are not counted), is a small
+dict of ints and is JSON-serialisable. After the final step the loader restarts
+from step 0 on the next ``iter()`` (a new epoch over the same plan).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
+
+from runtime.errors import one_line
+from shards.manifest import Manifest, ShardError, verify_checksums
+from shards.schema import NON_NULL_COLUMNS, PER_ITEM_COLUMNS, READ_COLUMNS, USER_FEATURES, type_mismatches
+from training.data.batch import SequenceBatch
+
+# ShardReader state keys.
+RANK_KEY = "rank"
+FILE_INDEX_KEY = "file_index"
+ROW_GROUP_KEY = "row_group_index"
+ROW_OFFSET_KEY = "row_offset"
+NEXT_STEP_KEY = "next_step"
+_STATE_KEYS = (RANK_KEY, FILE_INDEX_KEY, ROW_GROUP_KEY, ROW_OFFSET_KEY, NEXT_STEP_KEY)
+
+MIN_RATING, MAX_RATING = 1, 5
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """All rows one rank trains on at ``step`` (zero rows when the plan gave it none)."""
+
+    step: int
+    rows: pa.Table
+    num_user_features: int = 0
+    """Width of the ``user_features`` column (0: the shards carry none)."""
+
+
+def _numpy(column: pa.ChunkedArray | pa.Array, dtype: type[np.generic] = np.int64) -> np.ndarray:
+    """Column -> writable NumPy array of ``dtype`` (torch warns on read-only Arrow buffers)."""
+    if isinstance(column, pa.ChunkedArray) and column.num_chunks == 0:
+        return np.empty(0, dtype=dtype)
+    return np.array(column.to_numpy(zero_copy_only=False), dtype=dtype, copy=True)
+
+
+def _rating_ids(ratings: np.ndarray) -> np.ndarray:
+    """Ratings (NaN = unknown) -> embedding ids: rounded half-up into 1..5, 0 when unknown."""
+    rounded = np.clip(np.floor(ratings + 0.5), MIN_RATING, MAX_RATING)
+    return np.where(np.isnan(ratings), 0, rounded).astype(np.int64)
+
+
+def collate_step(step_rows: StepRows) -> SequenceBatch:
+    """Arrow rows of one step -> :class:`SequenceBatch`, vectorised (no per-item Python loop).
+
+    List columns are flattened (``pyarrow.compute.list_flatten``), which drops
+    the per-row offsets; ``lengths`` (validated by the reader to equal every list
+    length) carries them instead.
+    """
+    table = step_rows.rows
+    ratings = _rating_ids(_numpy(pc.list_flatten(table["ratings"]), np.float64))
+    return SequenceBatch(
+        lengths=torch.from_numpy(_numpy(table["length"])),
+        item_ids=torch.from_numpy(_numpy(pc.list_flatten(table["items"]))),
+        timestamps=torch.from_numpy(_numpy(pc.list_flatten(table["timestamps"]))),
+        ratings=torch.from_numpy(ratings),
+        valid_rating=torch.from_numpy(_rating_ids(_numpy(table["valid_rating"], np.float64))),
+        valid_item=torch.from_numpy(_numpy(table["valid_item"])),
+        test_item=torch.from_numpy(_numpy(table["test_item"])),
+        valid_timestamp=torch.from_numpy(_numpy(table["valid_timestamp"])),
+        test_timestamp=torch.from_numpy(_numpy(table["test_timestamp"])),
+        user_ids=[str(u) for u in table["user_id"].to_pylist()],
+        step=int(step_rows.step),
+        step_targets=int(table["step_targets"][0].as_py()) if table.num_rows else 0,
+        cost=float(pc.sum(table["cost"]).as_py() or 0.0),
+        user_features=(torch.from_numpy(_numpy(pc.list_flatten(table[USER_FEATURES])))
+                       .reshape(table.num_rows, step_rows.num_user_features)
+                       if step_rows.num_user_features else None),
+    )
+
+
+class ShardReader(BaseNode[StepRows]):
+    """Yields :class:`StepRows` for steps ``0 .. num_steps-1`` of one rank, in order.
+
+    Reads the rank's files in manifest order, one row group at a time
+    (``ParquetFile.read_row_group``), so memory is bounded by a row group plus
+    the rows of one step, never a whole file. Each row group is validated as it
+    is read (step order and range, list lengths, nulls, item ids within
+    ``1..num_items``); problems raise :class:`ShardError` naming the file.
+
+    State (``get_state``) is the position of the next unread row plus the next
+    step to yield; ``reset(state)`` opens the file at that position and the next
+    ``next()`` reads only the row group holding that row.
+
+    Args:
+        manifest: the validated manifest from :func:`shards.manifest.load_manifest`
+            (which also checks the files exist with the recorded sizes).
+        rank: which rank's shard to stream.
+    """
+
+    def __init__(self, manifest: Manifest, rank: int) -> None:
+        super().__init__()
+        assert manifest.root is not None, "the reader needs a manifest loaded from its directory"
+        self._root = manifest.root
+        self._rank = rank
+        self._files = [{"abspath": path, "rows": entry.rows}
+                       for entry, path in zip(manifest.ranks[rank].files, manifest.rank_paths(rank))]
+        if not self._files:
+            raise ShardError(f"rank {rank} has an empty shard (no files) in {self._root}")
+        self._num_steps = manifest.num_steps
+        self._num_items = manifest.num_items
+        self._user_features = [(f.name, f.num_ids) for f in manifest.user_features]
+        self._columns = READ_COLUMNS + ((USER_FEATURES,) if self._user_features else ())
+        # Set up by reset(); None until then.
+        self._metadata: list[pq.FileMetaData | None] = []
+        self._parquet: pq.ParquetFile | None = None
+        self._schema: pa.Schema | None = None
+        self._table: pa.Table | None = None  # the row group holding the position
+        self._steps: np.ndarray | None = None
+        self._file_index = self._row_group = self._row_offset = self._next_step = 0
+
+    # -- BaseNode contract -------------------------------------------------
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._close()
+        if initial_state is None:
+            position = (0, 0, 0, 0)
+        else:
+            position = self._parse_state(initial_state)
+        self._file_index, self._row_group, self._row_offset, self._next_step = position
+        # Footers of the files still ahead are read (and checked) now, so a bad
+        # file fails the launch rather than hours into training; files already
+        # consumed before a resume are not touched.
+        self._metadata = [None] * len(self._files)
+        for index in range(self._file_index, len(self._files)):
+            self._metadata[index] = self._read_footer(index)
+        schema_source = self._metadata[min(self._file_index, len(self._files) - 1)]
+        if schema_source is None:  # resumed at the very end: still need a schema for empty steps
+            schema_source = self._read_footer(len(self._files) - 1)
+        arrow_schema = schema_source.schema.to_arrow_schema()
+        self._schema = pa.schema([arrow_schema.field(name) for name in self._columns])
+        if initial_state is not None:
+            self._check_position()
+        if self._file_index < len(self._files):
+            self._open(self._file_index)
+
+    def next(self) -> StepRows:
+        if self._next_step >= self._num_steps:
+            raise StopIteration
+        step = self._next_step
+        pieces: list[pa.Table] = []
+        # A step's rows may continue into the next row group (or file), so keep
+        # reading until a row of a later step shows up or the shard ends.
+        while self._ensure_rows():
+            assert self._table is not None and self._steps is not None
+            first = int(self._steps[self._row_offset])
+            if first < step:
+                raise ShardError(f"{self._current_path()}: row group {self._row_group} has step {first} "
+                                 f"after step {step - 1} was complete (rows not in step order)")
+            if first > step:
+                break  # this rank has nothing (more) for `step`
+            # Steps are non-decreasing within a row group (checked on load).
+            end = self._row_offset + int(np.searchsorted(self._steps[self._row_offset:], step, side="right"))
+            pieces.append(self._table.slice(self._row_offset, end - self._row_offset))
+            self._row_offset = end
+            if end < self._table.num_rows:
+                break
+        self._next_step = step + 1
+        if not pieces:
+            assert self._schema is not None
+            return StepRows(step, self._schema.empty_table(), len(self._user_features))
+        return StepRows(step, pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces), len(self._user_features))
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            RANK_KEY: self._rank,
+            FILE_INDEX_KEY: self._file_index,
+            ROW_GROUP_KEY: self._row_group,
+            ROW_OFFSET_KEY: self._row_offset,
+            NEXT_STEP_KEY: self._next_step,
+        }
+
+    # -- position ----------------------------------------------------------
+
+    def _parse_state(self, state: dict[str, Any]) -> tuple[int, int, int, int]:
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ShardError(f"ShardReader state lacks {missing} (state {state!r})")
+        if state[RANK_KEY] != self._rank:
+            raise ShardError(f"ShardReader state was saved by rank {state[RANK_KEY]}, "
+                             f"cannot resume rank {self._rank} from it")
+        values = tuple(int(state[k]) for k in _STATE_KEYS[1:])
+        file_index, row_group, row_offset, next_step = values
+        if not (0 <= file_index <= len(self._files) and row_group >= 0 and row_offset >= 0
+                and 0 <= next_step <= self._num_steps):
+            raise ShardError(f"ShardReader state {state!r} is outside the shard of rank {self._rank} "
+                             f"in {self._root} ({len(self._files)} files, {self._num_steps} steps)")
+        return file_index, row_group, row_offset, next_step
+
+    def _check_position(self) -> None:
+        """A state from another shard directory would silently read the wrong rows: refuse it."""
+        if self._file_index == len(self._files):
+            if self._row_group or self._row_offset:
+                raise ShardError(f"ShardReader state points past the last file of rank {self._rank} in {self._root}")
+            return
+        metadata = self._metadata[self._file_index]
+        assert metadata is not None
+        ok = self._row_group < metadata.num_row_groups and \
+            self._row_offset <= metadata.row_group(self._row_group).num_rows
+        # Also accepted: exactly at the end of the file (nothing read yet from the next one).
+        ok = ok or (self._row_group == metadata.num_row_groups and self._row_offset == 0)
+        if not ok:
+            raise ShardError(f"ShardReader state (row group {self._row_group}, row {self._row_offset}) "
+                             f"does not exist in {self._current_path()}")
+
+    def _ensure_rows(self) -> bool:
+        """Make the row at the position loaded, advancing over exhausted row groups/files."""
+        while True:
+            if self._table is not None:
+                if self._row_offset < self._table.num_rows:
+                    return True
+                self._table = self._steps = None
+                self._row_group += 1
+                self._row_offset = 0
+            if self._file_index >= len(self._files):
+                return False
+            metadata = self._metadata[self._file_index]
+            assert metadata is not None
+            if self._row_group >= metadata.num_row_groups:
+                self._close()
+                self._file_index += 1
+                self._row_group = self._row_offset = 0
+                if self._file_index < len(self._files):
+                    self._open(self._file_index)
+                continue
+            if self._row_offset >= metadata.row_group(self._row_group).num_rows:
+                self._row_group += 1  # empty row group: nothing to read
+                self._row_offset = 0
+                continue
+            self._load_row_group()
+
+    # -- files -------------------------------------------------------------
+
+    def _current_path(self) -> Path:
+        return self._files[min(self._file_index, len(self._files) - 1)]["abspath"]
+
+    def _read_footer(self, index: int) -> pq.FileMetaData:
+        entry = self._files[index]
+        path: Path = entry["abspath"]
+        try:
+            metadata = pq.read_metadata(path)
+        except FileNotFoundError:
+            raise ShardError(f"shard file {path} of rank {self._rank} is missing") from None
+        except (pa.ArrowException, OSError) as exc:
+            raise ShardError(f"corrupt Parquet file {path}: {one_line(exc)}") from exc
+        names = set(metadata.schema.to_arrow_schema().names)
+        absent = [c for c in self._columns if c not in names]
+        if absent:
+            raise ShardError(f"shard file {path} lacks columns {absent}")
+        wrong = type_mismatches(metadata.schema.to_arrow_schema(), self._columns)
+        if wrong:
+            raise ShardError(f"shard file {path} has column {wrong[0]} (not the shard format)")
+        if metadata.num_rows != entry["rows"]:
+            raise ShardError(f"shard file {path} holds {metadata.num_rows} rows, manifest says {entry['rows']}")
+        return metadata
+
+    def _open(self, index: int) -> None:
+        path = self._files[index]["abspath"]
+        try:
+            # Reuse the footer read in reset(); verify page CRCs where the writer
+            # stored them (parquet-mr does by default), a cheap guard against bit rot.
+            self._parquet = pq.ParquetFile(path, metadata=self._metadata[index], page_checksum_verification=True)
+        except (pa.ArrowException, OSError) as exc:
+            raise ShardError(f"corrupt Parquet file {path}: {one_line(exc)}") from exc
+
+    def _close(self) -> None:
+        if self._parquet is not None:
+            self._parquet.close()
+        self._parquet = None
+        self._table = self._steps = None
+
+    def _load_row_group(self) -> None:
+        assert self._parquet is not None
+        path = self._current_path()
+        try:
+            table = self._parquet.read_row_group(self._row_group, columns=list(self._columns))
+        except (pa.ArrowException, OSError) as exc:
+            raise ShardError(f"corrupt Parquet file {path}: row group {self._row_group}: {one_line(exc)}") from exc
+        self._steps = self._validate(table, path)
+        self._table = table
+
+    def _validate(self, table: pa.Table, path: Path) -> np.ndarray:
+        """Check one row group; returns its step column. Vectorised: runs once per row group."""
+        where = f"{path} row group {self._row_group}"
+        for name in NON_NULL_COLUMNS:
+            if table[name].null_count:
+                raise ShardError(f"{where}: column {name} has {table[name].null_count} null values")
+        steps = _numpy(table["step"])
+        if steps.size == 0:
+            return steps
+        if np.any(steps[1:] < steps[:-1]):
+            bad = int(np.argmax(steps[1:] < steps[:-1])) + 1
+            raise ShardError(f"{where}: rows are not in step order (step {steps[bad]} after {steps[bad - 1]})")
+        if steps[0] < 0 or steps[-1] >= self._num_steps:
+            bad_step = steps[0] if steps[0] < 0 else steps[-1]
+            raise ShardError(f"{where}: step {bad_step} is outside 0..{self._num_steps - 1} (manifest num_steps)")
+
+        lengths = _numpy(table["length"])
+        for name in PER_ITEM_COLUMNS:
+            actual = _numpy(pc.list_value_length(table[name]))
+            if not np.array_equal(actual, lengths):
+                row = int(np.argmax(actual != lengths))
+                raise ShardError(f"{path}: step {steps[row]}: {name} of user {table['user_id'][row]} has "
+                                 f"{actual[row]} elements but length is {lengths[row]}")
+        for name in ("items", "timestamps"):
+            flat = pc.list_flatten(table[name])
+            if flat.null_count:
+                raise ShardError(f"{where}: {name} contains {flat.null_count} null elements")
+
+        item_ids = _numpy(pc.list_flatten(table["items"]))
+        bad = (item_ids < 1) | (item_ids > self._num_items)
+        if bad.any():
+            index = int(np.argmax(bad))
+            # Lists were checked to match `length`, so cumulative lengths map an element to its row.
+            row = int(np.searchsorted(np.cumsum(lengths), index, side="right"))
+            raise ShardError(f"{path}: step {steps[row]}: item id {item_ids[index]} of user "
+                             f"{table['user_id'][row]} is outside 1..{self._num_items} (manifest num_items)")
+        for name in ("valid_item", "test_item"):
+            targets = _numpy(table[name])
+            bad = (targets < 1) | (targets > self._num_items)
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise ShardError(f"{path}: step {steps[row]}: {name} id {targets[row]} of user "
+                                 f"{table['user_id'][row]} is outside 1..{self._num_items} (manifest num_items)")
+        if self._user_features:
+            self._validate_user_features(table, steps, path)
+        return steps
+
+    def _validate_user_features(self, table: pa.Table, steps: np.ndarray, path: Path) -> None:
+        column = table[USER_FEATURES]
+        if column.null_count or pc.list_flatten(column).null_count:
+            raise ShardError(f"{path} row group {self._row_group}: column {USER_FEATURES} has null values")
+        width = len(self._user_features)
+        counts = _numpy(pc.list_value_length(column))
+        if np.any(counts != width):
+            row = int(np.argmax(counts != width))
+            raise ShardError(f"{path}: step {steps[row]}: {USER_FEATURES} of user {table['user_id'][row]} "
+                             f"has {counts[row]} ids but the manifest lists {width} user features")
+        ids = _numpy(pc.list_flatten(column)).reshape(-1, width)
+        for index, (name, num_ids) in enumerate(self._user_features):
+            bad = (ids[:, index] < 0) | (ids[:, index] >= num_ids)
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise ShardError(f"{path}: step {steps[row]}: user feature {name} id {ids[row, index]} of user "
+                                 f"{table['user_id'][row]} is outside 0..{num_ids - 1} (manifest user_features)")
+
+
+def build_loader(manifest: Manifest, rank: int, *, prefetch: int = 2, verify: bool = False
+                 ) -> Loader[SequenceBatch]:
+    """Loader of this rank's :class:`SequenceBatch` for steps ``0..num_steps-1``.
+
+    Pipeline: :class:`ShardReader` -> ``Mapper(collate_step)`` -> ``Prefetcher``
+    (a background thread reading and collating ``prefetch`` steps ahead; 0
+    disables it). ``manifest`` comes from :func:`shards.manifest.load_manifest`,
+    once per rank; ``verify=True`` also checks every file's SHA-256, reading the
+    shard once. Checkpoint with ``loader.state_dict()`` /
+    ``loader.load_state_dict(state)``, see the module docstring.
+    """
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if verify:
+        verify_checksums(manifest, rank)
+    node: BaseNode[Any] = Mapper(ShardReader(manifest, rank), collate_step)
+    if prefetch:
+        node = Prefetcher(node, prefetch_factor=prefetch)
+    return Loader(node)
+
+
+def stop_prefetch(loader: Loader) -> None:
+    """Stop the loader's prefetch thread now rather than at interpreter exit.
+
+    A daemon thread still inside a Parquet read while the process tears down its
+    native libraries can abort the process after a successful run (seen on 2-rank
+    CPU runs). torchdata 0.11 has no public call for this, hence the private one.
+    """
+    root = getattr(loader, "root", None)
+    running = getattr(root, "_it", None) if isinstance(root, Prefetcher) else None
+    if running is not None:
+        running._shutdown()

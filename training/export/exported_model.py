@@ -1,0 +1,277 @@
+"""An exported model (`freescale export`'s folder), loaded and queried with torch and this project alone:
+no TorchRec, no FBGEMM, no process group.
+
+    model = ExportedModel("out/model")
+    model.predict(pandas.DataFrame({"items": [["50", "172", "133"]]}), k=10)   # or [["50", "172", "133"]]
+
+The folder (written by ``training.export.exporter``):
+
+    model.json                FORMAT, the catalog size, the model config, precision, user features, the source
+    weights.pt                the weights as one plain fp32 state dict (torch.save): ``item_table`` [N+1, D],
+                              ``user_tables.<i>`` per user feature, the dense model's own keys
+    item_vocab.json           ``{"raw_items": [null, raw id of item 1, ...]}``: dense index -> raw item id
+    user_feature_vocab.json   with user features: ``{feature: {value: id}}``
+    evaluation.json           the protocol the trainer evaluated with, and its numbers when known
+
+A query is a user's history, oldest first: raw item ids as in the input logs (strings or integers),
+optionally with ``timestamps`` (seconds) and ``ratings`` (1..5) per item and the user's features (a
+column per feature, raw values). Its recommendations are scored exactly as the trainer's evaluation
+scores a held-out item (``training.eval.evaluator.score_queries``): the encoder's output at the history's
+last position, against every item's L2-normalised row; the score is that cosine. Items of the
+history (all of it, also beyond the ``max_history`` most recent items the query reads) are left out
+unless ``exclude_history`` is False (the trainer's summary ranks the whole catalog: with False the
+top-k are its ranking).
+
+Unknown ids: items the vocabulary does not hold are skipped (with their timestamps and ratings) and
+counted per user in ``unknown_items``; a history with no known item gets no recommendations. A user
+feature value the vocabulary does not hold is the unknown id 0, as for a user the user table lacked.
+Without ``timestamps`` every time gap is 0; without ``ratings`` every rating is unknown (0).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.errors import InputError
+from training.config import ModelConfig, apply_table
+from training.ops.jagged import last_positions, offsets_from_lengths
+from training.model.recommender import SequentialRecommender
+
+FORMAT = "freescale.exported_model/1"
+MODEL_FILE, WEIGHTS_FILE, ITEMS_FILE = "model.json", "weights.pt", "item_vocab.json"
+USER_FEATURES_FILE, EVALUATION_FILE = "user_feature_vocab.json", "evaluation.json"
+ITEM_TABLE = "item_table"
+USER_TABLE = "user_tables.{index}"
+ITEMS, TIMESTAMPS, RATINGS = "items", "timestamps", "ratings"
+"""The query columns; a user feature's column is its name."""
+DEFAULT_K = 10
+ARTIFACT = "freescale_model"
+"""The folder's name in the MLflow model (``artifacts/freescale_model``)."""
+QUERY_CHUNK = 256  # users scored at once: bounds the [chunk, N+1] score matrix
+
+
+@dataclass
+class Query:
+    """One user's history, oldest first, as the caller gave it."""
+
+    items: list[Any]
+    timestamps: list[int] | None = None
+    ratings: list[int] | None = None
+    features: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Recommendation:
+    items: list[str]
+    """The top-k raw item ids, best first."""
+    scores: list[float]
+    unknown_items: int
+    """Items of the history the vocabulary does not hold (skipped)."""
+
+
+def raw_key(value: Any) -> str:
+    """How a raw id is looked up: the vocabulary holds prepare's string form (integers as ``50``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    try:
+        return str(int(value)) if int(value) == value else str(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"hstu.num_layers": 1}`` -> ``{"hstu": {"num_layers": 1}}`` (a config table)."""
+    table: dict[str, Any] = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        cursor = table
+        for part in path:
+            cursor = cursor.setdefault(part, {})
+        cursor[last] = value
+    return table
+
+
+def model_config(flat: dict[str, Any], source: str) -> ModelConfig:
+    """The ModelConfig a flat ``model`` record describes, checked as a config file is."""
+    config = ModelConfig()
+    apply_table(config, nested(flat), source)
+    return config
+
+
+def dense_model(num_items: int, config: ModelConfig, user_features: list[tuple[str, int]],
+                precision: str, device: torch.device | str = "cpu") -> SequentialRecommender:
+    """The recommender without TorchRec tables: its rows come from plain tensors. With user features, the
+    projection the trainer's model has (its tables are the folder's ``user_tables.<i>``)."""
+    model = SequentialRecommender(num_items, config, device=device, precision=precision, tables=False)
+    if user_features:
+        model.user_feature_names = [name for name, _ in user_features]
+        model.user_feature_sizes = [int(size) for _, size in user_features]
+        model.user_projection = nn.Linear(len(user_features) * config.embedding_dim, config.embedding_dim,
+                                          device=device)
+    return model.eval()
+
+
+def _listed(value: Any, row: int, column: str) -> list[Any] | None:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise InputError(f"row {row}: {column} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def queries_from(model_input: Any, feature_names: Sequence[str] = ()) -> list[Query]:
+    """Queries from a DataFrame (column ``items``; optional ``timestamps``, ``ratings`` and one per user
+    feature) or a list of item-id lists."""
+    columns = getattr(model_input, "columns", None)
+    if columns is None:
+        if isinstance(model_input, (str, bytes)) or not hasattr(model_input, "__iter__"):
+            raise InputError(f"expected a DataFrame with an {ITEMS!r} column or a list of item-id lists, got "
+                             f"{type(model_input).__name__}")
+        return [Query(_listed(items, row, ITEMS) or []) for row, items in enumerate(model_input)]
+    if ITEMS not in columns:
+        raise InputError(f"the input has no {ITEMS!r} column (columns: {', '.join(map(str, columns))})")
+    queries = []
+    for row, record in enumerate(model_input.to_dict("records")):
+        query = Query(_listed(record[ITEMS], row, ITEMS) or [], _listed(record.get(TIMESTAMPS), row, TIMESTAMPS),
+                      _listed(record.get(RATINGS), row, RATINGS),
+                      {name: record[name] for name in feature_names if name in record})
+        for name, values in ((TIMESTAMPS, query.timestamps), (RATINGS, query.ratings)):
+            if values is not None and len(values) != len(query.items):
+                raise InputError(f"row {row}: {len(values)} {name} for {len(query.items)} items")
+        queries.append(query)
+    return queries
+
+
+class ExportedModel:
+    """A `freescale export` folder, loaded on ``device`` (CPU by default, as the trainer's evaluation here)."""
+
+    def __init__(self, folder: str | Path, device: torch.device | str = "cpu"):
+        self.folder = Path(folder)
+        meta = self._json(MODEL_FILE)
+        if meta.get("format") != FORMAT:
+            raise InputError(f"{self.folder / MODEL_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        self.meta = meta
+        self.num_items = int(meta["num_items"])
+        self.max_history = int(meta["max_history"])
+        self.user_features = [(f["name"], int(f["num_ids"])) for f in meta.get("user_features", [])]
+        self.raw_items: list[str | None] = self._json(ITEMS_FILE)["raw_items"]
+        self.item_ids = {raw: index for index, raw in enumerate(self.raw_items) if index}
+        self.feature_ids: dict[str, dict[str, int]] = self._json(USER_FEATURES_FILE) if self.user_features else {}
+        weights = torch.load(self.folder / WEIGHTS_FILE, map_location=device, weights_only=True)
+        config = model_config(meta["model"], str(self.folder / MODEL_FILE))
+        self.model = dense_model(self.num_items, config, self.user_features, meta["precision"], device)
+        table = weights.pop(ITEM_TABLE).float()
+        table[0] = 0.0  # id 0 is padding: the trainer's all_item_embeddings gives it a zero row
+        self.item_table, self.normalized_table = table, F.normalize(table, dim=-1)
+        self.user_tables = [weights.pop(USER_TABLE.format(index=i)).float() for i in range(len(self.user_features))]
+        self.model.load_state_dict(weights, strict=True)
+        self.device = torch.device(device)
+
+    def _json(self, name: str) -> Any:
+        path = self.folder / name
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise InputError(f"{self.folder} is not a freescale export: no {name}") from None
+
+    def predict(self, model_input: Any, k: int = DEFAULT_K, exclude_history: bool = True) -> Any:
+        """A pandas DataFrame, one row per query in order: ``items`` (the top-k raw ids), ``scores``,
+        ``unknown_items``."""
+        import pandas as pd
+
+        found = self.recommend(queries_from(model_input, [name for name, _ in self.user_features]), k,
+                               exclude_history)
+        return pd.DataFrame({ITEMS: [r.items for r in found], "scores": [r.scores for r in found],
+                             "unknown_items": [r.unknown_items for r in found]})
+
+    @torch.no_grad()
+    def recommend(self, queries: Sequence[Query], k: int = DEFAULT_K,
+                  exclude_history: bool = True) -> list[Recommendation]:
+        if int(k) < 1:
+            raise InputError(f"k must be a positive integer, got {k}")
+        known = [self._known(query) for query in queries]
+        scored = [i for i, history in enumerate(known) if history.ids]
+        results = [Recommendation([], [], history.unknown) for history in known]
+        for start in range(0, len(scored), QUERY_CHUNK):
+            rows = scored[start:start + QUERY_CHUNK]
+            top_scores, top_ids = self._top([known[i] for i in rows], [queries[i] for i in rows], int(k),
+                                            exclude_history)
+            for row, scores, ids in zip(rows, top_scores.tolist(), top_ids.tolist()):
+                kept = [(s, i) for s, i in zip(scores, ids) if math.isfinite(s)]
+                results[row] = Recommendation([self.raw_items[i] for _, i in kept], [s for s, _ in kept],
+                                              known[row].unknown)
+        return results
+
+    def _known(self, query: Query) -> "_Known":
+        ids = [self.item_ids.get(raw_key(raw)) for raw in query.items]
+        timestamps = query.timestamps or [0] * len(ids)
+        ratings = query.ratings or [0] * len(ids)
+        kept = [(i, int(t), int(r)) for i, t, r in zip(ids, timestamps, ratings) if i is not None]
+        seen = [i for i, _, _ in kept]
+        kept = kept[-self.max_history:]
+        return _Known([i for i, _, _ in kept], [t for _, t, _ in kept], [r for _, _, r in kept], ids.count(None),
+                      seen)
+
+    def _user_ids(self, queries: Sequence[Query]) -> torch.Tensor | None:
+        if not self.user_features:
+            return None
+        return torch.tensor([[self._feature_id(name, query.features.get(name)) for name, _ in self.user_features]
+                             for query in queries], dtype=torch.int64, device=self.device)
+
+    def _feature_id(self, name: str, value: Any) -> int:
+        ids = self.feature_ids[name]
+        return next((ids[key] for key in _feature_keys(value) if key in ids), 0)
+
+    def _top(self, known: list["_Known"], queries: Sequence[Query], k: int,
+             exclude_history: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k ``(scores, ids)`` of a chunk of non-empty histories (``score_queries``' query)."""
+        device = self.device
+
+        def flat(name: str) -> torch.Tensor:
+            return torch.tensor([v for history in known for v in getattr(history, name)], dtype=torch.int64,
+                                device=device)
+
+        lengths = torch.tensor([len(history.ids) for history in known], dtype=torch.int64, device=device)
+        offsets = offsets_from_lengths(lengths)
+        users = self.model.user_vectors(self.model.lookup_users(self._user_ids(queries), self.user_tables))
+        hidden = self.model.encode_rows(self.item_table[flat("ids")], offsets, flat("timestamps"), flat("ratings"),
+                                        users)
+        scores = hidden[last_positions(offsets)] @ self.normalized_table.t()
+        scores[:, 0] = float("-inf")
+        if exclude_history:
+            seen = torch.tensor([len(history.seen) for history in known], device=device)
+            scores[torch.repeat_interleave(torch.arange(len(known), device=device), seen), flat("seen")] = -math.inf
+        return torch.topk(scores, min(k, self.num_items), dim=1)
+
+
+@dataclass
+class _Known:
+    """A history's known items: the most recent ``max_history`` with their times and ratings (the query),
+    how many were unknown, and every known one (what ``exclude_history`` leaves out)."""
+
+    ids: list[int]
+    timestamps: list[int]
+    ratings: list[int]
+    unknown: int
+    seen: list[int]
+
+
+def _feature_keys(value: Any) -> tuple[str, ...]:
+    """The forms a user feature's raw value may have in the vocabulary (prepare compared Spark's string
+    cast: integers as ``24``, booleans as ``true``, doubles as ``24.0``); none: unknown."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ()
+    if type(value).__name__ in ("bool", "bool_"):
+        return ("true" if value else "false",)
+    if isinstance(value, float):  # a double column, or an integer one pandas widened for a missing value
+        return (str(value), raw_key(value))
+    return (raw_key(value),)
