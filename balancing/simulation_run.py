@@ -1,24 +1,19 @@
 """`freescale simulate`'s work on a ``SimulationSpec`` (balancing/simulation_spec.py), NumPy only:
-the memory check before planning, the time model (fitted on measured runs and/or given
-explicitly) and the noise, the cost model the plans are costed with, and the plans the real
+the time model (fitted on measured runs and/or given explicitly) and the noise, the cost model the plans are costed with, and the plans the real
 planner builds at every K. The Monte Carlo itself is balancing/simulate.py's, its fit to runs
 balancing/time_model.py's; a shard set's plan and a prepared dataset's lengths are read by
-shards/simulation.py.
+shards/simulation.py, the memory check before planning balancing/plan_memory.py's.
 """
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from balancing.simulate import (PLAN_BYTES_PER_SAMPLE, Noise, TimeModel, lognormal_lengths, plan_loads,
-                                plan_memory_bytes, sample_lengths)
+from balancing.simulate import Noise, TimeModel, lognormal_lengths, plan_loads, sample_lengths
 from balancing.simulation_spec import parse_lengths
 from balancing.time_model import (check_same_cost_model, describe_cost_model, fit_time_model, mirror_noise, read_run,
                                   runs_cost_model)
-from runtime.errors import InputError
 
 if TYPE_CHECKING:
     from balancing.simulation_spec import SimulationSpec
@@ -26,43 +21,6 @@ if TYPE_CHECKING:
 
 Plans = dict[int, dict[str, np.ndarray]]
 """{K: {plan name: [steps, K] loads in cost units}}."""
-
-
-# ----------------------------------------------------------------------- memory
-
-
-def available_memory_bytes() -> int | None:
-    """Memory this process may still take: the kernel's MemAvailable, capped by the cgroup's
-    limit when one is set; None where neither can be read (no bound is applied)."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        available = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M).group(1)) * 1024
-    except (OSError, AttributeError, ValueError):
-        return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-        if limit != "max":
-            available = min(available, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def check_plan_memory(world_sizes: list[int], local_batch_size: int, steps: int) -> None:
-    """Refuse up front a K whose plans would not fit in this machine's memory: planning starts
-    by drawing K x B x steps sample lengths, and a MemoryError after minutes of allocating
-    names nothing."""
-    available = available_memory_bytes()
-    if available is None:
-        return
-    k = max(world_sizes)
-    needed = plan_memory_bytes(k, local_batch_size, steps)
-    if needed > available:
-        raise InputError(f"--world-sizes: K={k} needs about {needed / 2**30:.3g} GiB to plan ({k} ranks x "
-                         f"{local_batch_size} samples x {steps} steps x {PLAN_BYTES_PER_SAMPLE} bytes), more than "
-                         f"the {available / 2**30:.3g} GiB of memory available here; simulate fewer ranks, "
-                         "--steps or --local-batch-size")
 
 
 # ----------------------------------------------------------------------- measured runs

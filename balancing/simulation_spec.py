@@ -129,7 +129,7 @@ class SimulationSpec:
         if self.world_sizes:
             parse_world_sizes(self.world_sizes)
         if not self.shards:  # a shard set's plan exists already; built plans are sized by K first
-            from balancing.simulation_run import check_plan_memory
+            from balancing.plan_memory import check_plan_memory
 
             check_plan_memory(self.planned_world_sizes, self.planned_batch_size, self.steps)
 

@@ -38,7 +38,7 @@ def command_seconds(argv: list[str], expect_code: int, expect_text: str) -> floa
 
 
 def reachability_seconds() -> float:
-    code = ("import time\nfrom tracking.runs import reachable_tracking_uri\n"
+    code = ("import time\nfrom tracking.store import reachable_tracking_uri\n"
             f"start = time.perf_counter()\nreachable_tracking_uri('balance', {DEAD_URI!r})\n"
             "print(time.perf_counter() - start)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,

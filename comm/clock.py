@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from comm.backend import Work
+from comm.base import Work
 
 
 @dataclass

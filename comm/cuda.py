@@ -45,7 +45,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from comm.backend import BackendUnavailable, CollectiveBackend, TorchWork, Work
+from comm.base import CollectiveBackend, TorchWork, Work
+from comm.errors import BackendUnavailable
 from runtime.errors import one_line
 
 ZERO_CTA_MIN_NCCL = (2, 28)  # NCCL_CTA_POLICY_ZERO and copy-engine collectives arrived in NCCL 2.28

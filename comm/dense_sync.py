@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from comm.backend import CollectiveBackend
+from comm.base import CollectiveBackend
 from comm.clock import CommClock, Tracked
 
 

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torchrec import KeyedJaggedTensor
 
-from comm.backend import CollectiveBackend
+from comm.base import CollectiveBackend
 from comm.clock import CommClock, Tracked
 from comm.routes import LocalLookup, TableRoute
 

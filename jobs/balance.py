@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from runtime.job_errors import run_job
-from tracking.runs import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from tracking.store import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from runtime import options
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 
@@ -38,10 +38,10 @@ def check_inputs(spec: BalanceSpec) -> None:
     """What can be checked without Spark (local paths; Spark checks remote ones): the output is not
     an input, --input holds sequences, and a --master spark://... takes connections."""
     from runtime.atomic_output import check_local_output_free, check_no_overlap
-    from pipeline import preflight
+    from runtime.spark_master import check_master
     from shards.spark_balance import check_local_input
 
-    preflight.check_master(spec.master)
+    check_master(spec.master)
     check_no_overlap(spec.output, {"--input": spec.input, "--cost-model": spec.cost_model})
     check_local_output_free(spec.output, spec.overwrite)
     check_local_input(spec)
@@ -53,7 +53,9 @@ def balance(spec: BalanceSpec, tracking: Tracking) -> int:
 
     from runtime.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from runtime.hadoop_fs import HadoopFS
-    from tracking.runs import DataRef, job_run, reachable_tracking_uri, run_tags
+    from tracking.datasets import DataRef
+    from tracking.runs import job_run, run_tags
+    from tracking.store import reachable_tracking_uri
     from pipeline.prepared import METADATA_NAME
     from pipeline.cost_model import CostModel, default_cost_model
     from runtime.session import build_spark_session, checkpoints_removed

@@ -47,7 +47,7 @@ from runtime import options
 from training.calibration.calibrate_spec import CalibrateSpec  # standard library only
 from training.calibration.run import calibrate_and_record, calibration_device  # torch loads when they run
 from training.calibration.rank_speed_ranks import WORKER_FLAG, RankSpeedsFailed  # torch loads in the ranks
-from tracking.runs import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from tracking.store import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +71,8 @@ def calibrate(spec: CalibrateSpec, overrides: list[str], tracking: Tracking) -> 
     config = load_config(spec.config, overrides)
     device = calibration_device(spec.device, config.model)
 
-    from tracking.runs import job_run, reachable_tracking_uri
+    from tracking.runs import job_run
+    from tracking.store import reachable_tracking_uri
     uri = reachable_tracking_uri("calibrate", tracking.uri)  # unreachable: one warning, untracked
 
     # The run spans the job's work (profiling, rank speeds), FAILED if the job fails.

@@ -46,7 +46,7 @@ from training.timing.comparison import (  # no torch
     plot_comparison,
     run_trainings,
 )
-from tracking.runs import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from tracking.store import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 
 
 # ----------------------------------------------------------------------- arguments
@@ -138,7 +138,9 @@ def build_shard_sets(args: CompareSpec, work: Path, tracking: Tracking) -> dict[
 def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, started: float) -> dict:
     """The parent run: the shard sets, every training, the medians and the plot; the comparison's summary."""
     from shards.schema import MANIFEST_NAME
-    from tracking.runs import NOTE_TAG, DataRef, job_run, run_tags, run_url
+    from tracking.datasets import DataRef
+    from tracking.runs import NOTE_TAG, job_run, run_tags
+    from tracking.store import run_url
 
     params = {"input": args.input, "shards": args.shards, "world_size": cmp.world_size,
               "local_batch_size": cmp.local_batch_size, **args.balanced, "strategy": cmp.strategy,
@@ -182,7 +184,7 @@ def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, sta
 def compare(spec: CompareSpec, overrides: list[str], tracking: Tracking) -> int:
     manifests = check_args(spec, overrides)  # before anything heavy
 
-    from tracking.runs import reachable_tracking_uri
+    from tracking.store import reachable_tracking_uri
 
     # One check for every stage: they get the answer (or 'none'), never a second warning.
     tracking = dataclasses.replace(tracking, uri=reachable_tracking_uri("compare", tracking.uri))

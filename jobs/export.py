@@ -19,7 +19,7 @@ from typing import Callable
 from runtime.job_errors import run_job
 from runtime import options
 from training.export.spec import ExportSpec, check_arguments  # standard library only
-from tracking.runs import Tracking, add_tracking_arguments, resolve_tracking_uri  # no mlflow import
+from tracking.store import Tracking, add_tracking_arguments, resolve_tracking_uri  # no mlflow import
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ from runtime import options
 from runtime.options import option
 from training.config import CommMode  # the typed config, no torch
 from training.parallel.launcher import RDZV_TIMEOUT_S  # the launcher's logic, no torch either
-from tracking.runs import TRACKING_URI_HELP
+from tracking.store import TRACKING_URI_HELP
 
 
 CLI = ("cli",)

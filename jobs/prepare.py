@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Callable
 
 from runtime.job_errors import run_job
-from tracking.runs import Tracking, add_tracking_arguments  # no mlflow import until a run opens
+from tracking.store import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from runtime import options
 from pipeline.prepare_spec import PrepareSpec  # standard library only
 
@@ -40,10 +40,10 @@ def check_inputs(spec: PrepareSpec) -> None:
     the output is not an input, the inputs exist, Parquet footers are readable and have
     the needed columns, a --master spark://... takes connections."""
     from runtime.atomic_output import check_local_output_free, check_no_overlap
-    from pipeline import preflight
+    from runtime.spark_master import check_master
     from pipeline.spark_prepare import check_local_inputs
 
-    preflight.check_master(spec.master)
+    check_master(spec.master)
     check_no_overlap(spec.output, {"--input": spec.input, "--user-features": spec.user_features})
     check_local_output_free(spec.output, spec.overwrite)
     check_local_inputs(spec)
@@ -55,7 +55,9 @@ def prepare(spec: PrepareSpec, tracking: Tracking) -> int:
 
     from runtime.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
     from runtime.hadoop_fs import HadoopFS
-    from tracking.runs import DataRef, job_run, reachable_tracking_uri
+    from tracking.datasets import DataRef
+    from tracking.runs import job_run
+    from tracking.store import reachable_tracking_uri
     from pipeline import spark_prepare
     from pipeline.prepared import METADATA_NAME, metadata_text
     from runtime.session import build_spark_session, checkpoints_removed

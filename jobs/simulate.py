@@ -31,7 +31,7 @@ from pathlib import Path
 from balancing.simulation_spec import SimulationSpec, add_simulation_arguments  # numpy only
 from runtime.job_errors import run_job
 from runtime import options
-from tracking.runs import add_tracking_arguments  # no mlflow import until a run opens
+from tracking.store import add_tracking_arguments  # no mlflow import until a run opens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +56,8 @@ def simulate(spec: SimulationSpec, args: argparse.Namespace) -> int:
     from balancing.time_model import predict, reductions
     from runtime.json_files import write_json
     from shards.simulation import simulation_plans
-    from tracking.runs import job_run, reachable_tracking_uri
+    from tracking.runs import job_run
+    from tracking.store import reachable_tracking_uri
 
     model, described, runs_model = build_time_model(spec, warn)  # measured runs first: a bad file fails before planning
     uri = reachable_tracking_uri("simulate", args.tracking_uri)

@@ -94,7 +94,7 @@ def train(argv: list[str]) -> int:
 def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     import torch.distributed as dist
 
-    from tracking.runs import DISABLED, reachable_tracking_uri
+    from tracking.store import DISABLED, reachable_tracking_uri
     from pipeline.run_summary import write_run_summary
     from training.timing.bubbles import TIMING_FIELDS
     from training.loop.trainer import NullSink, Trainer

@@ -9,7 +9,7 @@ in both the columns the job needs, spelt alike in every file, and at least one r
 a line-order file (``user item`` per line) its first lines. Errors are one-line
 :class:`InputError` naming the file and the column.
 
-A standalone Spark master is checked here too (check_master): one that takes no connection
+A standalone Spark master is checked before the session too (runtime.spark_master): one that takes no connection
 fails in seconds instead of after Spark's minute of registration tries.
 
 No pyspark here; pyarrow is imported when a Parquet file is actually checked.
@@ -21,11 +21,10 @@ import gzip
 import itertools
 import os
 import re
-import socket
 import zlib
 from pathlib import Path
 
-from runtime.errors import InputError, ServiceUnavailable, one_line
+from runtime.errors import InputError, one_line
 from pipeline.layouts import (
     COMPRESSION_SUFFIXES,
     FORMATS,
@@ -340,42 +339,3 @@ def check_parquet_columns(path: str, required: tuple[str, ...], what: str, hint:
         missing = [c for c in required if c not in columns]
         if missing:
             raise InputError(f"{what}{file} lacks column {missing[0]!r} (has {', '.join(columns)}); {hint}")
-
-
-# How long a standalone master gets to take a connection before the job gives up on it.
-MASTER_CHECK_TIMEOUT_S = 5.0
-
-
-def check_master(master: str | None, timeout_s: float = MASTER_CHECK_TIMEOUT_S) -> None:
-    """Raise ServiceUnavailable, naming the master, when a standalone master (``spark://HOST:PORT``,
-    or several for a standby pair, comma separated) takes no connection at any of its addresses.
-
-    Spark itself would try to register with it 3 times, 20 s apart (fixed in its
-    StandaloneAppClient: no setting shortens it), then stop the context, and the job's first call
-    would fail with "Cannot call methods on a stopped SparkContext". Other masters (local, yarn,
-    k8s) are not checked.
-    """
-    if not master or not master.startswith("spark://"):
-        return
-    failures = []
-    for address in master[len("spark://"):].split(","):
-        reason = _refused(address.strip(), timeout_s)
-        if reason is None:
-            return
-        failures.append(f"{address.strip()}: {reason}")
-    raise ServiceUnavailable(f"Spark master {master} does not answer ({'; '.join(failures)}): is it running, "
-                             "and is this its URL (spark-submit --master)?")
-
-
-def _refused(address: str, timeout_s: float) -> str | None:
-    """Why ``HOST:PORT`` takes no TCP connection; None when it takes one."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return "not HOST:PORT"
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return None
-    except TimeoutError:
-        return f"no answer in {timeout_s:g} s"
-    except OSError as exc:
-        return exc.strerror or one_line(exc)

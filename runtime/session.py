@@ -14,7 +14,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from runtime import logs
 from runtime.errors import one_line
-from pipeline.preflight import check_master
+from runtime.spark_master import check_master
 
 
 def under_spark_submit() -> bool:

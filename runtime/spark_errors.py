@@ -8,7 +8,7 @@ what to do, and exit 3 (runtime/job_errors.py).
     a stopped SparkContext       the cluster manager gave the application up (a master that stopped
                                  answering, executors that never came); not on local Spark
 
-A master that does not answer at all is caught before Spark starts (runtime.session.check_master).
+A master that does not answer at all is caught before Spark starts (runtime.spark_master.check_master).
 Standard library only: the texts are those of py4j's Py4JJavaError (the JVM's exception and its
 "Caused by:" chain) and of Python's own errors.
 """

@@ -2,52 +2,17 @@
 statistics, artifacts), and the tags that line up the runs of one `freescale compare`."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from runtime.errors import one_line
-from training.config import DEFAULT_EXPERIMENT  # plain dataclasses, no torch
-
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
-DISABLED = "none"
-TRACKING_URI_HELP = f"MLflow URI (default $MLFLOW_TRACKING_URI or {DEFAULT_TRACKING_URI}; '{DISABLED}' disables)"
-
-
-def add_tracking_arguments(parser: argparse.ArgumentParser, experiment: bool = True,
-                           experiment_default: str | None = DEFAULT_EXPERIMENT,
-                           experiment_note: str = DEFAULT_EXPERIMENT) -> None:
-    """Every job's ``--tracking-uri`` and (unless ``experiment`` is False) ``--experiment``."""
-    parser.add_argument("--tracking-uri", help=TRACKING_URI_HELP)
-    if experiment:
-        parser.add_argument("--experiment", default=experiment_default,
-                            help=f"MLflow experiment (default {experiment_note})")
-
-
-@dataclass(frozen=True)
-class Tracking:
-    """Where a job records its run: ``--tracking-uri`` (None: resolve_tracking_uri's default),
-    ``--experiment``, and the `freescale compare` it belongs to (MLflow tag freescale.comparison)."""
-
-    uri: str | None = None
-    experiment: str | None = DEFAULT_EXPERIMENT
-    """None: the job names it (compare: freescale-<dataset>)."""
-    comparison: str | None = None
-
-    @classmethod
-    def of(cls, args: argparse.Namespace) -> Tracking:
-        return cls(args.tracking_uri, args.experiment, getattr(args, "comparison", None))
-
-
-def resolve_tracking_uri(cli_value: str | None) -> str:
-    """CLI flag, then MLFLOW_TRACKING_URI, then the local sqlite file."""
-    return cli_value or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+from tracking.datasets import DataRef, log_datasets
+from tracking.store import DISABLED, find_or_create_experiment, unreachable_reason, unwritable_store_reason
 
 
 def code_version() -> str:
@@ -62,75 +27,26 @@ def code_version() -> str:
 
 # Tags every run of a comparison carries, so runs line up in MLflow whichever job made them.
 STRATEGY_TAG, CONTROL_TAG, COMPARISON_TAG = "freescale.strategy", "freescale.control", "freescale.comparison"
+
+
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under that run
+
+
 # The working directory of the `freescale pipeline` whose stage made a run: the pipeline sets
 # PIPELINE_ENV for its stages (in-process jobs, and the ranks and trainings they start), and a
 # later run of that pipeline finds the runs a killed one left RUNNING by it.
 PIPELINE_TAG, PIPELINE_ENV = "freescale.pipeline", "FREESCALE_PIPELINE_WORKDIR"
+
+
 # The output a job writes: a later run of the same job to the same output ends the run a killed one
 # left RUNNING (one run per output at a time, the assumption its staging folder's removal makes).
 OUTPUT_TAG = "freescale.output"
+
+
 PARAMS_PER_REQUEST = 90  # under MLflow's cap of params per log_batch
-# What an experiment holds, for MLflow UIs that choose their view by it. MLflow 3.17's own UI does
-# not (its bundle reads the GenAI / model-training switch, a URL parameter kept per browser), so
-# the links FreeScale prints carry TRAINING_VIEW: run_url.
-EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-TRAINING_VIEW = "workflowType=machine_learning"
+
+
 NOTE_TAG = "mlflow.note.content"  # a run's description on its page (Markdown)
-DIGEST_CHARS = 32  # of a sha256; MLflow keeps at most 36 characters of a dataset digest
-
-
-@dataclass(frozen=True)
-class DataRef:
-    """A dataset a run read or wrote, as MLflow's run inputs list it: name, content digest (the first
-    DIGEST_CHARS of a sha256), source URI, and a profile of its counts."""
-
-    name: str
-    digest: str
-    source: str
-    profile: dict[str, Any]
-
-    @classmethod
-    def prepared(cls, uri: str, metadata_text: str) -> DataRef:
-        """A `freescale prepare` output, by its prepare.json (which the job writes last)."""
-        import hashlib
-        import json
-
-        meta = json.loads(metadata_text)
-        keys = ("users", "num_items", "interactions", "max_seq_len")
-        return cls(f"prepared:{Path(uri.rstrip('/')).name}",
-                   hashlib.sha256(metadata_text.encode()).hexdigest()[:DIGEST_CHARS], uri,
-                   {k: meta[k] for k in keys if k in meta})
-
-    @classmethod
-    def shards(cls, uri: str, manifest_text: str) -> DataRef:
-        """A shard set, by its manifest.json (whose sha256 is shards.manifest.Manifest.sha256)."""
-        import hashlib
-        import json
-
-        raw = json.loads(manifest_text)
-        keys = ("world_size", "local_batch_size", "num_steps", "strategy", "control")
-        return cls(f"shards:{Path(uri.rstrip('/')).name}",
-                   hashlib.sha256(manifest_text.encode()).hexdigest()[:DIGEST_CHARS], uri,
-                   {k: raw.get(k) or "none" for k in keys})
-
-    @classmethod
-    def logs(cls, source: dict[str, Any]) -> DataRef:
-        """prepare's input: a file by its URI and (local) size and modification time, or the generator's settings."""
-        import hashlib
-        import json
-
-        from runtime.paths import local_path
-
-        uri = source.get("uri")
-        local = local_path(uri) if uri else None
-        identity = dict(source)
-        if local and Path(local).exists():
-            stat = Path(local).stat()
-            identity.update(bytes=stat.st_size, mtime_ns=stat.st_mtime_ns)
-        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:DIGEST_CHARS]
-        name = f"logs:{Path(uri.rstrip('/')).name}" if uri else f"synthetic:{source.get('users')}u"
-        return cls(name, digest, uri or "synthetic", {k: v for k, v in source.items() if k != "uri"})
 
 
 def run_tags(strategy: str | None = None, control: str | None = None, comparison: str | None = None) -> dict[str, str]:
@@ -274,44 +190,6 @@ class JobRun:
             sys.stderr.flush()
 
 
-def run_url(uri: str, experiment_id: str | None, run_id: str | None = None) -> str | None:
-    """The MLflow UI page of a run (or, without one, of its experiment's runs) in the training-runs
-    view; None unless ``uri`` is a tracking server (http, https)."""
-    if not uri.startswith(("http://", "https://")) or not experiment_id:
-        return None
-    page = f"runs/{run_id}" if run_id else "runs"
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/{page}?{TRAINING_VIEW}"
-
-
-def log_datasets(client, run_id: str, refs: Mapping[str, DataRef]) -> None:
-    """``refs`` as the run's dataset inputs, each with its context tag (MLflow's mlflow.data.context)."""
-    import json
-
-    from mlflow.entities import Dataset, DatasetInput, InputTag
-    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
-
-    client.log_inputs(run_id, datasets=[
-        DatasetInput(Dataset(ref.name, ref.digest, "path", json.dumps({"uri": ref.source}),
-                             profile=json.dumps(ref.profile)), tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
-        for context, ref in refs.items()])
-
-
-def find_or_create_experiment(client, name: str) -> str:
-    """The id of experiment `name`, created when missing (every job's and training's run), in MLflow's
-    training-runs view (EXPERIMENT_KIND_TAG; set on one made before it had that tag, never changed)."""
-    found = client.get_experiment_by_name(name)
-    if found is None:
-        try:
-            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
-        except Exception:  # noqa: BLE001 - another job created it first: use theirs
-            found = client.get_experiment_by_name(name)
-            if found is None:
-                raise
-    if EXPERIMENT_KIND_TAG not in found.tags:
-        client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-    return found.experiment_id
-
-
 @contextlib.contextmanager
 def job_run(job: str, *, tracking_uri: str, experiment: str, params: Mapping[str, Any] | None = None,
             tags: Mapping[str, str] | None = None, run_name: str | None = None,
@@ -353,122 +231,6 @@ def failure(exc: BaseException) -> str:
 def _param_value(value: Any) -> str:
     text = str(value)
     return text if len(text) <= 6000 else text[:5997] + "..."
-
-
-# ------------------------------------------------------- a server that does not answer
-
-CHECK_TIMEOUT_S = 5.0
-# mlflow's own HTTP client retries 7 times with a 120 s timeout: minutes per call on a
-# dead server. Once the server answered the check, a server that dies mid-job should
-# cost seconds; a user's own settings win.
-SHORT_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
-
-
-def reachable_tracking_uri(job: str, cli_value: str | None) -> str:
-    """The job's tracking URI (see resolve_tracking_uri), or DISABLED when its server does not
-    answer or its local store cannot be written.
-
-    Called once before the job's work starts, so tracking never stops or stalls a job:
-    an unreachable server or an unwritable store costs at most CHECK_TIMEOUT_S and one
-    warning line, and the job runs untracked.
-    """
-    uri = resolve_tracking_uri(cli_value)
-    if uri == DISABLED:
-        return uri
-    for name, value in SHORT_MLFLOW_RETRIES.items():
-        os.environ.setdefault(name, value)
-    reason = unreachable_reason(uri)
-    if reason is None:
-        reason = unwritable_store_reason(uri)
-        if reason is None:
-            return uri
-        problem = f"cannot be written ({reason})"
-    else:
-        problem = f"is unreachable ({reason})"
-    sys.stderr.write(f"freescale {job}: warning: MLflow at {uri} {problem}; running untracked\n")
-    sys.stderr.flush()
-    return DISABLED
-
-
-def unreachable_reason(uri: str, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
-    """Why an http(s) tracking server does not answer, or None when it does.
-
-    A plain GET of its /health with a socket timeout, not mlflow's retrying client. An
-    MLflow server answers 200; 401/403 (an authenticating proxy in front of one) count as
-    reachable too, anything else as not (a 404 is some other server). Local stores
-    (sqlite, file) need no network and are not checked.
-    """
-    import urllib.error
-    import urllib.request
-    from urllib.parse import urlsplit
-
-    if urlsplit(uri).scheme not in ("http", "https"):
-        return None
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError as exc:
-        return None if exc.code in (401, 403) else f"HTTP {exc.code} from /health"
-    except TimeoutError:
-        return f"no answer in {timeout_s:g} s"
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        if isinstance(reason, TimeoutError):
-            return f"no answer in {timeout_s:g} s"
-        return getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
-
-
-def unwritable_store_reason(uri: str, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
-    """Why a local store (``sqlite:///FILE``, ``file:DIR`` or a plain folder) cannot be written,
-    or None when it can (and for every other kind of store, which is not checked).
-
-    mlflow retries opening an unusable sqlite file for about 100 s, logging each attempt, and
-    creates missing parent folders: so the file must be a readable sqlite database in a folder
-    this process can create files in (sqlite's journal goes beside it), or, when missing, its
-    nearest existing parent folder must take a new file. The probe is a nameless temporary
-    file: nothing is left behind.
-    """
-    import sqlite3
-    import tempfile
-    from urllib.parse import quote, urlsplit
-
-    from runtime.paths import local_path
-
-    scheme = urlsplit(uri).scheme
-    if scheme == "sqlite":
-        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
-        if path in ("", ":memory:"):
-            return None
-    elif scheme in ("", "file") and local_path(uri) is not None:
-        path = local_path(uri)
-    else:
-        return None
-    target = Path(path).absolute()
-    if target.exists():
-        if scheme == "sqlite":
-            if target.is_dir():
-                return f"{target} is a folder, not a sqlite file"
-            try:
-                with contextlib.closing(sqlite3.connect(f"file:{quote(str(target))}?mode=rw", uri=True,
-                                                        timeout=timeout_s)) as db:
-                    db.execute("select count(*) from sqlite_master").fetchone()
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc):  # busy with another job's write: usable
-                    return f"{target}: {exc}"
-            except sqlite3.DatabaseError as exc:
-                return f"{target}: {exc}"
-            if not os.access(target, os.R_OK | os.W_OK):
-                return f"{target} is read-only"
-        folder = target.parent if scheme == "sqlite" else target
-    else:
-        folder = next(p for p in target.parents if p.exists())
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        return f"cannot create files in {folder}: {exc.strerror or one_line(exc)}"
-    return None
 
 
 def fail_orphaned_runs(uri: str, workdir: str) -> list[str]:

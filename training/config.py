@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 
 from comm.names import BackendName as CommBackendName
 from runtime.errors import InputError
+from tracking.store import DEFAULT_EXPERIMENT
 
 ShardingName = Literal["row_wise", "table_wise"]
 ParallelBackendName = Literal["auto", "gloo", "nccl"]
@@ -209,7 +210,7 @@ class ModelConfig:
     encoder: EncoderName = shape("hstu")
     """Sequence encoder, a name in ``ENCODERS``: ``"hstu"`` (``training.model.hstu``, shaped by
     ``model.hstu``) or ``"sasrec"`` (``training.model.sasrec``, the SASRec baseline, shaped by
-    ``model.sasrec``), or one registered with ``register_encoder``. Whichever it is, the item tables,
+    ``model.sasrec``), or one registered with ``training.model.registry.register_encoder``. Whichever it is, the item tables,
     user features, loss, comm modes, checkpoints and evaluation are the same."""
     embedding_dim: int = shape(64)
     """Width ``D`` of the model: the item and user feature tables' rows, the rating embedding, and
@@ -260,18 +261,13 @@ class ModelConfig:
         embeddings (SASRec's positions) start at, so they neither swamp item identity nor vanish."""
         return self.embedding_init_scale / math.sqrt(3.0) * math.sqrt(self.embedding_dim)
 
-    def check_device(self, device_type: str) -> None:
-        """Refuse what the chosen encoder cannot run on ``device_type`` (``"cpu"``, ``"cuda"``), before
-        any model or output exists: one line (its ``EncoderSpec.check``)."""
-        ENCODERS[self.encoder].check(self, device_type)
-
     def __post_init__(self) -> None:
         # Also run by load_config after a file or override changed the fields.
         if self.encoder not in ENCODERS:  # a file or override was checked already; a constructor was not
             raise ValueError(f"encoder must be one of {tuple(ENCODERS)}, got {self.encoder!r}")
-        for name, spec in ENCODERS.items():  # encoders registered after this class: a section each
+        for name, section in ENCODERS.items():  # encoders registered after this class: a section each
             if not hasattr(self, name):
-                setattr(self, name, spec.config())
+                setattr(self, name, section())
         if self.embedding_dim < 1:
             raise ValueError(f"embedding_dim must be >= 1, got {self.embedding_dim}")
         check_with = getattr(self.encoder_config, "check_with", None)
@@ -279,66 +275,32 @@ class ModelConfig:
             check_with(self)
 
 
-@dataclass(frozen=True)
-class EncoderSpec:
-    """One sequence encoder the model can be built with: the registry entry of ``model.encoder``'s
-    value (``ENCODERS``). ``docs/extending.md`` says how to add one."""
-
-    config: type
-    """Dataclass of its section ``[model.<name>]``, built with no arguments for the defaults: a
-    docstring per field, its own checks in ``__post_init__`` (``ValueError``), checks against the
-    model's keys in an optional ``check_with(model)``, the fields that size its parameters marked
-    ``shape(...)``, and a ``max_seq_len``, the longest history it is shaped for."""
-    build: Callable[[ModelConfig], Any]
-    """The model's config -> the encoder, a ``training.model.encoders.Encoder`` of width
-    ``model.embedding_dim``. Called when a model is built, so it may import torch; loading a config
-    never calls it."""
-    check: Callable[[ModelConfig, str], None] = lambda model, device_type: None
-    """Refuses, in one line (an ``InputError``), a config the encoder cannot run on a device type
-    (``"cpu"``, ``"cuda"``); ``freescale calibrate`` asks before it times anything. Default: none."""
-
-
-# model.encoder -> its spec. Registration order is the order the choices are listed in.
-ENCODERS: dict[str, EncoderSpec] = {}
+# model.encoder -> the class of its section ``[model.<name>]``: the names a config may give and what
+# each section loads into. The encoders themselves (how each is built, what each refuses) are the
+# model's registry, ``training.model.registry``, which declares its names here; a config loads
+# without it, and so without torch.
+ENCODERS: dict[str, type] = {"hstu": HSTUConfig, "sasrec": SASRecConfig}
 
 # model.encoder's type: a name ENCODERS holds when the config loads.
 EncoderName = Annotated[str, OneOf(lambda: tuple(ENCODERS))]
 
 
-def register_encoder(name: str, spec: EncoderSpec) -> None:
-    """Make ``model.encoder = name`` build ``spec.build(model)``, shaped by ``[model.<name>]`` (a
-    ``spec.config``). Configs made from then on carry the section (``ModelConfig.extra_sections``)."""
+def declare_encoder_section(name: str, section: type) -> None:
+    """Make ``model.encoder = name`` a choice shaped by ``[model.<name>]`` (a ``section``); configs made
+    from then on carry the section (``ModelConfig.extra_sections``). Declaring a name again with the
+    class it has already does nothing (the built-in encoders' sections are declared above)."""
+    if ENCODERS.get(name) is section:
+        return
     # A ModelConfig field may be the encoder's own section (hstu, sasrec); any other is a model key.
-    model_keys = {f.name for f in dataclasses.fields(ModelConfig) if f.default_factory is not spec.config}
+    model_keys = {f.name for f in dataclasses.fields(ModelConfig) if f.default_factory is not section}
     if name in ENCODERS or name in model_keys or not name.isidentifier():
         raise ValueError(f"cannot register encoder {name!r}: taken, or not a plain name "
                          f"(registered: {', '.join(ENCODERS)}; model keys: {', '.join(sorted(model_keys))})")
-    fields = {f.name for f in dataclasses.fields(spec.config)} if dataclasses.is_dataclass(spec.config) else set()
+    fields = {f.name for f in dataclasses.fields(section)} if dataclasses.is_dataclass(section) else set()
     if "max_seq_len" not in fields:
         raise TypeError(f"encoder {name!r}: its config must be a dataclass with a max_seq_len field")
-    ENCODERS[name] = spec
+    ENCODERS[name] = section
 
-
-def _build_hstu(model: ModelConfig) -> Any:
-    from training.model.hstu import HSTUEncoder  # torch: imported when a model is built, never when a config loads
-
-    return HSTUEncoder(model.hstu, model.embedding_dim, position_init_std=model.input_spread)
-
-
-def _check_hstu(model: ModelConfig, device_type: str) -> None:
-    from training.model.attention_kernel import attention_kernel_for  # here: that module imports this one
-
-    attention_kernel_for(model.hstu, device_type)
-
-
-def _build_sasrec(model: ModelConfig) -> Any:
-    from training.model.sasrec import SASRecEncoder
-
-    return SASRecEncoder(model.sasrec, model.embedding_dim, position_init_std=model.input_spread)
-
-
-register_encoder("hstu", EncoderSpec(HSTUConfig, _build_hstu, _check_hstu))
-register_encoder("sasrec", EncoderSpec(SASRecConfig, _build_sasrec))
 
 # Keys that moved, old spelling -> new: config files, overrides and checkpoints' recorded configs
 # may still use the old one (both in one config is refused).
@@ -508,7 +470,6 @@ class CheckpointConfig:
     """Continue from the newest complete checkpoint in the folder, if any."""
 
 
-DEFAULT_EXPERIMENT = "freescale"  # every job's MLflow experiment unless told otherwise
 
 
 @dataclass

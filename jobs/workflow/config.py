@@ -20,7 +20,8 @@ from runtime.errors import InputError
 from pipeline.prepare_spec import PrepareSpec  # standard library only
 from shards.balance_spec import BalanceSpec, StrategyName  # the balancing registry's names only: numpy
 from training.parallel.rank_checks import check_ranks_can_run
-from training.config import DEFAULT_EXPERIMENT, ConfigError, apply_table, load_config, parse_overrides  # no torch
+from tracking.store import DEFAULT_EXPERIMENT
+from training.config import ConfigError, apply_table, load_config, parse_overrides  # no torch
 from training.export.spec import ExportSpec  # standard library only
 
 # ------------------------------------------------------------------------------ config

@@ -74,7 +74,7 @@ class Workdir:
 
 def tracking_of(config: WorkflowConfig):
     """The tracking of a stage whose job takes a typed spec."""
-    from tracking.runs import Tracking
+    from tracking.store import Tracking
 
     return Tracking(config.pipeline.tracking_uri or None, config.pipeline.experiment)
 
@@ -421,7 +421,8 @@ def run(config: WorkflowConfig, fresh: bool = False) -> int:
 def _end_orphaned_runs(config: WorkflowConfig, workdir: str) -> None:
     """End FAILED the MLflow runs a killed run of this workdir left RUNNING; one note line, or one
     warning when that fails (tracking never stops the pipeline)."""
-    from tracking.runs import fail_orphaned_runs, resolve_tracking_uri
+    from tracking.runs import fail_orphaned_runs
+    from tracking.store import resolve_tracking_uri
 
     try:
         orphans = fail_orphaned_runs(resolve_tracking_uri(config.pipeline.tracking_uri or None), workdir)

@@ -285,7 +285,7 @@ def test_a_k_too_large_for_memory_is_refused_up_front_in_one_line(tmp_path):
 
 
 def test_the_memory_bound_is_the_largest_k_against_what_is_available(monkeypatch):
-    from balancing import simulation_run as run
+    from balancing import plan_memory as run
     from balancing.simulate import plan_memory_bytes
 
     monkeypatch.setattr(run, "available_memory_bytes", lambda: plan_memory_bytes(1000, 16, 16))

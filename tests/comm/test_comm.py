@@ -185,7 +185,7 @@ class LoopbackBackend(RecordingBackend):
         self.group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
 
     def all_to_all(self, output, input, output_splits, input_splits, group):
-        from comm.backend import TorchWork
+        from comm.base import TorchWork
         import torch.distributed as dist
 
         return TorchWork(self.group.alltoall_base(output, input, output_splits, input_splits,

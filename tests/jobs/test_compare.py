@@ -339,7 +339,7 @@ def test_given_shard_sets_run_in_variant_order_with_their_own_strategy(tmp_path)
     from jobs import compare
     from shards.shard_sets import check_shard_sets, parse_shard_sets
     from training.timing.comparison import describe
-    from tracking.runs import Tracking
+    from tracking.store import Tracking
 
     sets = {"control": fake_shard_set(tmp_path / "mirror", "contiguous", "mirror", seed=2),
             "balanced": fake_shard_set(tmp_path / "lpt", "lpt", seed=1),

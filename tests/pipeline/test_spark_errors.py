@@ -93,7 +93,7 @@ def _closed_port() -> int:
 
 def test_a_master_that_takes_no_connection_fails_in_a_second_naming_it():
     from runtime.errors import ServiceUnavailable
-    from pipeline.preflight import check_master
+    from runtime.spark_master import check_master
 
     master = f"spark://127.0.0.1:{_closed_port()}"
     started = time.perf_counter()

@@ -295,7 +295,7 @@ def test_the_options_are_the_specs_and_its_typed_entry_checks_them(tmp_path, cap
     ``run`` with a spec built from values, reports a bad value as the command line does: one line, exit 2."""
     from runtime import options
     from training.calibration.calibrate_spec import CalibrateSpec
-    from tracking.runs import Tracking
+    from tracking.store import Tracking
 
     flags = {a.dest for a in calibrate.build_parser()._actions} - {"help", "tracking_uri", "experiment"}
     assert flags == {f.name for f in dataclasses.fields(CalibrateSpec)}

@@ -184,7 +184,7 @@ def test_the_models_training_step_through_graphs_gives_the_eager_loss_and_gradie
 
 def test_only_an_encoder_that_reads_nothing_on_the_host_is_capturable() -> None:
     from training.config import ModelConfig
-    from training.model.encoders import build_encoder
+    from training.model.registry import build_encoder
 
     hstu = HSTUEncoder(HSTUConfig(attention_kernel="grouped"), WIDTH)
     assert "grouped attention kernel reads the batch's lengths" in hstu.not_capturable("cpu")

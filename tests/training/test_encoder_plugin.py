@@ -1,5 +1,5 @@
 """A third encoder from this file alone: nothing under training/ names it (checked below). It is
-registered (``training.config.register_encoder``), loads from a config and its overrides like HSTU's
+registered (``training.model.registry.register_encoder``), loads from a config and its overrides like HSTU's
 and SASRec's sections, and trains on 2 ranks, checkpoints and resumes to the uninterrupted run's
 losses, its shape key refusing a resume into another shape. What docs/extending.md promises."""
 from __future__ import annotations
@@ -15,17 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import (
-    ENCODERS,
-    ConfigError,
-    EncoderSpec,
-    ModelConfig,
-    load_config,
-    register_encoder,
-    shape,
-    shape_keys,
-    to_flat_dict,
-)
+from training.config import ConfigError, ModelConfig, load_config, shape, shape_keys, to_flat_dict
+from training.model.registry import ENCODERS, EncoderSpec, register_encoder, unregister_encoder
 from training.model.encoders import Encoder
 from training.ops.jagged import GroupedPlan, offsets_from_lengths
 from tests.helpers import free_port, write_shards
@@ -80,7 +71,7 @@ def register() -> None:
 def registered():
     register()
     yield
-    del ENCODERS[NAME]  # other tests' configs list the built-in encoders only
+    unregister_encoder(NAME)  # other tests' configs list the built-in encoders only
 
 
 def test_nothing_under_training_names_the_encoder():
@@ -185,4 +176,4 @@ def test_it_trains_on_two_ranks_checkpoints_and_resumes_exactly(tmp_path):
         with pytest.raises(ConfigError, match=f"another model shape \\(model.{NAME}.num_layers 1 -> 2\\)"):
             Checkpointer(str(folder), rank=0).check_config(2, to_flat_dict(wider))
     finally:
-        del ENCODERS[NAME]
+        unregister_encoder(NAME)

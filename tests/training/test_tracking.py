@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tracking.runs import DISABLED, reachable_tracking_uri
+from tracking.store import DISABLED, reachable_tracking_uri
 from tests.helpers import (SMALL_RUN, in_process_args, logged_losses, read_until_step, runs_of, sqlite_store,
                            start_train, train_in_process, wait_for_logged_steps)
 

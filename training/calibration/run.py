@@ -19,13 +19,15 @@ from training.calibration.calibrate_spec import TIMED_KEYS, CalibrateSpec
 def calibration_device(choice: str, model: Any) -> str:
     """The device ``--device`` means here, checked with the model's encoder before any run or output
     exists: a missing GPU, or what the encoder cannot run there (HSTU: a kernel that cannot run or
-    cannot take the config, the ranks' check) is one line (``ModelConfig.check_device``)."""
+    cannot take the config, the ranks' check) is one line (``training.model.registry.check_encoder``)."""
     import torch
+
+    from training.model.registry import check_encoder
 
     if choice == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available to this process")
     device = choice if choice != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model.check_device(device)
+    check_encoder(model, device)
     return device
 
 

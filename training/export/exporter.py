@@ -35,7 +35,7 @@ from training.export.spec import ExportSpec
 from training.export.exported_model import (ARTIFACT, DEFAULT_K, EVALUATION_FILE, FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE,
                                      USER_FEATURES_FILE, USER_TABLE, WEIGHTS_FILE, ExportedModel, Query, nested)
 from training.model.recommender import ITEM_TABLE as CHECKPOINT_ITEM_TABLE, USER_TABLE as CHECKPOINT_USER_TABLE
-from tracking.runs import Tracking
+from tracking.store import Tracking
 
 ITEM_KEY = f"embedding_collection.embeddings.{CHECKPOINT_ITEM_TABLE}.weight"
 USER_KEY = "user_embedding_collection.embedding_bags.{table}.weight"
@@ -297,7 +297,8 @@ def run_metrics(uri: str, run_id: str | None) -> tuple[Any, dict[str, float]]:
 def export(spec: ExportSpec, tracking: Tracking) -> int:
     """The job: ``spec``'s checkpoint to its folder and MLflow model; the arguments were checked
     (``training.export.spec.check_arguments``)."""
-    from tracking.runs import job_run, reachable_tracking_uri
+    from tracking.runs import job_run
+    from tracking.store import reachable_tracking_uri
 
     source = open_checkpoint(spec.checkpoint)
     vocab = read_vocabulary(prepared_folder(spec, source.config),

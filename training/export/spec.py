@@ -44,7 +44,7 @@ class ExportSpec:
 
 def check_arguments(spec: ExportSpec, tracking_uri: str) -> None:
     """Refuse, before anything is read or written, what the arguments alone show is wrong (one line,
-    exit 2). ``tracking_uri``: the resolved one (``tracking.runs.resolve_tracking_uri``)."""
+    exit 2). ``tracking_uri``: the resolved one (``tracking.store.resolve_tracking_uri``)."""
     from runtime.atomic_output import check_local_output_free, check_no_overlap
     from runtime.paths import local_path
 

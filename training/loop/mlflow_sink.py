@@ -12,7 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from tracking.runs import failure as tracking_failure, log_datasets  # no mlflow import until a run opens
+from tracking.datasets import log_datasets  # no mlflow import until a run opens
+from tracking.runs import failure as tracking_failure
 
 BATCH_METRICS = 1000  # MLflow's log_batch limit per request
 DRAIN_TIMEOUT_S = 15.0  # the most a run's end waits for unsent step metrics
@@ -65,7 +66,8 @@ class MLflowSink:
     def _start(self, experiment: str, run_name: str, parent_run_id: str):
         from mlflow.tracking.context.registry import resolve_tags  # the user/source tags of mlflow.start_run
 
-        from tracking.runs import PARENT_TAG, find_or_create_experiment
+        from tracking.runs import PARENT_TAG
+        from tracking.store import find_or_create_experiment
 
         experiment_id = find_or_create_experiment(self.client, experiment)
         # Nested under `freescale compare`'s parent run when it names one (the UI groups them).
@@ -192,7 +194,9 @@ def build_sink(config, trainer, uri: str) -> MLflowSink | None:
     """Rank 0's run (continuing the resumed job's), or None: other ranks, tracking off or failing."""
     from shards.schema import MANIFEST_NAME
     from training.config import to_flat_dict
-    from tracking.runs import DISABLED, DataRef, code_version, run_tags
+    from tracking.datasets import DataRef
+    from tracking.runs import code_version, run_tags
+    from tracking.store import DISABLED
 
     manifest = trainer.manifest
     if trainer.env.rank != 0 or uri == DISABLED:

@@ -1,4 +1,4 @@
-"""The encoder contract: what the model asks of a sequence encoder, and the one place that builds one.
+"""The encoder contract: what the model asks of a sequence encoder (``training.model.registry`` builds one).
 
 An encoder maps a jagged batch's input rows to output rows of the same width, one per position::
 
@@ -19,7 +19,7 @@ evaluation rely on:
 
 Which config fields size its parameters is marked on its config class (``training.config.shape``),
 so checkpoints refuse a resume that changes one; ``max_seq_len`` is the longest history it is shaped
-for. Encoders are registered by name (``training.config.ENCODERS``, ``register_encoder``): the
+for. Encoders are registered by name (``training.model.registry``, ``register_encoder``): the
 config class of their section ``[model.<name>]`` and a builder. ``docs/extending.md`` adds one.
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ import abc
 import torch
 from torch import nn
 
-from training.config import ENCODERS, ModelConfig
 
 
 class Encoder(nn.Module, metaclass=abc.ABCMeta):
-    """A sequence encoder over jagged batches (the contract above); built by ``build_encoder``."""
+    """A sequence encoder over jagged batches (the contract above); built by
+    ``training.model.registry.build_encoder``."""
 
     @abc.abstractmethod
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, timestamps: torch.Tensor) -> torch.Tensor:
@@ -61,11 +61,3 @@ def feed_forward_network(width: int, hidden: int, dropout: float) -> nn.Sequenti
     """The point-wise feed-forward network of a Transformer block, ``ReLU(x W1 + b1) W2 + b2`` with
     dropout on the hidden rows (SASRec's; HSTU's optional one is the same network)."""
     return nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Dropout(dropout), nn.Linear(hidden, width))
-
-
-def build_encoder(model: ModelConfig) -> Encoder:
-    """``model.encoder``'s encoder of width ``model.embedding_dim``, from its registry entry."""
-    encoder = ENCODERS[model.encoder].build(model)
-    if not isinstance(encoder, Encoder):
-        raise TypeError(f"encoder {model.encoder!r} built a {type(encoder).__name__}, not a training.model.encoders.Encoder")
-    return encoder

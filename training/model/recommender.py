@@ -45,7 +45,7 @@ from training.data.batch import (
 )
 from training.config import ConfigError, CudaGraphs, LossKind, ModelConfig, Precision
 from training.model.encoder_graphs import GraphedEncoder
-from training.model.encoders import build_encoder
+from training.model.registry import build_encoder
 from training.ops.jagged import next_item_positions
 from training.model.losses import LOSSES
 from training.model.precision import encoder_autocast

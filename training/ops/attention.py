@@ -21,17 +21,12 @@ from typing import Literal, get_args
 import torch
 
 from training.ops.hstu_attention_reference import BiasSpec, reference_hstu_attention
+from training.ops.kernel_limits import Backward
 
 __all__ = ["Backward", "BiasSpec", "Kernel", "hstu_attention"]
 
 Kernel = Literal["triton", "reference"]
 
-Backward = Literal["two_phase", "atomic_dq"]
-"""How the backward gets ``dQ`` and the bias gradients. ``two_phase`` (the default): a second pass per
-program over its tile as queries, recomputing the scores. ``atomic_dq``: one pass, every gradient from
-the same score tile, ``dQ`` by relaxed fp32 atomic adds (FlashAttention-2's trade: half the score and
-bias work for ``BLOCK x d`` atomics per tile pair). Which is faster is the GPU's to say
-(``benchmarks/hstu_gpu_bench.py``, section d); both are tested against the reference."""
 
 
 def hstu_attention(

@@ -68,9 +68,8 @@ import torch
 import triton
 import triton.language as tl
 
-from training.ops.attention import Backward
 from training.ops.hstu_attention_reference import BiasSpec
-from training.ops.kernel_limits import INT32_MAX, POSITION_TABLE_LIMIT, position_table_too_long, time_gaps_too_wide
+from training.ops.kernel_limits import INT32_MAX, Backward, POSITION_TABLE_LIMIT, position_table_too_long, time_gaps_too_wide
 from training.ops.relative_buckets import bucket_by_thresholds, bucket_scale, bucket_thresholds, last_finite_threshold
 
 

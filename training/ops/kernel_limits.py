@@ -1,13 +1,18 @@
-"""The Triton attention kernel's limits on its bucket tables, importable without triton or torch.
+"""The Triton attention kernel's limits on its bucket tables and its backward's variants, importable
+without triton or torch.
 
 The kernel (``training.ops.hstu_attention``) imports triton when it is imported; the config
 check that runs before any rank starts (``training.model.attention_kernel``) must not wait for that,
-nor for torch (1.5 s), so the limits live here and the kernel takes them from here.
+nor for torch (1.5 s), so the limits live here and the kernel takes them from here. The entry
+(``training.ops.attention``) names the backward's variants without importing triton, so they live
+here too.
 
 Both limits are on the last finite threshold of a bucket table (``training.ops.relative_buckets``):
 the smallest distance of the last bucket, which is ``max_distance`` up to float32 rounding.
 """
 from __future__ import annotations
+
+from typing import Literal
 
 POSITION_TABLE_LIMIT = 2**20
 """Longest distance the position table spells out (4 MiB); histories are far shorter."""
@@ -43,3 +48,11 @@ def _last_threshold_past(num_buckets: int, max_distance: float, fits: int) -> bo
     from training.ops.relative_buckets import last_finite_threshold
 
     return last_finite_threshold(num_buckets, max_distance) > fits
+
+
+Backward = Literal["two_phase", "atomic_dq"]
+"""How the backward gets ``dQ`` and the bias gradients. ``two_phase`` (the default): a second pass per
+program over its tile as queries, recomputing the scores. ``atomic_dq``: one pass, every gradient from
+the same score tile, ``dQ`` by relaxed fp32 atomic adds (FlashAttention-2's trade: half the score and
+bias work for ``BLOCK x d`` atomics per tile pair). Which is faster is the GPU's to say
+(``benchmarks/hstu_gpu_bench.py``, section d); both are tested against the reference."""

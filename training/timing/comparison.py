@@ -22,7 +22,7 @@ from pipeline.run_summary import read_run_summary, timings
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 from shards.shard_sets import VARIANTS, parse_shard_sets, prepared_of
 from training.config import CommMode  # typed config, no torch
-from tracking.runs import Tracking  # no mlflow import until a run opens
+from tracking.store import Tracking  # no mlflow import until a run opens
 
 TABLE = (("bubble_fraction", "bubble", "{:.4f}", 1), ("idle_fraction", "idle", "{:.3f}", 1),
          ("step_time_s", "step time (ms)", "{:.1f}", 1e3), ("samples_per_s", "samples/s", "{:.0f}", 1),
