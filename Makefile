@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 DIST ?= dist
 
-.PHONY: install demo test test-fast bench dist clean
+.PHONY: install demo test test-fast fault-sweep bench dist clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,6 +28,10 @@ test: install
 # The tier without Spark and without a second process (tests/conftest.py: --fast), which it checks.
 test-fast: install
 	$(PY) -m pytest -q --fast tests
+
+# The end-to-end tier's long sweep of bad inputs, stops and kills (about 16 minutes; not in `make test`).
+fault-sweep: install
+	$(PY) -m tests.e2e.fault_sweep
 
 bench: install
 	$(PY) -m benchmarks.balance_bench

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from benchmarks.common import Markdown, commit, loaded_gpu_machine_lacks  # standard library only
 from training.config import ConfigError, Precision, load_config  # the standard library only
+from training.timing.launches import kernel_launches  # torch when called
 
 LOGNORMAL_MU, LOGNORMAL_SIGMA = 4.2, 0.9  # benchmarks/balance_bench.py's synthetic lengths
 
@@ -647,30 +648,6 @@ class Fitted:
     share_at_50: float
     batches: int
     held_out: int
-
-
-def kernel_launches(step) -> int:
-    """PyTorch ops one call of ``step`` dispatches that run a kernel: views, allocations and
-    metadata ops launch nothing and are left out; the Triton kernels are not PyTorch ops."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    silent = {"empty", "empty_like", "empty_strided", "detach", "alias", "lift_fresh"}
-
-    class Count(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if not (func.is_view or name in silent or func._schema.name.startswith("aten::sym_")):
-                Count.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return Count.count
 
 
 def relative_error(actual, expected) -> float:

@@ -32,7 +32,7 @@ from tests.scenarios import *  # noqa: E402,F401,F403  (the end-to-end scenarios
 from tests.scenarios import SCENARIOS  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MOVIELENS_DIR = (REPO_ROOT / ".." / "shared" / "data" / "movielens-100k").resolve()
+MOVIELENS_DIR = helpers.MOVIELENS_DIR
 
 # Jobs' Spark progress lines (runtime/progress.py) off: tests count a job's stderr lines, and a
 # loaded machine would make a stage long enough to print one. tests/pipeline/test_progress.py turns it on.

@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+MOVIELENS_DIR = (REPO / ".." / "shared" / "data" / "movielens-100k").resolve()
 TIMEOUT_S = 300
 
 

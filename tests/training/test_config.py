@@ -47,7 +47,7 @@ def test_toml_then_overrides(tmp_path):
 
 def test_the_width_and_rating_input_load_under_their_old_hstu_spelling(tmp_path):
     """model.embedding_dim and model.use_rating_feature were [model.hstu] keys: files, overrides
-    (benchmarks/fault_sweep.py's, users' scripts) and the pipeline's [train] overrides still say so."""
+    (tests/e2e/fault_sweep.py's, users' scripts) and the pipeline's [train] overrides still say so."""
     path = tmp_path / "c.toml"
     path.write_text("[model.hstu]\nembedding_dim = 32\nuse_rating_feature = false\nnum_layers = 3\n")
     config = load_config(path)

@@ -64,7 +64,7 @@ def test_replayed_graphs_give_the_eager_encoders_numbers(dtype) -> None:
 
 
 def test_a_graphed_step_launches_a_handful_of_ops_not_the_layers() -> None:
-    from benchmarks.hstu_gpu_bench import kernel_launches
+    from training.timing.launches import kernel_launches
 
     torch.manual_seed(0)
     graphed = GraphedEncoder(HSTUEncoder(CONFIG, WIDTH).cuda())

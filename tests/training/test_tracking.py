@@ -196,7 +196,7 @@ def test_an_exception_ends_the_run_failed_with_the_steps_before_it(hung_run, row
 
 @pytest.mark.slow
 def test_kill_9_then_resume_matches_an_uninterrupted_run(killed_run, table_run):
-    """kill -9 of a rank mid-training (once here; benchmarks/fault_sweep.py repeats it at random
+    """kill -9 of a rank mid-training (once here; tests/e2e/fault_sweep.py repeats it at random
     steps). The resume gives the uninterrupted run's losses, and its MLflow run -- continued, not a
     new one -- ends FINISHED with every step's metrics exactly once."""
     reference = table_run.log["losses"]

@@ -9,7 +9,9 @@ last, having left nothing at its output and no temporary folder behind; a case t
 a job with SIGTERM expects 128 + 15 and the same single line. At the end, no MLflow run
 may be left RUNNING, and no lock.
 
-Usage (from the repository root): python -m benchmarks.fault_sweep [--workdir out/fault-sweep] [--only NAME ...]
+Usage (from the repository root): python -m tests.e2e.fault_sweep [--workdir out/fault-sweep] [--only NAME ...]
+(`make fault-sweep`). The end-to-end tier's long sweep: about 16 minutes on a 2-core machine, so
+not part of `make test`; tests/e2e/test_fault_sweep.py checks its table of cases there.
 
 Prints a markdown table; exits 1 when any case misses its target.
 """
@@ -30,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.common import FREESCALE, MOVIELENS_DIR, REPO
+from tests.helpers import MOVIELENS_DIR, REPO
+
+FREESCALE = str(Path(sys.executable).parent / "freescale")  # the console script of this interpreter's venv
 
 UNREACHABLE = "http://127.0.0.1:9/"  # the discard port: nothing listens there
 READ_ONLY = "sqlite:////sys/mlflow.db"  # a system folder no process may create files in
