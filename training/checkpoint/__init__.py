@@ -1,0 +1,3 @@
+"""Checkpoints: writing and checking them (`checkpointer`), resuming a run exactly (`resume`), and
+loading rank files without unpickling code (`safe_load`).
+"""

@@ -1,0 +1,1 @@
+"""Scoring held-out items: the evaluator, its ranking metrics, and validation with early stopping."""
