@@ -2,8 +2,17 @@
 
 A plan gives every step's per-rank load in cost units, ``loads[s, k]``. One step on rank k::
 
-    compute[s, k] = seconds_per_cost * loads[s, k] * (1 + eps[s, k])
+    compute[s, k] = (seconds_per_cost * loads[s, k] + step_constant_s) * (1 + eps[s, k])
     step_time[s]  = max_k compute[s, k] + comm_latency_s + comm_seconds_per_sample * samples_per_rank
+
+``step_constant_s`` is what every rank's compute takes every step whatever its samples (kernel
+launches, host work): the cost model's per-step constant (``CostModel.step_constant_s``, fitted by
+`freescale calibrate`). On a GPU it can outweigh the samples' own costs (9.2 ms on an H100,
+against about 3.9 ms for a rank's 32 log-normal histories of mean length 500), and every rank
+pays it, balanced or not, so it shrinks what balancing wins. It is part of each rank's compute,
+not of the non-compute line, because the trainer measures it there (inside every rank's dense
+compute), so the fractions count it as the trainer does; the noise multiplies it too, because
+``eps`` is measured (``rank_noise``) as the spread of that whole compute, constant included.
 
 ``eps`` is per-rank noise, drawn independently for every (step, rank) from what a mirror-control
 run measured (``--control mirror``: every rank computes the same samples, so any difference
@@ -103,9 +112,12 @@ class TimeModel:
     comm_seconds_per_sample: float = 0.0
     """Seconds per step outside compute per sample of a rank's batch (bytes per sample / bandwidth)."""
     noise: Noise = field(default_factory=Noise)
+    step_constant_s: float = 0.0
+    """Seconds of every rank's compute every step whatever its samples (the cost model's per-step
+    constant in this model's time unit); the noise multiplies it with the rest of the compute."""
 
     def __post_init__(self) -> None:
-        for name in ("seconds_per_cost", "comm_latency_s", "comm_seconds_per_sample"):
+        for name in ("seconds_per_cost", "comm_latency_s", "comm_seconds_per_sample", "step_constant_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -124,17 +136,23 @@ class Prediction:
     plan_steps: int
     simulated_steps: int
     plan_bubble: float
-    """The plan's own bubble (no noise, compute only): ``balancing.metrics.bubble`` of its loads."""
+    """The plan's own bubble (no noise, no per-step constant, compute only): ``balancing.metrics.bubble``
+    of its loads."""
     step_time_s: float
     """Median step time."""
     bubble_fraction: float
     idle_fraction: float
     compute_s: float
-    """Mean over steps of the slowest rank's compute."""
+    """Mean over steps of the slowest rank's compute (the per-step constant included)."""
     comm_s: float
     """The non-compute part of every step."""
     noise_max_factor: float
     """Mean over steps of max_k (1 + eps): how much the slowest of K noisy ranks costs."""
+
+    @property
+    def mean_step_time_s(self) -> float:
+        """Mean step time (``step_time_s`` is the median): the comm part is the same every step."""
+        return self.compute_s + self.comm_s
 
     def to_json(self) -> dict[str, float | int]:
         return dict(self.__dict__)
@@ -163,7 +181,7 @@ def simulate(
     repeats = max(1, min(-(-min_steps // steps), max_cells // (steps * k)))
     rng = np.random.default_rng(seed)
     comm = model.comm_s(samples_per_rank)
-    base = loads * model.seconds_per_cost
+    base = loads * model.seconds_per_cost + model.step_constant_s
     sum_mean = sum_max = sum_time = sum_factor = 0.0
     step_times = []
     for _ in range(repeats):
@@ -213,10 +231,14 @@ def rank_noise(compute: np.ndarray) -> np.ndarray:
     return ((c[keep] / mean[keep] - 1.0) * math.sqrt(k / (k - 1))).ravel()
 
 
-def fit_seconds_per_cost(cost: np.ndarray, compute: np.ndarray) -> float:
+def fit_seconds_per_cost(cost: np.ndarray, compute: np.ndarray, step_constant: float = 0.0) -> float:
     """Seconds per cost unit: total measured compute over total planned cost (ratio of sums, the
-    quantity the bubble's sums are made of)."""
-    total_cost, total_compute = float(np.sum(cost)), float(np.sum(compute))
+    quantity the bubble's sums are made of). ``step_constant`` is the cost model's per-step
+    constant in cost units: every measured (step, rank) compute holds it once, so it counts once
+    per cell in the planned cost (else the fit would spread it over the samples' costs, and adding
+    it to the prediction again would count it twice)."""
+    cost = np.asarray(cost, dtype=np.float64)
+    total_cost, total_compute = float(np.sum(cost)) + cost.size * step_constant, float(np.sum(compute))
     if not (total_cost > 0 and total_compute > 0):
         raise ValueError(f"seconds per cost needs positive cost and compute (got {total_cost}, {total_compute})")
     return total_compute / total_cost

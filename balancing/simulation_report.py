@@ -17,16 +17,20 @@ def source_name(what: dict) -> str:
 
 
 def print_report(what: dict, described: dict, rows: list[dict], reduced: list[dict]) -> None:
-    """The model in one line, a note when a dataset's lengths were resampled, the table per K and
-    plan, and (with both plans) the balanced/contiguous reductions."""
+    """The model in one line (with the per-step constant when the cost model has one), a note when
+    a dataset's lengths were resampled, the table per K and plan, and (with both plans) the
+    balanced/contiguous reductions."""
     unit, scale = ("ms", 1e3) if described["times_in"] == "seconds" else ("cost units", 1.0)
+    constant = described.get("step_constant_s", 0.0)
     print(f"freescale simulate: {source_name(what)}, "
           f"B={what['local_batch_size']}, cost model {what['cost_model']}; noise {described['noise']}"
           f" (cv {described.get('noise_cv', 0.0):.3f}); "
           + (f"{described['seconds_per_cost']:.4g} s per cost unit; " if unit == "ms" else
              "times in cost units (no --calibrate-from or --seconds-per-cost); ")
           + f"non-compute {described['comm_latency_s'] * scale:.3g} {unit} + "
-          f"{described['comm_seconds_per_sample'] * scale:.3g} {unit} per sample")
+          f"{described['comm_seconds_per_sample'] * scale:.3g} {unit} per sample"
+          + (f"; per-step constant {constant * scale:.3g} {unit} on every rank (the cost model's, in its compute)"
+             if constant else ""))
     if what.get("resampled_world_sizes"):
         print(f"freescale simulate: the dataset has {what['dataset_samples']} samples, fewer than K x B x steps for "
               f"K = {', '.join(map(str, what['resampled_world_sizes']))}: their lengths are drawn with "

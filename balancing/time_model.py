@@ -100,12 +100,13 @@ def check_same_cost_model(plans_model: CostModel, runs_model: CostModel | None, 
                          "pass --cost-model with the runs' cost model")
 
 
-def fit_time_model(runs: list[RunTimings]) -> tuple[float, float, float]:
-    """Seconds per cost unit (total compute / total planned cost), and the non-compute part of a
-    step (step time minus the slowest rank's compute) as a latency plus a per-sample slope across
-    the runs' batch sizes (runs of one batch size give the latency alone)."""
+def fit_time_model(runs: list[RunTimings], step_constant: float = 0.0) -> tuple[float, float, float]:
+    """Seconds per cost unit (total compute / total planned cost, the per-step constant counted
+    once per step and rank: ``step_constant``, in cost units), and the non-compute part of a step
+    (step time minus the slowest rank's compute) as a latency plus a per-sample slope across the
+    runs' batch sizes (runs of one batch size give the latency alone)."""
     spc = fit_seconds_per_cost(np.concatenate([r.cost.ravel() for r in runs]),
-                               np.concatenate([r.compute.ravel() for r in runs]))
+                               np.concatenate([r.compute.ravel() for r in runs]), step_constant)
     latency, per_sample = fit_comm(np.array([r.samples.mean() for r in runs]),
                                    np.array([non_compute_s(r.compute, r.step_time).mean() for r in runs]))
     return spc, latency, per_sample

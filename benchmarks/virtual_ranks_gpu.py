@@ -16,8 +16,8 @@ this GPU in turn, the model's dense forward+backward as ``freescale calibrate`` 
 a step takes its slowest rank. Medians of ``--repeats`` round-robin passes.
 
 Beside each measurement: what ``freescale simulate`` predicts from the plan's loads and the same
-cost model (balancing.simulate.simulate; the cost model's per-step constant as the non-compute
-time, no noise: the measurement takes medians).
+cost model (balancing.simulate.simulate; the cost model's per-step constant in every rank's
+compute, as simulate counts it; no noise: the measurement takes medians).
 
 It needs only torch, triton and numpy (it refuses to report if torchrec, fbgemm, pyspark, mlflow,
 ortools, pandas, pyarrow or torchdata got loaded). ``--smoke`` runs toy sizes on CPU: it checks the
@@ -134,7 +134,7 @@ class Bench(Markdown):
         self.repeats = args.repeats or self.sizes.repeats
         self.config = load_config(args.config, list(self.sizes.overrides) + args.overrides)
         self.cost_model = CostModel.load(args.cost_model) if args.cost_model else default_cost_model()
-        self.step_constant = float(self.cost_model.provenance.get("step_constant_s") or 0.0)
+        self.step_constant = self.cost_model.step_constant_s
         self.in_seconds = self.cost_model.unit == "seconds"  # else simulate has nothing to predict times with
         self.rng = np.random.default_rng(args.seed)
         self.started = time.perf_counter()
@@ -203,7 +203,8 @@ class Bench(Markdown):
         cells = {label: [lengths[(p.step == s) & (p.rank == r)] for s in range(p.num_steps) for r in range(k)]
                  for label, p in plans.items()}
         seconds = self.time_batches([batch for label in PLANS for batch in cells[label]])
-        time_model = TimeModel(comm_latency_s=self.step_constant, noise=Noise())
+        # The cost model's seconds, its per-step constant in every rank's compute: simulate's definition.
+        time_model = TimeModel(noise=Noise(), step_constant_s=self.step_constant)
         out = {"lengths": name, "K": k, "B": b, "steps": steps, "mean_length": float(lengths.mean())}
         for i, label in enumerate(PLANS):
             p = plans[label]
@@ -212,8 +213,9 @@ class Bench(Markdown):
                           "total_s": float(times.max(axis=1).sum()), "predicted_bubble": math.nan,
                           "predicted_step_s": math.nan}
             if self.in_seconds:
-                out[label]["predicted_bubble"] = simulate(p.loads, time_model, b, seed=self.args.seed).bubble_fraction
-                out[label]["predicted_step_s"] = float((p.loads.max(axis=1) + self.step_constant).mean())
+                predicted = simulate(p.loads, time_model, b, seed=self.args.seed)
+                out[label]["predicted_bubble"] = predicted.bubble_fraction
+                out[label]["predicted_step_s"] = predicted.mean_step_time_s  # as measured: a mean over steps
         # Printed as soon as measured: a run cut short by its time budget still leaves every finished case.
         self.emit(f"- {name}, K={k}: done ({time.perf_counter() - self.started:.0f} s)")
         self.emit()

@@ -12,7 +12,8 @@ when it has fewer, drawn with replacement from its length distribution (the outp
 With --shards, the shard set's own plan at its world size. Each plan's per-step loads go through
 the Monte Carlo of balancing/simulate.py: seconds per cost unit, per-rank noise and the
 non-compute part of a step, each fitted on measured runs (`freescale train --summary-json`) or
-given explicitly. Output: a table (per K and plan, and the balanced/contiguous reduction),
+given explicitly, and the per-step constant of the plans' cost model (what `freescale calibrate`
+measured every step costs whatever its samples), in every rank's compute. Output: a table (per K and plan, and the balanced/contiguous reduction),
 --json, and one MLflow run with the numbers and a bubble-vs-K plot.
 
 The options are balancing/simulation_spec.py's SimulationSpec; the time model and built plans are
@@ -52,19 +53,20 @@ def simulate(spec: SimulationSpec, args: argparse.Namespace) -> int:
     """Predict ``spec``'s plans, print and record them (--json, --plot, the MLflow run of ``args``)."""
     from balancing.simulation_report import (PLOT_NAME, plot_bubbles, plot_title, print_report, reduction_metrics,
                                              row_metrics)
-    from balancing.simulation_run import build_time_model
+    from balancing.simulation_run import build_time_model, read_measured
     from balancing.time_model import predict, reductions
     from runtime.json_files import write_json
     from shards.simulation import simulation_plans
     from tracking.runs import job_run
     from tracking.store import reachable_tracking_uri
 
-    model, described, runs_model = build_time_model(spec, warn)  # measured runs first: a bad file fails before planning
+    measured = read_measured(spec, warn)  # measured runs first: a bad file fails before planning
     uri = reachable_tracking_uri("simulate", args.tracking_uri)
     params = {k: v for k, v in vars(args).items() if v is not None and k not in ("tracking_uri", "json", "plot")}
     with job_run("simulate", tracking_uri=uri, experiment=args.experiment, params=params,
                  run_name=args.run_name or "simulate") as run:
-        plans, what = simulation_plans(spec, runs_model)
+        plans, what, plans_model = simulation_plans(spec, measured.cost_model)
+        model, described = build_time_model(spec, measured, plans_model, warn)  # with the plans' per-step constant
         rows = predict(plans, model, what["local_batch_size"], spec.seed)
         reduced = reductions(rows)
         print_report(what, described, rows, reduced)
@@ -73,6 +75,7 @@ def simulate(spec: SimulationSpec, args: argparse.Namespace) -> int:
             write_json(args.json, result)
         run.log_metrics(row_metrics(rows))
         run.log_metrics(reduction_metrics(reduced))
+        run.log_metrics({"step_constant_s": described["step_constant_s"]})
         run.log_text(json.dumps(result, indent=2), "simulation.json")
         if args.plot or run.active:
             with tempfile.TemporaryDirectory() as tmp:

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 FORMAT = "freescale.cost_model/1"
 KINDS = ("quadratic", "table")
+STEP_CONSTANT_KEY = "step_constant_s"
+"""The provenance entry of the per-step constant `freescale calibrate` fits beside the per-sample costs."""
 
 # Default HSTU layer width the analytic default is derived for.
 DEFAULT_D_MODEL = 64
@@ -83,6 +85,14 @@ class CostModel:
             slope = (fp[i + 1] - fp[i]) / (xp[i + 1] - xp[i])
             base = np.maximum(fp[i] + slope * (x - xp[i]), 0.0)
         return base + self.per_id * x
+
+    @property
+    def step_constant_s(self) -> float:
+        """Seconds every rank's compute takes every step whatever its samples (kernel launches, host
+        work): the ``d`` of calibrate's ``t(batch) = d + sum cost(L_i)``, kept in the provenance
+        because no sample's cost holds it; 0.0 when the model names none. In the model's cost units
+        only when ``unit`` is "seconds"."""
+        return float(self.provenance.get(STEP_CONSTANT_KEY) or 0.0)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict; only the fields that matter for ``kind`` are written."""
@@ -173,6 +183,10 @@ def _problem(m: CostModel) -> str | None:
         for i, y in enumerate(ys):
             if y < 0:
                 return f"table cost costs[{i}]={y} is negative"
+    constant = m.provenance.get(STEP_CONSTANT_KEY)
+    if constant is not None and (isinstance(constant, bool) or not isinstance(constant, (int, float))
+                                 or not math.isfinite(constant) or constant < 0):
+        return f"provenance {STEP_CONSTANT_KEY}={constant!r} is not a finite number >= 0"
     # Zero everywhere leaves nothing to balance, and every bubble becomes 0/0 downstream.
     shape = (m.a, m.b, m.c) if m.kind == "quadratic" else m.costs
     if m.per_id == 0 and not any(shape):

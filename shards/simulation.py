@@ -20,17 +20,19 @@ if TYPE_CHECKING:
     from pipeline.cost_model import CostModel
 
 
-def simulation_plans(spec: SimulationSpec, runs_model: CostModel | None) -> tuple[Plans, dict]:
-    """{K: {plan name: [steps, K] loads}} and what they are: --shards' own plan, else the
-    contiguous and balanced plans at every K on --input's lengths or --lengths'."""
+def simulation_plans(spec: SimulationSpec, runs_model: CostModel | None) -> tuple[Plans, dict, CostModel]:
+    """{K: {plan name: [steps, K] loads}}, what they are and the cost model they are costed with
+    (its per-step constant is the time model's): --shards' own plan, else the contiguous and
+    balanced plans at every K on --input's lengths or --lengths'."""
     if spec.shards:
         return shard_plan(spec, runs_model)
     model = plans_cost_model(spec, runs_model)
-    return built_plans(spec, model, prepared_lengths(spec.input) if spec.input else None)
+    return *built_plans(spec, model, prepared_lengths(spec.input) if spec.input else None), model
 
 
-def shard_plan(spec: SimulationSpec, runs_model: CostModel | None) -> tuple[Plans, dict]:
-    """The shard set's own plan: {K: {plan name: [steps, K] loads}} and what it is."""
+def shard_plan(spec: SimulationSpec, runs_model: CostModel | None) -> tuple[Plans, dict, CostModel]:
+    """The shard set's own plan: {K: {plan name: [steps, K] loads}}, what it is, and the cost model
+    it is costed with (--cost-model, else the manifest's)."""
     import pyarrow.parquet as pq
 
     from pipeline.cost_model import CostModel
@@ -58,7 +60,7 @@ def shard_plan(spec: SimulationSpec, runs_model: CostModel | None) -> tuple[Plan
                       model.predict(np.asarray(table["length"])))
     name = manifest.control or manifest.strategy
     return {k: {name: loads}}, {"source": "shards", "shards": spec.shards, "local_batch_size": b,
-                                "plan": name, "cost_model": describe_cost_model(model)}
+                                "plan": name, "cost_model": describe_cost_model(model)}, model
 
 
 def prepared_lengths(path: str) -> np.ndarray:

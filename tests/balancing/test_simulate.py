@@ -17,7 +17,7 @@ from balancing.metrics import bubble
 from balancing.simulate import (Noise, TimeModel, fit_comm, fit_seconds_per_cost, lognormal_lengths, plan_loads,
                                 rank_noise, simulate)
 from balancing.window import plan
-from pipeline.cost_model import default_cost_model
+from pipeline.cost_model import CostModel, default_cost_model
 from tests.helpers import sqlite_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +97,47 @@ def test_the_comm_term_adds_to_step_time():
     assert with_comm.bubble_fraction < alone.bubble_fraction and with_comm.idle_fraction > alone.idle_fraction
 
 
+# Two steps on two ranks, 12 cost units each way: contiguous leaves rank 0 or 1 waiting, balanced none.
+CONTIGUOUS = np.array([[1.0, 5.0], [4.0, 2.0]])
+BALANCED = np.array([[3.0, 3.0], [3.0, 3.0]])
+
+
+def test_the_per_step_constant_is_every_ranks_compute():
+    """compute = seconds_per_cost * load + constant on every rank: by hand, contiguous steps take
+    max(1, 5) ms + 6 ms and max(4, 2) ms + 6 ms, balanced 3 ms + 6 ms; the same waits over longer
+    steps are a smaller bubble, and the speedup shrinks from 4.5 / 3 to 10.5 / 9."""
+    from balancing.time_model import predict, reductions
+
+    plans = {2: {"contiguous": CONTIGUOUS, "balanced": BALANCED}}
+    with_constant = TimeModel(0.001, step_constant_s=0.006)
+    contiguous = simulate(CONTIGUOUS, with_constant, 4)
+    assert contiguous.step_time_s == pytest.approx((0.011 + 0.010) / 2)  # the median of 11 ms and 10 ms
+    assert contiguous.compute_s == contiguous.mean_step_time_s == pytest.approx(0.0105)
+    # waits: (5 - 1) ms in step 0, (4 - 2) ms in step 1, over K x (11 + 10) ms of rank-time
+    assert contiguous.bubble_fraction == pytest.approx(0.006 / (2 * 0.021))
+    assert contiguous.idle_fraction == pytest.approx(contiguous.bubble_fraction)  # no comm: all idle is bubble
+    assert contiguous.plan_bubble == pytest.approx(6 / (2 * 9))  # the plan's own, loads only
+    assert simulate(BALANCED, with_constant, 4).step_time_s == pytest.approx(0.009)
+    [reduced] = reductions(predict(plans, with_constant, 4, 0))
+    assert reduced["speedup"] == pytest.approx(0.0105 / 0.009)
+    [alone] = reductions(predict(plans, TimeModel(0.001), 4, 0))
+    assert alone["speedup"] == pytest.approx(0.0045 / 0.003)
+    # With comm, the constant stays compute: the idle share grows by the comm wait only.
+    with_comm = simulate(CONTIGUOUS, TimeModel(0.001, 0.002, step_constant_s=0.006), 4)
+    assert with_comm.idle_fraction == pytest.approx(1 - (0.007 + 0.011 + 0.010 + 0.008) / (2 * 0.025))
+
+
+def test_noise_multiplies_the_per_step_constant_with_the_rest_of_the_compute():
+    """The mirror runs' noise is the spread of the whole dense compute, constant included."""
+    loads = np.random.default_rng(2).uniform(1.0, 3.0, size=(30, 4))
+    model = TimeModel(0.01, noise=Noise("normal", 0.1), step_constant_s=0.05)
+    predicted = simulate(loads, model, 8, seed=3, min_steps=30)
+    compute = (loads * 0.01 + 0.05) * model.noise.factors(np.random.default_rng(3), loads.shape)
+    assert predicted.step_time_s == pytest.approx(float(np.median(compute.max(axis=1))), rel=1e-12)
+    with pytest.raises(ValueError, match="step_constant_s"):
+        TimeModel(step_constant_s=-1.0)
+
+
 def test_fits_recover_what_made_the_measurements():
     rng = np.random.default_rng(5)
     cost = np.repeat(rng.uniform(0.05, 0.1, size=(4000, 1)), 2, axis=1)  # a mirror run: equal costs per step
@@ -108,6 +149,15 @@ def test_fits_recover_what_made_the_measurements():
     assert fit_comm(np.array([16.0]), np.array([0.03])) == (pytest.approx(0.03), 0.0)
     with pytest.raises(ValueError):
         rank_noise(compute[:, :1])
+
+
+def test_seconds_per_cost_counts_the_constant_once_per_step_and_rank():
+    """Measured compute = 0.9 s per cost unit x (samples' cost + the constant of 0.02 cost units):
+    counting the constant in the fit recovers 0.9; leaving it out spreads it over the costs."""
+    cost = np.random.default_rng(6).uniform(0.05, 0.1, size=(50, 4))
+    compute = 0.9 * (cost + 0.02)
+    assert fit_seconds_per_cost(cost, compute, 0.02) == pytest.approx(0.9, rel=1e-12)
+    assert fit_seconds_per_cost(cost, compute) > 1.0
 
 
 # ------------------------------------------------------------------ the command
@@ -373,3 +423,96 @@ def test_the_report_prints_the_tables_and_names_the_metrics(capsys):
     assert row_metrics(rows)["k8/balanced/step_time_s"] == 8.0 and len(row_metrics(rows)) == 8
     assert reduction_metrics(reduced) == {"k8/bubble_reduction": 0.75, "k8/idle_reduction": 0.75, "k8/speedup": 1.25}
     assert plot_title(what) == "lengths lognormal:4.2,0.9, B=16"
+
+
+# ------------------------------------------------------------------ the cost model's per-step constant
+
+
+def seconds_model(constant: float | None, unit: str = "seconds") -> CostModel:
+    """Quadratic, 1 ms x L^2 per sample, with a per-step constant of ``constant`` seconds (None: none named)."""
+    provenance = {"source": "h100-like"} | ({} if constant is None else {"step_constant_s": constant})
+    return CostModel("quadratic", a=1e-3, unit=unit, provenance=provenance)
+
+
+def test_a_shard_sets_cost_model_constant_is_in_every_ranks_compute(fresh_log, tmp_path, capsys):
+    """--shards with a manifest whose cost model names a constant: the step times, fractions and
+    header are the hand computation's; without one, the manifest's plan bubble as before."""
+    from jobs import cli
+    from tests.helpers import read_all, reseal, write_shards
+
+    rows = read_all(write_shards(tmp_path / "shards", world_size=2, local_batch=4, num_steps=7, max_len=6))
+    loads = np.zeros((7, 2))
+    np.add.at(loads, (rows["step"].to_numpy(), rows["rank"].to_numpy()), 1e-3 * rows["length"].to_numpy() ** 2)
+    results = {}
+    for name, constant in (("with", 0.005), ("without", None)):
+        shards = write_shards(tmp_path / name, world_size=2, local_batch=4, num_steps=7, max_len=6)
+        reseal(shards, lambda m, c=constant: m.update(cost_model=seconds_model(c).to_json()))
+        out = tmp_path / f"{name}.json"
+        assert cli.main(["simulate", "--shards", str(shards), "--tracking-uri", "none", "--json", str(out)]) == 0
+        results[name] = (json.loads(out.read_text()), capsys.readouterr().out.splitlines()[0])
+    (result, header), (plain, plain_header) = results["with"], results["without"]
+    compute = loads + 0.005
+    step_time = compute.max(axis=1)
+    [predicted] = result["predictions"]
+    assert predicted["step_time_s"] == pytest.approx(float(np.median(step_time)))
+    assert predicted["bubble_fraction"] == pytest.approx(float((step_time[:, None] - compute).sum()
+                                                               / (2 * step_time.sum())))
+    assert predicted["idle_fraction"] == pytest.approx(predicted["bubble_fraction"])
+    assert result["model"]["step_constant_s"] == 0.005 and result["model"]["times_in"] == "seconds"
+    assert header.endswith("; per-step constant 5 ms on every rank (the cost model's, in its compute)"), header
+    [before] = plain["predictions"]
+    assert before["bubble_fraction"] == pytest.approx(before["plan_bubble"])
+    assert before["bubble_fraction"] > predicted["bubble_fraction"]
+    assert before["step_time_s"] == pytest.approx(float(np.median(loads.max(axis=1))))
+    assert plain["model"]["step_constant_s"] == 0.0 and "per-step constant" not in plain_header
+
+
+def test_the_constant_shrinks_the_speedup_of_built_plans(fresh_log, tmp_path, capsys):
+    """--lengths with an H100-like cost model (small per-sample costs): without noise a constant c
+    moves every step time by c, so the speedup becomes (contiguous + c) / (balanced + c)."""
+    from jobs import cli
+
+    steps = {}
+    for name, constant in (("with", 0.0092), ("without", None)):
+        model, out = tmp_path / f"{name}-model.json", tmp_path / f"{name}.json"
+        seconds_model(constant).save(model)
+        assert cli.main(["simulate", "--lengths", "lognormal:5.7,1.0", "--max-seq-len", "4096", "--world-sizes", "64",
+                         "--local-batch-size", "8", "--steps", "4", "--cost-model", str(model), "--tracking-uri",
+                         "none", "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        steps[name] = {p["plan"]: p["step_time_s"] for p in result["predictions"]}
+        steps[name]["speedup"] = result["reductions"][0]["speedup"]
+    capsys.readouterr()
+    alone = steps["without"]
+    assert steps["with"]["contiguous"] == pytest.approx(alone["contiguous"] + 0.0092)
+    assert steps["with"]["speedup"] == pytest.approx((alone["contiguous"] + 0.0092) / (alone["balanced"] + 0.0092))
+    assert 1 < steps["with"]["speedup"] < alone["speedup"]
+
+
+def test_the_constant_is_converted_with_seconds_per_cost_or_left_out(tmp_path):
+    """In cost units: as is for a model in seconds, times --seconds-per-cost; a relative model's has
+    no unit to convert with (warned, left out); with --calibrate-from the fit counts it once per
+    measured step and rank, so runs made of 0.9 s per cost unit give back 0.9 and 0.9 x the constant."""
+    from balancing.simulation_run import build_time_model, read_measured
+    from training.timing.bubbles import FIELD_INDEX
+
+    warnings: list[str] = []
+    for values, model, constant in (({}, seconds_model(0.005), 0.005), ({"seconds_per_cost": 2.0},
+                                    seconds_model(0.005), 0.01), ({}, seconds_model(0.005, "relative"), 0.0),
+                                    ({}, seconds_model(None), 0.0)):
+        spec = simulation_spec(**values)
+        time_model, described = build_time_model(spec, read_measured(spec, warnings.append), model, warnings.append)
+        assert time_model.step_constant_s == described["step_constant_s"] == pytest.approx(constant)
+    assert warnings == ["cost model h100-like names a per-step constant of 0.005 s but its costs are in 'relative', "
+                        "not seconds: the constant is left out"]
+    runs = mirror_summary(tmp_path / "runs.json", cost_model=seconds_model(0.02).to_json())
+    data = json.loads(runs.read_text())
+    table = np.asarray(data["timings"]["steps_ranks_fields"])
+    table[..., FIELD_INDEX["dense_compute_s"]] = 0.9 * (table[..., FIELD_INDEX["cost"]] + 0.02)
+    data["timings"]["steps_ranks_fields"] = table.tolist()
+    runs.write_text(json.dumps(data))
+    spec = simulation_spec(calibrate_from=[str(runs)])
+    measured = read_measured(spec, warnings.append)
+    time_model, described = build_time_model(spec, measured, measured.cost_model, warnings.append)
+    assert time_model.seconds_per_cost == pytest.approx(0.9) and time_model.step_constant_s == pytest.approx(0.018)
+    assert len(warnings) == 1

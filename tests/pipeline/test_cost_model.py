@@ -90,6 +90,8 @@ def _table(**overrides):
     (json.dumps(_table(costs=[1, 2])), "3 lengths but 2 costs"),
     (json.dumps(_table(lengths=[1], costs=[1])), "at least 2 points"),
     (json.dumps(_table(costs=[1, -2, 3])), "negative"),
+    (json.dumps(_quadratic(provenance={"step_constant_s": -0.01})), "step_constant_s=-0.01 is not a finite number"),
+    (json.dumps(_quadratic(provenance={"step_constant_s": "9 ms"})), "step_constant_s='9 ms' is not a finite"),
 ])
 def test_bad_file_raises_input_error_naming_file(tmp_path, content, needle):
     path = tmp_path / "cost.json"
@@ -98,6 +100,13 @@ def test_bad_file_raises_input_error_naming_file(tmp_path, content, needle):
         CostModel.load(path)
     msg = str(err.value)
     assert str(path) in msg and needle in msg and "\n" not in msg
+
+
+def test_the_per_step_constant_is_calibrates_provenance_entry():
+    """What `freescale calibrate` fits beside the per-sample costs, read where it writes it; 0 when absent."""
+    assert default_cost_model().step_constant_s == 0.0
+    fitted = CostModel(kind="quadratic", a=1e-9, unit="seconds", provenance={"step_constant_s": 0.0092})
+    assert CostModel.from_json(fitted.to_json()).step_constant_s == 0.0092
 
 
 def test_missing_file_raises_input_error(tmp_path):
