@@ -161,49 +161,13 @@ def repair_token_cap(p: Problem, rank: np.ndarray, max_iters: int | None = None)
     for _ in range(REPAIR_ROUNDS):
         if _repair_round(s) == 0:
             break
-    tcap = p.token_cap
-    lengths, costs = p.lengths, p.costs
     limit = max_iters if max_iters is not None else 4 * p.n + 16
     for _ in range(limit):
-        excess = s.tokens - tcap  # type: ignore[operator]
+        excess = s.tokens - p.token_cap  # type: ignore[operator]
         v = int(np.argmax(excess))
         if excess[v] <= 0:
             return s.rank
-        iv = s.items(v)
-        # Partners: the ranks with the most token room (all ranks with room would make the
-        # candidate matrix |items of v| x N).
-        slack = np.where(np.arange(p.world_size) == v, 0, tcap - s.tokens)  # type: ignore[operator]
-        roomy = np.flatnonzero(slack > 0)
-        if roomy.size > REPAIR_PARTNERS:
-            roomy = roomy[np.argsort(-slack[roomy], kind="stable")[:REPAIR_PARTNERS]]
-        others = s.items_of(roomy)
-        best: tuple[float, float, int, int, int] | None = None  # (new excess, pair span, kind, a, b)
-
-        # Moves of an item of v to one of those ranks with count room.
-        if s.counts[v] > p.count_lo:
-            dst = roomy[s.counts[roomy] < p.count_hi]
-            if dst.size and iv.size:
-                li = lengths[iv][:, None]
-                ok = s.tokens[dst][None, :] + li <= tcap  # type: ignore[index]
-                new_ex = np.maximum(excess[v] - li, 0) + np.zeros(dst.size)
-                span = np.maximum(
-                    (s.loads[v] - costs[iv][:, None]) * s.inv_cap[v],
-                    (s.loads[dst][None, :] + costs[iv][:, None]) * s.inv_cap[dst][None, :],
-                )
-                best = _better(best, ok, new_ex, span, 0, iv, dst)
-        # Swaps of an item of v with a shorter item elsewhere.
-        if others.size and iv.size:
-            li = lengths[iv][:, None]
-            lj = lengths[others][None, :]
-            rj = s.rank[others]
-            delta = li - lj
-            ok = (delta > 0) & (s.tokens[rj][None, :] + delta <= tcap)  # type: ignore[index]
-            new_ex = np.maximum(excess[v] - delta, 0)
-            dc = costs[iv][:, None] - costs[others][None, :]
-            span = np.maximum(
-                (s.loads[v] - dc) * s.inv_cap[v], (s.loads[rj][None, :] + dc) * s.inv_cap[rj][None, :]
-            )
-            best = _better(best, ok, new_ex, span, 1, iv, others)
+        best = _best_repair(s, v, excess[v])
         if best is None:
             return None
         _, _, kind, a, b = best
@@ -212,6 +176,67 @@ def repair_token_cap(p: Problem, rank: np.ndarray, max_iters: int | None = None)
         else:
             s.swap(a, b)
     return None
+
+
+def _best_repair(s: _State, v: int, excess_v: np.integer) -> tuple[float, float, int, int, int] | None:
+    """(new excess, pair span, kind 0=move/1=swap, a, b) of the best step taking tokens off the
+    over-cap rank v (``excess_v`` tokens over), or None when no step lowers its excess."""
+    p = s.p
+    iv = s.items(v)
+    roomy = _repair_partners(s, v)
+    best: tuple[float, float, int, int, int] | None = None
+    # Moves of an item of v to one of those ranks with count room.
+    if s.counts[v] > p.count_lo:
+        dst = roomy[s.counts[roomy] < p.count_hi]
+        if dst.size and iv.size:
+            best = _better(best, *_repair_moves(s, v, iv, dst, excess_v), 0, iv, dst)
+    # Swaps of an item of v with a shorter item elsewhere.
+    others = s.items_of(roomy)
+    if others.size and iv.size:
+        best = _better(best, *_repair_swaps(s, v, iv, others, excess_v), 1, iv, others)
+    return best
+
+
+def _repair_partners(s: _State, v: int) -> np.ndarray:
+    """The ranks with the most token room (all ranks with room would make the candidate matrix
+    |items of v| x N): at most REPAIR_PARTNERS, v excluded."""
+    slack = np.where(np.arange(s.p.world_size) == v, 0, s.p.token_cap - s.tokens)  # type: ignore[operator]
+    roomy = np.flatnonzero(slack > 0)
+    if roomy.size > REPAIR_PARTNERS:
+        roomy = roomy[np.argsort(-slack[roomy], kind="stable")[:REPAIR_PARTNERS]]
+    return roomy
+
+
+def _repair_moves(
+    s: _State, v: int, iv: np.ndarray, dst: np.ndarray, excess_v: np.integer
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fits, excess left, pair span), each [items of v, dst], of moving an item of v to a rank of dst."""
+    p = s.p
+    li = p.lengths[iv][:, None]  # type: ignore[index]
+    ok = s.tokens[dst][None, :] + li <= p.token_cap  # type: ignore[index,operator]
+    new_ex = np.maximum(excess_v - li, 0) + np.zeros(dst.size)
+    span = np.maximum(
+        (s.loads[v] - p.costs[iv][:, None]) * s.inv_cap[v],
+        (s.loads[dst][None, :] + p.costs[iv][:, None]) * s.inv_cap[dst][None, :],
+    )
+    return ok, new_ex, span
+
+
+def _repair_swaps(
+    s: _State, v: int, iv: np.ndarray, others: np.ndarray, excess_v: np.integer
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fits, excess left, pair span), each [items of v, others], of swapping an item of v with a
+    shorter item of ``others``."""
+    p = s.p
+    li = p.lengths[iv][:, None]  # type: ignore[index]
+    lj = p.lengths[others][None, :]  # type: ignore[index]
+    rj = s.rank[others]
+    delta = li - lj
+    ok = (delta > 0) & (s.tokens[rj][None, :] + delta <= p.token_cap)  # type: ignore[index,operator]
+    new_ex = np.maximum(excess_v - delta, 0)
+    dc = p.costs[iv][:, None] - p.costs[others][None, :]
+    span = np.maximum((s.loads[v] - dc) * s.inv_cap[v], (s.loads[rj][None, :] + dc) * s.inv_cap[rj][None, :])
+    return ok, new_ex, span
 
 
 def _repair_round(s: _State) -> int:
@@ -231,51 +256,90 @@ def _repair_round(s: _State) -> int:
     v, r = over[:h], roomy[:h]
     lengths = p.lengths.astype(np.float64)
     rows_v = _SortedRows(s, v, lengths)
-    rows = np.arange(h)
     need, room = excess[v].astype(np.float64), (-excess[r]).astype(np.float64)
-    want = np.minimum(need, room)
-    lv, lr, iv, ir = s.loads[v], s.loads[r], s.inv_cap[v], s.inv_cap[r]
-    # Lexicographic (excess left, pair makespan) as one number: excess is an integer and the
-    # makespan term is scaled into [0, 0.5).
-    norm = 2.0 * float(p.costs.sum()) * float(s.inv_cap.max()) + 1e-300
-    best = np.full(h, np.inf)
-    best_i = np.zeros(h, dtype=np.int64)
-    best_j = np.full(h, -1, dtype=np.int64)  # -1 marks a move
+    best = _PairChoices(h)
+    _offer_repair_moves(s, v, r, rows_v, need, room, best)
+    _offer_repair_swaps(s, v, r, rows_v, lengths, need, room, best)
+    progress = np.floor(best.score) < need  # the excess left is the integer part of the score
+    return s.apply_choices(progress, best.i, best.j, r)
 
+
+def _repair_norm(s: _State) -> float:
+    """Lexicographic (excess left, pair makespan) as one number, excess + makespan / norm: excess
+    is an integer and the makespan term is scaled into [0, 0.5)."""
+    return 2.0 * float(s.p.costs.sum()) * float(s.inv_cap.max()) + 1e-300
+
+
+def _offer_repair_moves(
+    s: _State, v: np.ndarray, r: np.ndarray, rows_v: _SortedRows, need: np.ndarray, room: np.ndarray,
+    best: _PairChoices,
+) -> None:
+    """Offer each pair (v, r) the moves of the items of v whose length is nearest the tokens to shed."""
+    p = s.p
+    rows = np.arange(v.size)
+    lv, lr, iv, ir = s.loads[v], s.loads[r], s.inv_cap[v], s.inv_cap[r]
+    norm = _repair_norm(s)
     can_move = (s.counts[v] > p.count_lo) & (s.counts[r] < p.count_hi)
-    for pos in rows_v.nearest(rows, want, 2):
+    for pos in rows_v.nearest(rows, np.minimum(need, room), 2):
         li = rows_v.vals[rows, pos]
         item = rows_v.items[rows, pos]
         ci = p.costs[item]
         ok = can_move & np.isfinite(li) & (li <= room)
         span = np.maximum((lv - ci) * iv, (lr + ci) * ir)
-        score = np.where(ok, np.maximum(need - li, 0.0) + span / norm, np.inf)
-        better = score < best
-        best = np.where(better, score, best)
-        best_i = np.where(better, item, best_i)
+        best.offer_moves(np.where(ok, np.maximum(need - li, 0.0) + span / norm, np.inf), item)
 
+
+def _offer_repair_swaps(
+    s: _State, v: np.ndarray, r: np.ndarray, rows_v: _SortedRows, lengths: np.ndarray, need: np.ndarray,
+    room: np.ndarray, best: _PairChoices,
+) -> None:
+    """Offer each pair (v, r) the swaps of an item of r with the items of v whose length exceeds it
+    by about the tokens to shed."""
+    p = s.p
+    rows = np.arange(v.size)
+    lv, lr, iv, ir = s.loads[v], s.loads[r], s.inv_cap[v], s.inv_cap[r]
+    norm = _repair_norm(s)
     width = s.members.shape[1]
     mask_r = np.arange(width)[None, :] < s.counts[r][:, None]
     mem_r = np.where(mask_r, s.members[r], 0)
     len_r = lengths[mem_r]
     cost_r = p.costs[mem_r]
-    for pos in rows_v.nearest(rows, len_r + want[:, None], 2):
+    for pos in rows_v.nearest(rows, len_r + np.minimum(need, room)[:, None], 2):
         li = rows_v.vals[rows[:, None], pos]
         item = rows_v.items[rows[:, None], pos]
         dl = li - len_r
         ok = mask_r & np.isfinite(li) & (dl > 0) & (dl <= room[:, None])
         dc = p.costs[item] - cost_r
         span = np.maximum((lv[:, None] - dc) * iv[:, None], (lr[:, None] + dc) * ir[:, None])
-        score = np.where(ok, np.maximum(need[:, None] - dl, 0.0) + span / norm, np.inf)
-        j = np.argmin(score, axis=1)
-        sc = score[rows, j]
-        better = sc < best
-        best = np.where(better, sc, best)
-        best_i = np.where(better, item[rows, j], best_i)
-        best_j = np.where(better, mem_r[rows, j], best_j)
+        best.offer_swaps(np.where(ok, np.maximum(need[:, None] - dl, 0.0) + span / norm, np.inf), item, mem_r)
 
-    progress = np.floor(best) < need  # the excess left is the integer part of the score
-    return s.apply_choices(progress, best_i, best_j, r)
+
+class _PairChoices:
+    """The best move or swap found so far for each of ``h`` rank pairs: its score (lower is
+    better), the item ``i`` leaving the pair's first rank and the item ``j`` it is swapped with
+    (-1 marks a move)."""
+
+    def __init__(self, h: int) -> None:
+        self.score = np.full(h, np.inf)
+        self.i = np.zeros(h, dtype=np.int64)
+        self.j = np.full(h, -1, dtype=np.int64)
+
+    def offer_moves(self, score: np.ndarray, items: np.ndarray) -> None:
+        """Keep, per pair, the move of ``items[p]`` where ``score[p]`` beats the best so far."""
+        better = score < self.score
+        self.score = np.where(better, score, self.score)
+        self.i = np.where(better, items, self.i)
+
+    def offer_swaps(self, score: np.ndarray, items: np.ndarray, partners: np.ndarray) -> None:
+        """Keep, per pair, the lowest-scoring swap of row p (``items[p, c]`` with ``partners[p, c]``,
+        scored ``score[p, c]``) where it beats the best so far."""
+        rows = np.arange(score.shape[0])
+        c = np.argmin(score, axis=1)
+        sc = score[rows, c]
+        better = sc < self.score
+        self.score = np.where(better, sc, self.score)
+        self.i = np.where(better, items[rows, c], self.i)
+        self.j = np.where(better, partners[rows, c], self.j)
 
 
 def _better(
@@ -367,61 +431,63 @@ def _pair_round(s: _State) -> int:
     n_pairs = hi.size
     if n_pairs == 0:
         return 0
-    costs = p.costs
-    rows_h = _SortedRows(s, hi, costs)
-    ch, mem_h = rows_h.vals, rows_h.items
-    nh, nl = s.counts[hi], s.counts[lo]
-    rows_all = np.arange(n_pairs)
-    reach = TOKEN_NEIGHBOURS if p.token_cap is not None else 1
-
+    rows_h = _SortedRows(s, hi, p.costs)
+    # d*: the cost whose transfer from hi to lo would equalise their load/cap.
     lh, ll = s.loads[hi], s.loads[lo]
     ih, il = s.inv_cap[hi], s.inv_cap[lo]
     dstar = (lh * ih - ll * il) / (ih + il)
-    tcap = p.token_cap
-    lens = p.lengths
+    best = _PairChoices(n_pairs)
+    _offer_balance_moves(s, hi, lo, rows_h, dstar, best)
+    _offer_balance_swaps(s, hi, lo, rows_h, dstar, best)
+    improve = best.score < key[hi] * (1.0 - 1e-12)
+    return s.apply_choices(improve, best.i, best.j, lo)
 
-    best_span = np.full(n_pairs, np.inf)
-    best_i = np.zeros(n_pairs, dtype=np.int64)
-    best_j = np.full(n_pairs, -1, dtype=np.int64)  # -1 marks a move
 
-    # Moves: the item of hi nearest to d*.
-    can_move = (nh > p.count_lo) & (nl < p.count_hi)
+def _offer_balance_moves(
+    s: _State, hi: np.ndarray, lo: np.ndarray, rows_h: _SortedRows, dstar: np.ndarray, best: _PairChoices
+) -> None:
+    """Offer each pair (hi, lo) the moves of the items of hi nearest to d*, scored by pair span."""
+    p = s.p
+    rows_all = np.arange(hi.size)
+    reach = TOKEN_NEIGHBOURS if p.token_cap is not None else 1
+    lh, ll = s.loads[hi], s.loads[lo]
+    ih, il = s.inv_cap[hi], s.inv_cap[lo]
+    can_move = (s.counts[hi] > p.count_lo) & (s.counts[lo] < p.count_hi)
     for cand in rows_h.nearest(rows_all, dstar, reach):
-        ci = ch[rows_all, cand]
+        ci = rows_h.vals[rows_all, cand]
         span = np.maximum((lh - ci) * ih, (ll + ci) * il)
         ok = can_move & np.isfinite(ci)
-        items = mem_h[rows_all, cand]
-        if tcap is not None:
-            ok &= s.tokens[lo] + lens[items] <= tcap  # type: ignore[index]
-        span = np.where(ok, span, np.inf)
-        better = span < best_span
-        best_span = np.where(better, span, best_span)
-        best_i = np.where(better, items, best_i)
+        items = rows_h.items[rows_all, cand]
+        if p.token_cap is not None:
+            ok &= s.tokens[lo] + p.lengths[items] <= p.token_cap  # type: ignore[index]
+        best.offer_moves(np.where(ok, span, np.inf), items)
 
-    # Swaps: for each item j of lo, the item of hi nearest to c_j + d*.
+
+def _offer_balance_swaps(
+    s: _State, hi: np.ndarray, lo: np.ndarray, rows_h: _SortedRows, dstar: np.ndarray, best: _PairChoices
+) -> None:
+    """Offer each pair (hi, lo) the swaps of each item j of lo with the items of hi nearest to
+    c_j + d*, scored by pair span."""
+    p = s.p
+    rows_all = np.arange(hi.size)
+    reach = TOKEN_NEIGHBOURS if p.token_cap is not None else 1
+    lh, ll = s.loads[hi], s.loads[lo]
+    ih, il = s.inv_cap[hi], s.inv_cap[lo]
+    tcap, lens = p.token_cap, p.lengths
     width = s.members.shape[1]
-    ml = np.arange(width)[None, :] < nl[:, None]
+    ml = np.arange(width)[None, :] < s.counts[lo][:, None]
     mem_l = np.where(ml, s.members[lo], 0)
-    cl = costs[mem_l]
+    cl = p.costs[mem_l]
     for cand in rows_h.nearest(rows_all, cl + dstar[:, None], reach):
-        ci = ch[rows_all[:, None], cand]
+        ci = rows_h.vals[rows_all[:, None], cand]
         d = ci - cl
         span = np.maximum((lh[:, None] - d) * ih[:, None], (ll[:, None] + d) * il[:, None])
         ok = ml & (d > 0) & np.isfinite(ci)
-        items = mem_h[rows_all[:, None], cand]
+        items = rows_h.items[rows_all[:, None], cand]
         if tcap is not None:
             dl = lens[items] - lens[mem_l]  # type: ignore[index]
             ok &= (s.tokens[hi][:, None] - dl <= tcap) & (s.tokens[lo][:, None] + dl <= tcap)  # type: ignore[index]
-        span = np.where(ok, span, np.inf)
-        j = np.argmin(span, axis=1)
-        sp = span[rows_all, j]
-        better = sp < best_span
-        best_span = np.where(better, sp, best_span)
-        best_i = np.where(better, items[rows_all, j], best_i)
-        best_j = np.where(better, mem_l[rows_all, j], best_j)
-
-    improve = best_span < key[hi] * (1.0 - 1e-12)
-    return s.apply_choices(improve, best_i, best_j, lo)
+        best.offer_swaps(np.where(ok, span, np.inf), items, mem_l)
 
 
 def _least_loaded(key: np.ndarray, m: int, n: int) -> np.ndarray:

@@ -15,11 +15,16 @@ several times the budget guards against pathological solves; only if it fires ca
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from balancing.inputs import Problem
 from balancing.metrics import makespan
 from balancing.types import InfeasibleError
+
+if TYPE_CHECKING:  # CP-SAT loads inside the solve (see `_solve_subset`)
+    from ortools.sat.python import cp_model
 
 DEFAULT_TIME_LIMIT_S = 2.0
 FULL_MODEL_MAX_VARS = 6000
@@ -99,12 +104,53 @@ def _solve_subset(
 
     bucket, n_b, b_cost, b_len = _buckets(p, items)
     n_r = ranks.size
-    b_count = np.bincount(bucket, minlength=n_b)
+    w = _scaled_weights(p, items, ranks, b_cost)  # [n_b, n_r]
+    # Ranks with equal capacity are interchangeable: the model orders their loads.
+    order_pos = np.argsort(p.cap[ranks], kind="stable")
+    model, x, span = _build_model(p, np.bincount(bucket, minlength=n_b), w, b_len, p.cap[ranks], order_pos)
+    if hint is not None:
+        _add_hint(model, x, span, w, _hint_counts(hint[items], bucket, ranks, n_b, w, p.cap[ranks], order_pos))
+
+    solver = _solver(seed, det_time)
+    status = solver.Solve(model)
+    # Without a token cap every model here is feasible, so INFEASIBLE can only be a numerical
+    # artefact; it is trusted (and raised) only for a token-capped model with no known solution.
+    if status == cp_model.INFEASIBLE and proof and hint is None and p.token_cap is not None:
+        raise InfeasibleError(
+            f"ortools proved that no assignment meets token_cap={p.token_cap} "
+            f"(equal_counts={p.equal_counts}, world_size={p.world_size})"
+        )
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    counts = np.array([[solver.Value(x[g][j]) for j in range(n_r)] for g in range(n_b)], dtype=np.int64)
+    rank = np.empty(p.n, dtype=np.int32) if hint is None else hint.astype(np.int32, copy=True)
+    rank[items] = _decode(bucket, counts, ranks)
+    return rank, float(solver.deterministic_time) + BUILD_CHARGE_S_PER_VAR * n_b * n_r
+
+
+def _scaled_weights(p: Problem, items: np.ndarray, ranks: np.ndarray, b_cost: np.ndarray) -> np.ndarray:
+    """``[buckets, ranks]`` integer cost of one sample of each bucket on each rank (cost / cap,
+    scaled so the largest possible load stays below 2**SCALE_BITS)."""
     inv_cap = 1.0 / p.cap[ranks]
     total = float(p.costs[items].sum())
     scale = float(2**SCALE_BITS) / max(total * float(inv_cap.max()), 1e-300)
-    w = np.rint(b_cost[:, None] * inv_cap[None, :] * scale).astype(np.int64)  # [n_b, n_r]
+    return np.rint(b_cost[:, None] * inv_cap[None, :] * scale).astype(np.int64)
 
+
+def _build_model(
+    p: Problem,
+    b_count: np.ndarray,
+    w: np.ndarray,
+    b_len: np.ndarray | None,
+    cap: np.ndarray,
+    order_pos: np.ndarray,
+) -> tuple[cp_model.CpModel, list[list[cp_model.IntVar]], cp_model.IntVar]:
+    """(model, x[bucket][rank] counts, span): minimise the largest scaled load ``span`` with every
+    bucket placed, under the count and token limits; equal-capacity ranks (adjacent in
+    ``order_pos``, ranks by capacity) hold non-increasing loads, which cuts symmetric branches."""
+    from ortools.sat.python import cp_model
+
+    n_b, n_r = w.shape
     model = cp_model.CpModel()
     x = [[model.NewIntVar(0, int(b_count[g]), "") for _ in range(n_r)] for g in range(n_b)]
     span = model.NewIntVar(0, 2 ** (SCALE_BITS + 1), "span")
@@ -121,19 +167,31 @@ def _solve_subset(
         if p.token_cap is not None:
             model.Add(cp_model.LinearExpr.WeightedSum(col, b_len.tolist()) <= p.token_cap)  # type: ignore[union-attr]
     model.Minimize(span)
-
-    # Ranks with equal capacity are interchangeable: order their loads to cut symmetric branches.
-    order_pos = np.argsort(p.cap[ranks], kind="stable")
     for a, b in zip(order_pos[:-1], order_pos[1:]):
-        if p.cap[ranks[a]] == p.cap[ranks[b]]:
+        if cap[a] == cap[b]:
             model.Add(loads[a] >= loads[b])
+    return model, x, span
 
-    if hint is not None:
-        hint_counts = _hint_counts(hint[items], bucket, ranks, n_b, w, p.cap[ranks], order_pos)
-        for g in range(n_b):
-            for j in range(n_r):
-                model.AddHint(x[g][j], int(hint_counts[g, j]))
-        model.AddHint(span, int((hint_counts * w).sum(axis=0).max()))
+
+def _add_hint(
+    model: cp_model.CpModel,
+    x: list[list[cp_model.IntVar]],
+    span: cp_model.IntVar,
+    w: np.ndarray,
+    hint_counts: np.ndarray,
+) -> None:
+    """Start the search from the hinted bucket counts (and their span)."""
+    n_b, n_r = w.shape
+    for g in range(n_b):
+        for j in range(n_r):
+            model.AddHint(x[g][j], int(hint_counts[g, j]))
+    model.AddHint(span, int((hint_counts * w).sum(axis=0).max()))
+
+
+def _solver(seed: int, det_time: float) -> cp_model.CpSolver:
+    """A deterministic CP-SAT solver: one worker, ``seed``, ``det_time`` of deterministic time (and a
+    wall-clock guard at several times that)."""
+    from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
     prm = solver.parameters
@@ -141,20 +199,7 @@ def _solve_subset(
     prm.random_seed = int(seed) % (2**31)
     prm.max_deterministic_time = float(det_time)
     prm.max_time_in_seconds = 4.0 * float(det_time) + 1.0
-    status = solver.Solve(model)
-    # Without a token cap every model here is feasible, so INFEASIBLE can only be a numerical
-    # artefact; it is trusted (and raised) only for a token-capped model with no known solution.
-    if status == cp_model.INFEASIBLE and proof and hint is None and p.token_cap is not None:
-        raise InfeasibleError(
-            f"ortools proved that no assignment meets token_cap={p.token_cap} "
-            f"(equal_counts={p.equal_counts}, world_size={p.world_size})"
-        )
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    counts = np.array([[solver.Value(x[g][j]) for j in range(n_r)] for g in range(n_b)], dtype=np.int64)
-    rank = np.empty(p.n, dtype=np.int32) if hint is None else hint.astype(np.int32, copy=True)
-    rank[items] = _decode(bucket, counts, ranks)
-    return rank, float(solver.deterministic_time) + BUILD_CHARGE_S_PER_VAR * n_b * n_r
+    return solver
 
 
 def _hint_counts(

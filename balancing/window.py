@@ -8,6 +8,7 @@ light samples. Moves are 1-for-1 swaps, so every step keeps its sample count.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
@@ -61,41 +62,105 @@ def plan(
     k = check_positive_int(world_size, "world_size")
     b = check_positive_int(local_batch_size, "local_batch_size")
     w = check_positive_int(window_steps, "window_steps")
-    strategy = check_strategy(strategy)
-    if strategy in PER_BATCH and w != 1:
-        raise ValueError(f"strategy {strategy!r} balances each global batch alone: window_steps must be 1, got {w}")
+    strategy = _check_window_strategy(strategy, w)
     seed = check_seed(seed)
     time_limit_s = check_time_limit(time_limit_s)
-    n = c.shape[0]
+    lens = _check_plan_lengths(c, lengths, token_cap)
+    cap = check_capacities(capacities, k)
+
+    start = time.perf_counter()
+    n, g = c.shape[0], k * b
+    num_steps = -(-n // g)
+    original = (np.arange(n) // g).astype(np.int32)
+    step = _rebalance_windows(original, c, k, b, w, float(cap.max()), lens, token_cap, equal_counts)
+    rank, loads, spans, bounds = _partition_steps(
+        c, step, num_steps, k, lens, seed, strategy=strategy, token_cap=token_cap, equal_counts=equal_counts,
+        capacities=capacities, time_limit_s=time_limit_s, flop_width=flop_width,
+    )
+    elapsed = time.perf_counter() - start
+
+    ideal = float(c.sum()) / float(cap.sum())
+    return Plan(
+        step=step, rank=rank, loads=loads, num_steps=num_steps, moved=int(np.count_nonzero(step != original)),
+        bubble=bubble_of_totals(ideal, float(spans.sum())),
+        lower_bound_bubble=bubble_of_totals(ideal, float(bounds.sum())),
+        strategy=strategy, solve_time_s=elapsed,
+    )
+
+
+def _check_window_strategy(strategy: str, window_steps: int) -> str:
+    """The checked strategy name; one that balances each global batch alone takes no window."""
+    strategy = check_strategy(strategy)
+    if strategy in PER_BATCH and window_steps != 1:
+        raise ValueError(
+            f"strategy {strategy!r} balances each global batch alone: window_steps must be 1, got {window_steps}"
+        )
+    return strategy
+
+
+def _check_plan_lengths(costs: np.ndarray, lengths: object, token_cap: float | None) -> np.ndarray | None:
+    """The checked per-sample token counts (None without); a plan needs samples, a token cap lengths."""
+    n = costs.shape[0]
     if n == 0:
         raise ValueError("costs is empty: a plan needs at least one sample")
     lens = None if lengths is None else check_lengths(lengths, n)
     if token_cap is not None and lens is None:
         raise ValueError("token_cap requires lengths (the per-sample token counts)")
-    cap = check_capacities(capacities, k)
+    return lens
 
-    start = time.perf_counter()
-    g = k * b
+
+def _rebalance_windows(
+    original: np.ndarray,
+    costs: np.ndarray,
+    world_size: int,
+    local_batch_size: int,
+    window_steps: int,
+    max_cap: float,
+    lengths: np.ndarray | None,
+    token_cap: float | None,
+    equal_counts: bool,
+) -> np.ndarray:
+    """New step of each sample (``original``: its step in input order), one window at a time;
+    windows of one step move nothing."""
+    if window_steps == 1:
+        return original.copy()
+    n = costs.shape[0]
+    g = world_size * local_batch_size
     num_steps = -(-n // g)
-    original = (np.arange(n) // g).astype(np.int32)
+    tcap_total = None if token_cap is None else float(token_cap) * world_size
     step = original.copy()
-    if w > 1:
-        tcap_total = None if token_cap is None else float(token_cap) * k
-        for first in range(0, num_steps, w):
-            lo, hi = first * g, min(n, (first + w) * g)
-            local = original[lo:hi] - first
-            step[lo:hi] = first + rebalance_steps(
-                c[lo:hi],
-                local,
-                k,
-                float(cap.max()),
-                None if lens is None else lens[lo:hi],
-                tcap_total,
-                equal_counts=equal_counts,
-            )
+    for first in range(0, num_steps, window_steps):
+        lo, hi = first * g, min(n, (first + window_steps) * g)
+        local = original[lo:hi] - first
+        step[lo:hi] = first + rebalance_steps(
+            costs[lo:hi],
+            local,
+            world_size,
+            max_cap,
+            None if lengths is None else lengths[lo:hi],
+            tcap_total,
+            equal_counts=equal_counts,
+        )
+    return step
 
+
+def _partition_steps(
+    costs: np.ndarray,
+    step: np.ndarray,
+    num_steps: int,
+    world_size: int,
+    lengths: np.ndarray | None,
+    seed: int,
+    **options: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Split each step's samples over the ranks with ``partition`` (``options``, a per-step seed).
+
+    Returns the rank of each sample and, per step, the rank loads [S, K], the makespan and its
+    lower bound.
+    """
+    n = costs.shape[0]
     rank = np.empty(n, dtype=np.int32)
-    loads = np.zeros((num_steps, k))
+    loads = np.zeros((num_steps, world_size))
     spans = np.zeros(num_steps)
     bounds = np.zeros(num_steps)
     by_step = np.argsort(step, kind="stable")  # input order within each step
@@ -103,35 +168,17 @@ def plan(
     for s in range(num_steps):
         idx = by_step[edges[s] : edges[s + 1]]
         part = partition(
-            c[idx],
-            k,
-            strategy=strategy,
-            lengths=None if lens is None else lens[idx],
-            token_cap=token_cap,
-            equal_counts=equal_counts,
-            capacities=capacities,
+            costs[idx],
+            world_size,
+            lengths=None if lengths is None else lengths[idx],
             seed=_step_seed(seed, s),
-            time_limit_s=time_limit_s,
-            flop_width=flop_width,
+            **options,
         )
         rank[idx] = part.rank
         loads[s] = part.loads
         spans[s] = part.makespan
         bounds[s] = part.lower_bound
-    elapsed = time.perf_counter() - start
-
-    ideal = float(c.sum()) / float(cap.sum())
-    return Plan(
-        step=step,
-        rank=rank,
-        loads=loads,
-        num_steps=num_steps,
-        moved=int(np.count_nonzero(step != original)),
-        bubble=bubble_of_totals(ideal, float(spans.sum())),
-        lower_bound_bubble=bubble_of_totals(ideal, float(bounds.sum())),
-        strategy=strategy,
-        solve_time_s=elapsed,
-    )
+    return rank, loads, spans, bounds
 
 
 def _step_seed(seed: int, step: int) -> int:

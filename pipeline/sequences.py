@@ -93,6 +93,15 @@ def build_sequences(interactions: DataFrame, max_seq_len: int, repeated: Observa
     if "item_id" not in interactions.columns:
         interactions = apply_item_vocab(interactions, build_item_vocab(interactions))
 
+    per_user = _events_per_user(interactions)
+    if repeated is not None:  # counted over every user, the short ones dropped below included
+        per_user = per_user.observe(repeated, _repeated_total().alias("repeated"))
+    return _leave_one_out(per_user.where(F.col("_n") >= MIN_INTERACTIONS), max_seq_len)
+
+
+def _events_per_user(interactions: DataFrame) -> DataFrame:
+    """``user_id, _events, _n``: each user's events, ``(timestamp, item_id, rating)`` structs in
+    chronological order, and how many."""
     # Sorting structs compares fields left to right: the chronological order
     # with the tie-breaks, done per user inside the aggregation.
     event = F.struct(
@@ -100,19 +109,27 @@ def build_sequences(interactions: DataFrame, max_seq_len: int, repeated: Observa
         F.col("item_id").cast("int").alias("item_id"),
         F.col("rating").cast("float").alias("rating"),
     )
-    per_user = (interactions.groupBy("user_id")
-                .agg(F.sort_array(F.collect_list(event)).alias("_events"))
-                .withColumn("_n", F.size("_events")))
-    if repeated is not None:
-        # Event i+2 (1-based) repeats its predecessor i+1: one linear scan of the sorted array
-        # (array_distinct on the structs made this stage 3-10x slower at 200k users x 100 events).
-        events = F.col("_events")
-        later = F.slice(events, 2, F.col("_n") - 1)
-        repeats = F.size(F.filter(later, lambda e, i: (e["timestamp"] == F.element_at(events, i + 1)["timestamp"])
-                                  & (e["item_id"] == F.element_at(events, i + 1)["item_id"])))
-        per_user = per_user.observe(repeated, F.coalesce(F.sum(repeats), F.lit(0)).alias("repeated"))
-    per_user = per_user.where(F.col("_n") >= MIN_INTERACTIONS)
+    return (interactions.groupBy("user_id")
+            .agg(F.sort_array(F.collect_list(event)).alias("_events"))
+            .withColumn("_n", F.size("_events")))
 
+
+def _repeated_total() -> Column:
+    """Over the rows of ``_events_per_user``, the events equal to their predecessor on
+    (timestamp, item_id): the repeated interactions (0 without rows)."""
+    # Event i+2 (1-based) repeats its predecessor i+1: one linear scan of the sorted array
+    # (array_distinct on the structs made this stage 3-10x slower at 200k users x 100 events).
+    events = F.col("_events")
+    later = F.slice(events, 2, F.col("_n") - 1)
+    repeats = F.size(F.filter(later, lambda e, i: (e["timestamp"] == F.element_at(events, i + 1)["timestamp"])
+                              & (e["item_id"] == F.element_at(events, i + 1)["item_id"])))
+    return F.coalesce(F.sum(repeats), F.lit(0))
+
+
+def _leave_one_out(per_user: DataFrame, max_seq_len: int) -> DataFrame:
+    """The sequences (``SEQUENCE_COLUMNS``) of ``_events_per_user`` rows with at least
+    ``MIN_INTERACTIONS`` events: the last event is the test target, the one before the validation
+    target, and the most recent ``max_seq_len`` of the rest the history."""
     n = F.col("_n")
     keep = F.least(n - 2, F.lit(max_seq_len))
     # Drop the two targets, then keep the most recent `keep` events.

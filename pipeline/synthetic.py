@@ -97,29 +97,11 @@ def synthetic_interactions(
     rank). ``partitions`` sets the width of ``spark.range`` (default: Spark's
     default parallelism); it changes the layout, never the rows.
     """
-    if num_users < 1 or num_items < 1:
-        raise InputError(f"num_users and num_items must be >= 1, got {num_users} and {num_items}")
-    if not 1 <= min_len <= max_len:
-        raise InputError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
-    if not (sigma >= 0 and math.isfinite(mu) and math.isfinite(sigma)):
-        raise InputError(f"need finite mu and sigma >= 0, got mu={mu}, sigma={sigma}")
-    if not zipf_alpha > 0:
-        raise InputError(f"zipf_alpha must be > 0, got {zipf_alpha}")
-
+    _check_arguments(num_users, num_items, mu, sigma, min_len, max_len, zipf_alpha)
     users = spark.range(0, num_users, numPartitions=partitions).withColumnRenamed("id", "_u")
     u = F.col("_u")
-    zero = F.lit(0)
-
-    # Box-Muller: two uniforms -> one standard normal.
-    u1, u2 = _uniform(seed, u, zero, _SALT_LEN_1), _uniform(seed, u, zero, _SALT_LEN_2)
-    z = F.sqrt(F.lit(-2.0) * F.log(u1)) * F.cos(F.lit(2 * math.pi) * u2)
-    raw_len = F.round(F.exp(F.lit(mu) + F.lit(sigma) * z))
-    length = F.least(F.greatest(raw_len, F.lit(min_len)), F.lit(max_len)).cast("int")
-
-    start = F.lit(start_ts) + F.floor(_uniform(seed, u, zero, _SALT_START) * START_SPREAD_S).cast("long")
-    log_gap = math.log(MIN_GAP_S) + _uniform(seed, u, zero, _SALT_GAP) * (math.log(MAX_GAP_S) - math.log(MIN_GAP_S))
-    gap = F.floor(F.exp(log_gap)).cast("long")
-
+    length = _history_length(seed, u, mu, sigma, min_len, max_len)
+    start, gap = _user_clock(seed, u, start_ts)
     events = (users
               .select(u, length.alias("_len"), start.alias("_start"), gap.alias("_gap"))
               .select(u, "_start", "_gap", F.explode(F.sequence(F.lit(0), F.col("_len") - 1)).alias("_pos")))
@@ -130,15 +112,50 @@ def synthetic_interactions(
     timestamp = F.col("_start") + pos.cast("long") * F.col("_gap") + jitter
     # Named once so the rating `when` chain tests one value, not four hashes.
     events = events.withColumn("_r", _uniform(seed, u, pos, _SALT_RATING))
-    r = F.col("_r")
-    rating = F.when(r < RATING_CDF[0], 1.0)
-    for k, edge in enumerate(RATING_CDF[1:], start=2):
-        rating = rating.when(r < edge, float(k))
-    rating = rating.otherwise(5.0)
-
     return events.select(
         u.cast("string").alias("user_id"),
         item.cast("string").alias("item"),
         timestamp.alias("timestamp"),
-        rating.cast("float").alias("rating"),
+        _rating(F.col("_r")).cast("float").alias("rating"),
     )
+
+
+def _check_arguments(num_users: int, num_items: int, mu: float, sigma: float, min_len: int, max_len: int,
+                     zipf_alpha: float) -> None:
+    """InputError on a size, length range or distribution parameter ``synthetic_interactions`` cannot use."""
+    if num_users < 1 or num_items < 1:
+        raise InputError(f"num_users and num_items must be >= 1, got {num_users} and {num_items}")
+    if not 1 <= min_len <= max_len:
+        raise InputError(f"need 1 <= min_len <= max_len, got min_len={min_len}, max_len={max_len}")
+    if not (sigma >= 0 and math.isfinite(mu) and math.isfinite(sigma)):
+        raise InputError(f"need finite mu and sigma >= 0, got mu={mu}, sigma={sigma}")
+    if not zipf_alpha > 0:
+        raise InputError(f"zipf_alpha must be > 0, got {zipf_alpha}")
+
+
+def _history_length(seed: int, user: Column, mu: float, sigma: float, min_len: int, max_len: int) -> Column:
+    """Each user's history length: log-normal ``round(exp(mu + sigma * z))``, clipped to
+    ``[min_len, max_len]`` (int)."""
+    zero = F.lit(0)
+    # Box-Muller: two uniforms -> one standard normal.
+    u1, u2 = _uniform(seed, user, zero, _SALT_LEN_1), _uniform(seed, user, zero, _SALT_LEN_2)
+    z = F.sqrt(F.lit(-2.0) * F.log(u1)) * F.cos(F.lit(2 * math.pi) * u2)
+    raw_len = F.round(F.exp(F.lit(mu) + F.lit(sigma) * z))
+    return F.least(F.greatest(raw_len, F.lit(min_len)), F.lit(max_len)).cast("int")
+
+
+def _user_clock(seed: int, user: Column, start_ts: int) -> tuple[Column, Column]:
+    """(start, mean gap) of each user's events, in seconds (longs): the start up to
+    ``START_SPREAD_S`` after ``start_ts``, the gap log-uniform in ``[MIN_GAP_S, MAX_GAP_S]``."""
+    zero = F.lit(0)
+    start = F.lit(start_ts) + F.floor(_uniform(seed, user, zero, _SALT_START) * START_SPREAD_S).cast("long")
+    log_gap = math.log(MIN_GAP_S) + _uniform(seed, user, zero, _SALT_GAP) * (math.log(MAX_GAP_S) - math.log(MIN_GAP_S))
+    return start, F.floor(F.exp(log_gap)).cast("long")
+
+
+def _rating(r: Column) -> Column:
+    """The rating (1.0..5.0) whose cumulative frequency (``RATING_CDF``) bracket holds the uniform ``r``."""
+    rating = F.when(r < RATING_CDF[0], 1.0)
+    for k, edge in enumerate(RATING_CDF[1:], start=2):
+        rating = rating.when(r < edge, float(k))
+    return rating.otherwise(5.0)

@@ -460,35 +460,13 @@ def per_length_errors(batches: Sequence[CalibrationBatch], errors: Sequence[floa
 def build_provenance(result: CalibrationResult, config_record: dict) -> dict:
     """Everything needed to judge (and reproduce) the written model, JSON-ready."""
     s = result.settings
-    grid_batches = [b for b in result.batches if b.probe_length in result.grid]
     held_batches = [b for b in result.batches if b.probe_length not in result.grid]
-
-    def clock_record(clock: str) -> dict:
-        fit = result.fits[clock]
-        record: dict = {"chosen": fit.choice.chosen, "reason": fit.choice.reason}
-        for kind in KINDS:
-            final, cv = fit.final[kind], fit.choice.scores[kind]
-            record[kind] = {
-                **{k: v for k, v in final.form.model.to_json().items() if k in ("a", "b", "c", "lengths", "costs")},
-                "step_constant_s": final.form.step_constant,
-                "r2": final.r2,
-                "relative_error_by_length": {str(k): v for k, v in
-                                             per_length_errors(result.batches, final.fit_errors).items()},
-                "cv_rms_relative_error": cv.cv_rms,
-                "cv_relative_error_by_length": {str(k): v for k, v in
-                                                per_length_errors(held_batches, cv.cv_errors).items()},
-            }
-        return record
-
     provenance = {
         "source": "freescale calibrate",
         "created": result.created,
         **result.machine,
         "config": config_record,
-        "settings": {"grid_lengths": list(result.grid), "held_out_lengths": list(result.held_out),
-                     "num_items": s.num_items, "repeats": s.repeats, "warmup": s.warmup,
-                     "replicates": s.replicates, "held_out_batches": s.held_out_batches, "seed": s.seed,
-                     "calibration_batches": len(result.batches), "grid_batches": len(grid_batches)},
+        "settings": _settings_record(result),
         "timed": "dense forward+backward (lookup returned -> gradient at the lookup), like the trainer's "
                  "dense_compute_s; per_id = 0 because the lookup is an all-to-all in the sharded trainer",
         "method": ("t(batch) = d + sum cost(L_i), non-negative least squares on relative error, over batches of "
@@ -504,17 +482,51 @@ def build_provenance(result: CalibrationResult, config_record: dict) -> dict:
         "chosen": result.fits[FIT_CLOCK].choice.chosen,
         "reason": result.fits[FIT_CLOCK].choice.reason,
         "step_constant_s": result.chosen.step_constant,
-        "fits": {clock: clock_record(clock) for clock in CLOCKS},
+        "fits": {clock: _clock_record(result, clock, held_batches) for clock in CLOCKS},
         "calibration_seconds": result.seconds,
     }
     if result.validation is not None:
-        v = result.validation
-        provenance["validation"] = {
-            "batches": len(v.batches),
-            "samples_per_batch": f"{MIX_SAMPLES[0]}-{MIX_SAMPLES[1]}",
-            "length_distribution": f"Pareto(alpha={PARETO_ALPHA}) in [{result.grid[0]}, {result.grid[-1]}]",
-            "clock": FIT_CLOCK,
-            **{name: {"correlation": q.correlation, "median_abs_ratio_error": q.median_abs_error,
-                      "p90_abs_ratio_error": q.p90_abs_error} for name, q in v.quality.items()},
-        }
+        provenance["validation"] = _validation_record(result.validation, result.grid)
     return provenance
+
+
+def _settings_record(result: CalibrationResult) -> dict:
+    """The provenance's ``settings``: the lengths probed and how each was timed."""
+    s = result.settings
+    grid_batches = [b for b in result.batches if b.probe_length in result.grid]
+    return {"grid_lengths": list(result.grid), "held_out_lengths": list(result.held_out),
+            "num_items": s.num_items, "repeats": s.repeats, "warmup": s.warmup,
+            "replicates": s.replicates, "held_out_batches": s.held_out_batches, "seed": s.seed,
+            "calibration_batches": len(result.batches), "grid_batches": len(grid_batches)}
+
+
+def _clock_record(result: CalibrationResult, clock: str, held_batches: list[CalibrationBatch]) -> dict:
+    """One clock's fits in the provenance: the choice, then each form's coefficients, fit and
+    cross-validation errors (``held_batches``: the batches probing held-out lengths)."""
+    fit = result.fits[clock]
+    record: dict = {"chosen": fit.choice.chosen, "reason": fit.choice.reason}
+    for kind in KINDS:
+        final, cv = fit.final[kind], fit.choice.scores[kind]
+        record[kind] = {
+            **{k: v for k, v in final.form.model.to_json().items() if k in ("a", "b", "c", "lengths", "costs")},
+            "step_constant_s": final.form.step_constant,
+            "r2": final.r2,
+            "relative_error_by_length": {str(k): v for k, v in
+                                         per_length_errors(result.batches, final.fit_errors).items()},
+            "cv_rms_relative_error": cv.cv_rms,
+            "cv_relative_error_by_length": {str(k): v for k, v in
+                                            per_length_errors(held_batches, cv.cv_errors).items()},
+        }
+    return record
+
+
+def _validation_record(v: Validation, grid: tuple[int, ...]) -> dict:
+    """The provenance's ``validation``: how well each form (and baseline) predicted the mixed batches."""
+    return {
+        "batches": len(v.batches),
+        "samples_per_batch": f"{MIX_SAMPLES[0]}-{MIX_SAMPLES[1]}",
+        "length_distribution": f"Pareto(alpha={PARETO_ALPHA}) in [{grid[0]}, {grid[-1]}]",
+        "clock": FIT_CLOCK,
+        **{name: {"correlation": q.correlation, "median_abs_ratio_error": q.median_abs_error,
+                  "p90_abs_ratio_error": q.p90_abs_error} for name, q in v.quality.items()},
+    }

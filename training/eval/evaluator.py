@@ -18,6 +18,7 @@ can be ranked against its own validation item.) Items older than the history the
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Literal
 
 import torch
@@ -181,41 +182,80 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     raw = model.all_item_embeddings(normalize=False)
     user_tables = model.all_user_feature_tables()
     table = F.normalize(raw, dim=-1)
-    mirror = manifest.control == "mirror"
-    sums = {use: ProtocolMetrics(RetrievalMetrics(k=K), RetrievalMetrics(k=K) if sampled else None,
-                                 RetrievalMetrics(k=K) if unseen else None) for use in uses}
-    counts = torch.zeros(manifest.num_items + 1, dtype=torch.float64)
-    targets: list[torch.Tensor] = []
-    drawn_rows: list[torch.Tensor] = []
-    test_histories: list[ExcludeIds] = []  # the unseen ranking's baseline leaves these out
+    tally = _Tally.empty(manifest.num_items, uses, sampled, unseen)
     if sampled and negatives is None:
         negatives = NegativeDraws(manifest.num_items, sampled, seed)
-
-    def scored() -> Iterator[SequenceBatch]:
-        """This rank's batches to score; every batch's histories count towards the baseline."""
-        seen = 0
-        for batch in build_loader(manifest, rank, prefetch=0):
-            if batch.batch_size == 0 or (mirror and batch.step % world_size != rank):
-                continue
-            counts.add_(torch.bincount(batch.item_ids, minlength=counts.numel()).to(torch.float64))
-            if max_samples is None or seen < max_samples:
-                seen += batch.batch_size
-                yield batch
-
-    for ordinal, batch in enumerate(joined(scored(), batch_samples)):
+    batches = _scored_batches(manifest, rank, world_size, max_samples, tally.counts)
+    for ordinal, batch in enumerate(joined(batches, batch_samples)):
         drawn = negatives.of(ordinal, batch) if sampled else None
-        batch = batch.to(device)
-        histories = {use: history_of(batch, use) for use in uses} if unseen else {}
-        for use in uses:  # one draw of negatives for both: none is either target
-            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, history=histories.get(use),
-                                                   item_table=raw, user_tables=user_tables,
-                                                   negative_ids=None if drawn is None else drawn.to(device))
-        targets.append(batch.test_item.cpu())
-        if "test" in histories:
-            test_histories.append(tuple(t.cpu() for t in histories["test"]))
-        if drawn is not None:
-            drawn_rows.append(drawn)
+        tally.add(model, batch.to(device), drawn, device, table, raw, user_tables)
     model.train()
+    result = _model_summary(tally.sums, uses, world_size)
+    if "test" not in uses:
+        return result
+    result.update(_baseline_summary(tally, manifest.num_items, world_size))
+    result["eval_samples"] = result.pop("count")
+    return result
+
+
+def _scored_batches(manifest: Manifest, rank: int, world_size: int, max_samples: int | None,
+                    counts: torch.Tensor) -> Iterator[SequenceBatch]:
+    """This rank's batches to score (under the mirror control, steps ``rank``, ``rank + K``, ...;
+    at most ``max_samples`` samples); every batch's histories count towards the baseline:
+    added to ``counts``, item by item."""
+    mirror = manifest.control == "mirror"
+    seen = 0
+    for batch in build_loader(manifest, rank, prefetch=0):
+        if batch.batch_size == 0 or (mirror and batch.step % world_size != rank):
+            continue
+        counts.add_(torch.bincount(batch.item_ids, minlength=counts.numel()).to(torch.float64))
+        if max_samples is None or seen < max_samples:
+            seen += batch.batch_size
+            yield batch
+
+
+@dataclass
+class _Tally:
+    """One rank's scoring pass, added up: the metric sums of each held-out item in ``uses``, and
+    what the most-popular baseline needs: the item counts of every history (``counts``), the test
+    targets, their histories (the unseen ranking's baseline leaves these out) and the sampled
+    protocol's negatives."""
+
+    uses: tuple[str, ...]
+    sampled: int
+    unseen: bool
+    sums: dict[str, ProtocolMetrics]
+    counts: torch.Tensor
+    targets: list[torch.Tensor] = field(default_factory=list)
+    drawn_rows: list[torch.Tensor] = field(default_factory=list)
+    test_histories: list[ExcludeIds] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, num_items: int, uses: tuple[str, ...], sampled: int, unseen: bool) -> "_Tally":
+        sums = {use: ProtocolMetrics(RetrievalMetrics(k=K), RetrievalMetrics(k=K) if sampled else None,
+                                     RetrievalMetrics(k=K) if unseen else None) for use in uses}
+        return cls(uses, sampled, unseen, sums, torch.zeros(num_items + 1, dtype=torch.float64))
+
+    def add(self, model: SequentialRecommender, batch: SequenceBatch, drawn: torch.Tensor | None,
+            device: torch.device, table: torch.Tensor, raw: torch.Tensor,
+            user_tables: list[torch.Tensor] | None) -> None:
+        """Score ``batch`` (on ``device``) against ``table`` (``raw``: its rows unnormalised), with
+        its negatives ``drawn`` (None: no sampled protocol)."""
+        histories = {use: history_of(batch, use) for use in self.uses} if self.unseen else {}
+        for use in self.uses:  # one draw of negatives for both: none is either target
+            self.sums[use] = self.sums[use] + evaluate_batch(model, batch, table, use=use,
+                                                             history=histories.get(use), item_table=raw,
+                                                             user_tables=user_tables,
+                                                             negative_ids=None if drawn is None else drawn.to(device))
+        self.targets.append(batch.test_item.cpu())
+        if "test" in histories:
+            self.test_histories.append(tuple(t.cpu() for t in histories["test"]))
+        if drawn is not None:
+            self.drawn_rows.append(drawn)
+
+
+def _model_summary(sums: dict[str, ProtocolMetrics], uses: tuple[str, ...], world_size: int) -> dict[str, float]:
+    """The model's means over every rank, per held-out item and protocol (a collective)."""
     result: dict[str, float] = {}
     for use in uses:
         prefix = SPLIT_PREFIX[use]
@@ -224,26 +264,31 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
             result.update(_named(sums[use].sampled, world_size, f"{prefix}sampled_"))
         if sums[use].unseen is not None:
             result.update(_named(sums[use].unseen, world_size, f"{prefix}unseen_"))
-    if "test" not in uses:
-        return result
+    return result
+
+
+def _baseline_summary(tally: _Tally, num_items: int, world_size: int) -> dict[str, float]:
+    """The most-popular baseline's means on the test targets, under each protocol the model was
+    scored by (a collective)."""
+    counts = tally.counts
     if world_size > 1:  # the baseline ranks items by their count over every rank's histories
         dist.all_reduce(counts)
     popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
-    all_targets = torch.cat(targets) if targets else torch.zeros(0, dtype=torch.int64)
-    baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K)
-    result.update(_named(baseline, world_size, "popular_"))
-    if unseen:
+    all_targets = torch.cat(tally.targets) if tally.targets else torch.zeros(0, dtype=torch.int64)
+    baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K)
+    result = _named(baseline, world_size, "popular_")
+    if tally.unseen:
         empty = torch.zeros(0, dtype=torch.int64)
-        exclude = (torch.cat([lengths for lengths, _ in test_histories] or [empty]),
-                   torch.cat([ids for _, ids in test_histories] or [empty]))
-        baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K, exclude=exclude)
+        exclude = (torch.cat([lengths for lengths, _ in tally.test_histories] or [empty]),
+                   torch.cat([ids for _, ids in tally.test_histories] or [empty]))
+        baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K, exclude=exclude)
         result.update(_named(baseline, world_size, "popular_unseen_"))
-    if sampled:
-        all_negatives = torch.cat(drawn_rows) if drawn_rows else torch.zeros(0, sampled, dtype=torch.int64)
-        baseline = most_popular_baseline(popular_ids, manifest.num_items, all_targets, k=K,
+    if tally.sampled:
+        all_negatives = (torch.cat(tally.drawn_rows) if tally.drawn_rows
+                         else torch.zeros(0, tally.sampled, dtype=torch.int64))
+        baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K,
                                          negative_ids=all_negatives)
         result.update(_named(baseline, world_size, "popular_sampled_"))
-    result["eval_samples"] = result.pop("count")
     return result
 
 

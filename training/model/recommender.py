@@ -45,9 +45,10 @@ from training.data.batch import (
 )
 from training.config import ConfigError, CudaGraphs, LossKind, ModelConfig, Precision
 from training.model.encoder_graphs import GraphedEncoder
+from training.model.encoders import Encoder
 from training.model.registry import build_encoder
 from training.ops.jagged import next_item_positions
-from training.model.losses import LOSSES
+from training.model.losses import LOSSES, LossHead
 from training.model.precision import encoder_autocast
 
 if TYPE_CHECKING:  # TorchRec loads when a model builds its tables (tables=False builds none)
@@ -187,27 +188,13 @@ class SequentialRecommender(nn.Module):
         self.num_items = num_items
         self.config = config
         self.precision = precision
-        dim = config.embedding_dim
-        scale = config.embedding_init_scale
         table_device = torch.device(embedding_device if embedding_device is not None else device)
         self.embedding_collection: EmbeddingCollection | None = None
         if tables:
-            from torchrec import EmbeddingCollection, EmbeddingConfig
-
-            self.embedding_collection = EmbeddingCollection(
-                tables=[EmbeddingConfig(name=ITEM_TABLE, num_embeddings=num_items + 1, embedding_dim=dim,
-                                        feature_names=list(FEATURE_KEYS), weight_init_min=-scale,
-                                        weight_init_max=scale)],
-                device=table_device,
-            )
+            self.embedding_collection = _build_item_table(num_items, config, table_device)
         self.rating_embedding: nn.Embedding | None = None
         if config.use_rating_feature:
-            self.rating_embedding = nn.Embedding(NUM_RATINGS, dim, padding_idx=0, device=device)
-            # Same spread as item rows (uniform +-scale has std scale/sqrt(3)), so
-            # neither input dominates at initialisation.
-            with torch.no_grad():
-                nn.init.normal_(self.rating_embedding.weight, std=scale / math.sqrt(3.0))
-                self.rating_embedding.weight[0].zero_()
+            self.rating_embedding = _build_rating_embedding(config, device)
         self.user_feature_names = [name for name, _ in user_features]
         self.user_feature_sizes = [int(size) for _, size in user_features]
         self.user_embedding_collection: EmbeddingBagCollection | None = None
@@ -215,20 +202,8 @@ class SequentialRecommender(nn.Module):
         if user_features:
             if not tables:
                 raise ValueError("user features need the model's tables (tables=True)")
-            from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-
-            self.user_embedding_collection = EmbeddingBagCollection(
-                tables=[EmbeddingBagConfig(name=USER_TABLE.format(index=i), num_embeddings=size,
-                                           embedding_dim=dim, feature_names=[name], pooling=PoolingType.SUM,
-                                           weight_init_min=-scale, weight_init_max=scale)
-                        for i, (name, size) in enumerate(user_features)],
-                device=table_device,
-            )
-            self.user_projection = nn.Linear(len(user_features) * dim, dim, device=device)
-            # Zero at start: training begins from the item-only model and lets the
-            # features in as far as they help (measured: a random start lost HR@10).
-            nn.init.zeros_(self.user_projection.weight)
-            nn.init.zeros_(self.user_projection.bias)
+            self.user_embedding_collection = _build_user_tables(user_features, config, table_device)
+            self.user_projection = _build_user_projection(len(user_features), config.embedding_dim, device)
         self.encoder = build_encoder(config).to(device)
         # A kernel that cannot run on this device stops the job here, not at the first step.
         self.attention_kernel = self.encoder.kernel(device)
@@ -236,14 +211,7 @@ class SequentialRecommender(nn.Module):
         # state dict stays the encoder's.
         self.graphed_encoder: GraphedEncoder | None = None
         if cuda_graphs == "encoder":
-            if torch.device(device).type != "cuda":
-                raise ConfigError(f"training.cuda_graphs = 'encoder' needs a CUDA device; this model is on "
-                                  f"{torch.device(device).type} (set training.cuda_graphs = 'off')")
-            reason = self.encoder.not_capturable(device)
-            if reason is not None:
-                raise ConfigError(f"training.cuda_graphs = 'encoder' cannot capture model.encoder = "
-                                  f"'{config.encoder}': {reason} (set training.cuda_graphs = 'off')")
-            self.graphed_encoder = GraphedEncoder(self.encoder)
+            self.graphed_encoder = _build_graphed_encoder(self.encoder, config, device)
 
     # ------------------------------------------------------------------ lookups
 
@@ -415,11 +383,7 @@ class SequentialRecommender(nn.Module):
         """
         device = batch.item_ids.device
         head = LOSSES[loss_kind].from_config(self.config, full_softmax)
-        if full_softmax:
-            negative_ids = torch.arange(1, self.num_items + 1, device=device)
-        elif negative_ids is None:
-            count = head.negative_count(num_negatives, batch.num_tokens)
-            negative_ids = self.sample_negatives(count, device, generator)
+        negative_ids = self._negative_ids(head, batch, num_negatives, full_softmax, negative_ids, generator)
         if source is None:
             source = TableLookup(self)
         item_embeddings, user_embeddings = source.inputs(batch, negative_ids)
@@ -437,18 +401,100 @@ class SequentialRecommender(nn.Module):
         # Asked for only now: a source may still be receiving the negatives while the encoder runs.
         loss, used_negatives, stats = head(hidden, query_rows, positive, target_ids, source.negatives(),
                                            negative_ids, prepared)
-        stats = {  # filled on the device: a host number copied in would wait for the GPU
-            "loss": loss.detach(),
-            "num_targets": torch.full((), float(target_ids.numel()), device=device),
-            "num_negatives": torch.full((), float(used_negatives), device=device),
-            **stats,
-        }
-        return loss, stats
+        return loss, _loss_stats(loss, target_ids.numel(), used_negatives, stats, device)
+
+    def _negative_ids(self, head: LossHead, batch: SequenceBatch, num_negatives: int, full_softmax: bool,
+                      negative_ids: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor:
+        """A forward's uniform negatives: the whole catalog under ``full_softmax``, else
+        ``negative_ids`` when given, else ``head.negative_count`` ids drawn here."""
+        device = batch.item_ids.device
+        if full_softmax:
+            return torch.arange(1, self.num_items + 1, device=device)
+        if negative_ids is None:
+            count = head.negative_count(num_negatives, batch.num_tokens)
+            return self.sample_negatives(count, device, generator)
+        return negative_ids
 
     @staticmethod
     def negative_count(loss_kind: LossKind, num_negatives: int, num_tokens: int) -> int:
         """Uniform negatives one forward draws under ``loss_kind`` (``training.model.losses.LossHead``)."""
         return LOSSES[loss_kind].negative_count(num_negatives, num_tokens)
+
+
+def _build_item_table(num_items: int, config: ModelConfig, device: torch.device) -> EmbeddingCollection:
+    """The item table (ids ``0..num_items``), a TorchRec collection of one table looked up by both
+    features (``FEATURE_KEYS``), rows uniform in ``+-embedding_init_scale``."""
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    scale = config.embedding_init_scale
+    return EmbeddingCollection(
+        tables=[EmbeddingConfig(name=ITEM_TABLE, num_embeddings=num_items + 1, embedding_dim=config.embedding_dim,
+                                feature_names=list(FEATURE_KEYS), weight_init_min=-scale,
+                                weight_init_max=scale)],
+        device=device,
+    )
+
+
+def _build_rating_embedding(config: ModelConfig, device: torch.device | str) -> nn.Embedding:
+    """One row per rating (row 0, unknown, zero and never trained)."""
+    scale = config.embedding_init_scale
+    rating_embedding = nn.Embedding(NUM_RATINGS, config.embedding_dim, padding_idx=0, device=device)
+    # Same spread as item rows (uniform +-scale has std scale/sqrt(3)), so
+    # neither input dominates at initialisation.
+    with torch.no_grad():
+        nn.init.normal_(rating_embedding.weight, std=scale / math.sqrt(3.0))
+        rating_embedding.weight[0].zero_()
+    return rating_embedding
+
+
+def _build_user_tables(user_features: list[tuple[str, int]] | tuple, config: ModelConfig,
+                       device: torch.device) -> EmbeddingBagCollection:
+    """One summed bag table per user feature, named by position (``USER_TABLE``), rows uniform in
+    ``+-embedding_init_scale``."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
+    scale = config.embedding_init_scale
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=USER_TABLE.format(index=i), num_embeddings=size,
+                                   embedding_dim=config.embedding_dim, feature_names=[name],
+                                   pooling=PoolingType.SUM, weight_init_min=-scale, weight_init_max=scale)
+                for i, (name, size) in enumerate(user_features)],
+        device=device,
+    )
+
+
+def _build_user_projection(num_features: int, dim: int, device: torch.device | str) -> nn.Linear:
+    """The user features' embeddings side by side (``num_features * dim``) to the model width."""
+    projection = nn.Linear(num_features * dim, dim, device=device)
+    # Zero at start: training begins from the item-only model and lets the
+    # features in as far as they help (measured: a random start lost HR@10).
+    nn.init.zeros_(projection.weight)
+    nn.init.zeros_(projection.bias)
+    return projection
+
+
+def _build_graphed_encoder(encoder: Encoder, config: ModelConfig, device: torch.device | str) -> GraphedEncoder:
+    """``encoder`` replayed as CUDA graphs (``training.cuda_graphs = 'encoder'``); ConfigError when
+    the device is not CUDA or the encoder cannot be captured."""
+    if torch.device(device).type != "cuda":
+        raise ConfigError(f"training.cuda_graphs = 'encoder' needs a CUDA device; this model is on "
+                          f"{torch.device(device).type} (set training.cuda_graphs = 'off')")
+    reason = encoder.not_capturable(device)
+    if reason is not None:
+        raise ConfigError(f"training.cuda_graphs = 'encoder' cannot capture model.encoder = "
+                          f"'{config.encoder}': {reason} (set training.cuda_graphs = 'off')")
+    return GraphedEncoder(encoder)
+
+
+def _loss_stats(loss: torch.Tensor, num_targets: int, used_negatives: int, head_stats: dict[str, torch.Tensor],
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """A forward's stats: its loss (detached), target and negative counts, then the head's own."""
+    return {  # filled on the device: a host number copied in would wait for the GPU
+        "loss": loss.detach(),
+        "num_targets": torch.full((), float(num_targets), device=device),
+        "num_negatives": torch.full((), float(used_negatives), device=device),
+        **head_stats,
+    }
 
 
 def build_model(num_items: int, config: ModelConfig, device: torch.device | str,
