@@ -486,9 +486,3 @@ def _prepare_checkpoints(folder: Path, resumable: bool) -> str:
         return "; resuming from its checkpoints"
     shutil.rmtree(folder)
     return "; old checkpoints removed"
-
-
-if __name__ == "__main__":
-    from runtime.job_errors import run_job
-
-    sys.exit(run_job("pipeline", lambda: main(sys.argv[1:])))
