@@ -9,7 +9,9 @@ The folder (written by ``training.export``):
     model.json                FORMAT, the catalog size, the model config, precision, user features, the source
     weights.pt                the weights as one plain fp32 state dict (torch.save): ``item_table`` [N+1, D],
                               ``user_tables.<i>`` per user feature, the dense model's own keys
-    item_vocab.json           ``{"raw_items": [null, raw id of item 1, ...]}``: dense index -> raw item id
+    item_vocab.json           ``{"raw_items": [null, raw id of item 1, ...], "counts": [null, ...]}``: dense
+                              index -> raw item id, and each item's interaction count in the prepared
+                              data (the cold-start fallback's ranking; absent in older folders)
     user_feature_vocab.json   with user features: ``{feature: {value: id}}``
     evaluation.json           the protocol the trainer evaluated with, and its numbers when known
 
@@ -23,8 +25,12 @@ unless ``exclude_history`` is False (the trainer's summary ranks the whole catal
 top-k are its ranking).
 
 Unknown ids: items the vocabulary does not hold are skipped (with their timestamps and ratings) and
-counted per user in ``unknown_items``; a history with no known item gets no recommendations. A user
-feature value the vocabulary does not hold is the unknown id 0, as for a user the user table lacked.
+counted per user in ``unknown_items``. A history with no known item (a cold start, or an empty one)
+gets the most popular items instead, marked ``fallback``: the catalog by descending interaction count
+of the prepared data the model was exported with (``item_vocab.json``'s ``counts``; a folder exported
+before they were recorded ranks by dense id, which prepare assigns by descending count), scored by
+their share of those interactions (0 when the counts are not recorded). A user feature value the
+vocabulary does not hold is the unknown id 0, as for a user the user table lacked.
 Without ``timestamps`` every time gap is 0; without ``ratings`` every rating is unknown (0).
 """
 from __future__ import annotations
@@ -51,6 +57,8 @@ ITEM_TABLE = "item_table"
 USER_TABLE = "user_tables.{index}"
 ITEMS, TIMESTAMPS, RATINGS = "items", "timestamps", "ratings"
 """The query columns; a user feature's column is its name."""
+FALLBACK = "fallback"
+"""The output column that marks a history answered with the most popular items."""
 DEFAULT_K = 10
 ARTIFACT = "freescale_model"
 """The folder's name in the MLflow model (``artifacts/freescale_model``)."""
@@ -74,6 +82,8 @@ class Recommendation:
     scores: list[float]
     unknown_items: int
     """Items of the history the vocabulary does not hold (skipped)."""
+    fallback: bool = False
+    """No item of the history was known: ``items`` are the most popular ones (``ExportedModel.popular``)."""
 
 
 def raw_key(value: Any) -> str:
@@ -163,7 +173,9 @@ class ExportedModel:
         self.num_items = int(meta["num_items"])
         self.max_history = int(meta["max_history"])
         self.user_features = [(f["name"], int(f["num_ids"])) for f in meta.get("user_features", [])]
-        self.raw_items: list[str | None] = self._json(ITEMS_FILE)["raw_items"]
+        vocabulary = self._json(ITEMS_FILE)
+        self.raw_items: list[str | None] = vocabulary["raw_items"]
+        self.popular, self.popular_shares = popularity(vocabulary.get("counts"), self.num_items)
         self.item_ids = {raw: index for index, raw in enumerate(self.raw_items) if index}
         self.feature_ids: dict[str, dict[str, int]] = self._json(USER_FEATURES_FILE) if self.user_features else {}
         weights = torch.load(self.folder / WEIGHTS_FILE, map_location=device, weights_only=True)
@@ -185,13 +197,14 @@ class ExportedModel:
 
     def predict(self, model_input: Any, k: int = DEFAULT_K, exclude_history: bool = True) -> Any:
         """A pandas DataFrame, one row per query in order: ``items`` (the top-k raw ids), ``scores``,
-        ``unknown_items``."""
+        ``unknown_items``, ``fallback`` (the most popular items: no item of the history was known)."""
         import pandas as pd
 
         found = self.recommend(queries_from(model_input, [name for name, _ in self.user_features]), k,
                                exclude_history)
         return pd.DataFrame({ITEMS: [r.items for r in found], "scores": [r.scores for r in found],
-                             "unknown_items": [r.unknown_items for r in found]})
+                             "unknown_items": [r.unknown_items for r in found],
+                             FALLBACK: [r.fallback for r in found]})
 
     @torch.no_grad()
     def recommend(self, queries: Sequence[Query], k: int = DEFAULT_K,
@@ -200,7 +213,7 @@ class ExportedModel:
             raise InputError(f"k must be a positive integer, got {k}")
         known = [self._known(query) for query in queries]
         scored = [i for i, history in enumerate(known) if history.ids]
-        results = [Recommendation([], [], history.unknown) for history in known]
+        results = [self._fallback(int(k), history.unknown) for history in known]
         for start in range(0, len(scored), QUERY_CHUNK):
             rows = scored[start:start + QUERY_CHUNK]
             top_scores, top_ids = self._top([known[i] for i in rows], [queries[i] for i in rows], int(k),
@@ -210,6 +223,11 @@ class ExportedModel:
                 results[row] = Recommendation([self.raw_items[i] for _, i in kept], [s for s, _ in kept],
                                               known[row].unknown)
         return results
+
+    def _fallback(self, k: int, unknown: int) -> Recommendation:
+        """A history without a known item: the ``k`` most popular items, marked."""
+        top = self.popular[:k]
+        return Recommendation([self.raw_items[i] for i in top], self.popular_shares[:k], unknown, fallback=True)
 
     def _known(self, query: Query) -> "_Known":
         ids = [self.item_ids.get(raw_key(raw)) for raw in query.items]
@@ -263,6 +281,16 @@ class _Known:
     ratings: list[int]
     unknown: int
     seen: list[int]
+
+
+def popularity(counts: list[int | None] | None, num_items: int) -> tuple[list[int], list[float]]:
+    """Every item's dense id, most popular first, and its share of the interactions: by ``counts`` (ties by
+    id), or (none recorded) by id with shares 0 -- prepare numbers items by descending count."""
+    if not counts:
+        return list(range(1, num_items + 1)), [0.0] * num_items
+    order = sorted(range(1, num_items + 1), key=lambda i: (-(counts[i] or 0), i))
+    total = sum(c or 0 for c in counts[1:]) or 1
+    return order, [(counts[i] or 0) / total for i in order]
 
 
 def _feature_keys(value: Any) -> tuple[str, ...]:
