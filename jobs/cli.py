@@ -8,6 +8,7 @@
     freescale pipeline ...  prepare, calibrate, balance, train [, compare, export] from one TOML, rerun-safe (jobs/workflow.py)
     freescale simulate ...  predicted step time and bubbles of a plan on K ranks (jobs/simulate.py)
     freescale export ...    a training checkpoint -> one model folder and an MLflow model (jobs/export.py)
+    freescale recommend ... an exported model + sequences -> every user's top k, as Parquet (jobs/recommend.py)
     freescale demo          the pipeline on the embedded synthetic default, ending with a comparison and the model
 
 A failing job prints one line last, `freescale JOB: error: MESSAGE (details: LOG)`, and exits
@@ -22,7 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline", "simulate", "export", "demo")
+SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline", "simulate", "export", "recommend",
+               "demo")
 
 
 def shipped_configs() -> Path:
@@ -111,6 +113,8 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from jobs.simulate import main as run
     elif command == "export":
         from jobs.export import main as run
+    elif command == "recommend":
+        from jobs.recommend import main as run
     else:
         run = demo
     return run(rest)
