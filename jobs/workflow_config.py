@@ -8,6 +8,7 @@ whose options say what each key means; the others are declared here, a docstring
     [prepare]   the input (or the synthetic generator)       [calibrate]  the cost model (optional)
     [balance]   strategy, window_steps, ...                  [train]      a training config + overrides
     [compare]   contiguous vs balanced (optional)        [export]     the trained model (optional)
+    [recommend] every user's top k from the exported model (optional)
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from shards.balance_spec import BalanceSpec, StrategyName  # the balancing regis
 from training.rank_checks import check_ranks_can_run
 from training.config import DEFAULT_EXPERIMENT, ConfigError, apply_table, load_config, parse_overrides  # no torch
 from training.export_spec import ExportSpec  # standard library only
+from training.recommend_spec import RecommendSpec  # standard library only
 
 # ------------------------------------------------------------------------------ config
 
@@ -114,6 +116,14 @@ and the options of ``training.export_spec.ExportSpec`` offered to the pipeline (
 registry name, "" = none)."""
 
 
+RecommendSection = options.section(RecommendSpec, "pipeline", "RecommendSection", extra=(
+    ("enabled", bool, field(default=False)),))
+"""``[recommend]``: ``enabled`` (after export, every prepared user's top k: `freescale recommend` of
+<workdir>/model on <workdir>/prepared into <workdir>/recommendations; needs [export] enabled) and the
+options of ``training.recommend_spec.RecommendSpec`` offered to the pipeline (k; exclude_history: "true",
+"false", "" = the model's default)."""
+
+
 @dataclass
 class WorkflowConfig:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
@@ -130,6 +140,8 @@ class WorkflowConfig:
     """``[compare]``: contiguous vs balanced (optional stage)."""
     export: ExportSection = field(default_factory=ExportSection)
     """``[export]``: the trained model as one folder and an MLflow model (optional stage)."""
+    recommend: RecommendSection = field(default_factory=RecommendSection)
+    """``[recommend]``: every user's top k from the exported model (optional stage)."""
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
