@@ -68,7 +68,8 @@ def recommend(spec: RecommendSpec, tracking: Tracking) -> int:
         stale_removed = remove_stale_siblings(fs, output_uri)
         sequences, metadata = read_input(spark, fs, source, input_uri, spec)
         with atomic_output(fs, output_uri, spec.overwrite) as staging:
-            spark_recommend.recommendations(spark, sequences, source, spec.k, exclude).write.parquet(staging)
+            spark_recommend.recommendations(spark, sequences, source, spec.k, exclude,
+                                            Path(scratch)).write.parquet(staging)
             users = spark.read.parquet(staging).count()
         seconds = time.perf_counter() - started
         run.set_tags({"freescale.output": output_uri, "freescale.model_uri": source.uri})

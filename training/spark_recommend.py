@@ -4,7 +4,7 @@
     frame = recommendations(spark, sequences, source, k, exclude)  # user_id, items, scores
 
 The model is scored as MLflow's batch scoring does on Spark (``mlflow.pyfunc.spark_udf``): its folder is
-shipped to the executors with ``SparkContext.addFile`` and loaded once per Python worker (Spark reuses
+shipped to the executors as an archive (``SparkContext.addArchive``) and loaded once per Python worker (Spark reuses
 its workers: one load per executor core), and ``mapInPandas`` hands it the users a batch at a time.
 What is scored is the model's own ``ExportedModel.rank``, the pyfunc's ``predict`` without the raw-id
 lookups: the input was prepared with the model's vocabulary (``check_vocabulary``), so its dense ids
@@ -14,8 +14,6 @@ validation and test items -- with its timestamps, ratings and user feature ids.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,31 +115,28 @@ def check_vocabulary(source: ModelSource, vocab: dict[int, str], features: list[
                          "score the prepare output the model was trained on")
 
 
-def recommendations(spark: SparkSession, sequences: DataFrame, source: ModelSource, k: int,
-                    exclude: bool) -> DataFrame:
-    """``user_id, items, scores`` of every row of ``sequences`` (a prepare output's), by the model of ``source``."""
-    name = ship(spark, source.folder)
+def recommendations(spark: SparkSession, sequences: DataFrame, source: ModelSource, k: int, exclude: bool,
+                    scratch: Path) -> DataFrame:
+    """``user_id, items, scores`` of every row of ``sequences`` (a prepare output's), by the model of ``source``
+    (shipped from ``scratch``, which must outlive the frame's actions)."""
+    name = ship(spark, source.folder, scratch)
     columns = [*SEQUENCE_COLUMNS, *(["user_features"] if "user_features" in sequences.columns else [])]
     return sequences.select(*columns).mapInPandas(scorer(name, k, exclude), OUTPUT_SCHEMA)
 
 
-def ship(spark: SparkSession, folder: Path) -> str:
-    """The folder, under a name of its own, sent to every executor (``SparkFiles``); that name. A name is
-    registered once per SparkContext, so each run ships its own (hard links: no copy of the weights)."""
-    import tempfile
+def ship(spark: SparkSession, folder: Path, scratch: Path) -> str:
+    """The folder, as an archive of its own name, sent to every executor and unpacked there
+    (``SparkContext.addArchive``: a folder itself can be added on local masters only); the name under
+    which ``SparkFiles.get`` finds it. A name is registered once per SparkContext: each run ships its own."""
+    import zipfile
 
-    name = f"freescale-model-{uuid.uuid4().hex[:12]}"
-    target = Path(tempfile.mkdtemp(prefix="freescale-recommend-")) / name
-    shutil.copytree(folder, target, copy_function=_link_or_copy)
-    spark.sparkContext.addFile(str(target), recursive=True)
-    return name
-
-
-def _link_or_copy(source: str, target: str) -> None:
-    try:
-        os.link(source, target)
-    except OSError:  # another file system, or links not allowed
-        shutil.copy2(source, target)
+    archive = scratch / f"freescale-model-{uuid.uuid4().hex[:12]}.zip"
+    # Stored, not deflated: the weights do not compress, and every executor unpacks the archive once.
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_STORED) as packed:
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            packed.write(path, path.relative_to(folder).as_posix())
+    spark.sparkContext.addArchive(str(archive))
+    return archive.name
 
 
 def scorer(name: str, k: int, exclude: bool) -> Callable[[Iterator[pd.DataFrame]], Iterator[pd.DataFrame]]:

@@ -188,3 +188,29 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(spark, model, movielen
         ["taken"] if case == "output exists" else [])
     if case == "output exists":
         assert list(Path(written).iterdir()) == []
+
+
+# ------------------------------------------------------------------ on the suite's Spark standalone cluster
+
+from tests.jobs.test_cluster import executor_python, finish, submit  # noqa: E402,F401  (a fixture, shared)
+
+
+@pytest.mark.slow
+def test_on_the_standalone_cluster_it_writes_the_local_recommendations(
+        spark_cluster, executor_python, dist, model, movielens_prepared, recommended, tmp_path):  # noqa: F811
+    """spark-submit to the cluster as docs/cluster.md says, the executors' Python without the project but
+    the zip: the model's folder reaches them through SparkFiles, and the rows are the local run's."""
+    import pandas as pd
+
+    out = tmp_path / "top"
+    run = finish(submit(spark_cluster, executor_python, dist, "recommend.py", "--model", str(model.folder),
+                        "--input", str(movielens_prepared), "--output", str(out), "--k", str(K)))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "the top 7 of 943 users" in run.stdout
+    for work in spark_cluster.worker_dirs:
+        assert list(work.glob("app-*/*/freescale.zip")), f"no executor of {work.name} fetched the zip"
+    ours = pd.read_parquet(out).sort_values("user_id").reset_index(drop=True)
+    local = pd.read_parquet(recommended).sort_values("user_id").reset_index(drop=True)
+    assert ours["user_id"].tolist() == local["user_id"].tolist()
+    assert ours["items"].map(list).tolist() == local["items"].map(list).tolist()
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in zip(ours["scores"].map(list), local["scores"].map(list)))
