@@ -8,6 +8,7 @@
     freescale pipeline ...  prepare, calibrate, balance, train [, compare, export] from one TOML, rerun-safe (jobs/workflow/run.py)
     freescale simulate ...  predicted step time and bubbles of a plan on K ranks (jobs/simulate.py)
     freescale export ...    a training checkpoint -> one model folder and an MLflow model (jobs/export.py)
+    freescale recommend ... an exported model + sequences -> every user's top k, as Parquet (jobs/recommend.py)
     freescale demo          the pipeline on the embedded synthetic default, ending with a comparison and the model
 
 A failing job prints one line last, `freescale JOB: error: MESSAGE (details: LOG)`, and exits
@@ -22,7 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline", "simulate", "export", "demo")
+SUBCOMMANDS = ("prepare", "balance", "train", "calibrate", "compare", "pipeline", "simulate", "export", "recommend",
+               "demo")
 
 
 def shipped_configs() -> Path:
@@ -66,7 +68,26 @@ def demo(argv: list[str]) -> int:
         print(f"freescale demo: done; shards in {Path(args.workdir) / 'shards'}, comparison in "
               f"{Path(args.workdir) / 'compare_summary.json'}; browse the runs with: "
               f"{shown} ui --backend-store-uri sqlite:///mlflow.db")
+        print(quality_line(Path(args.workdir) / "train_summary.json"))
     return rc
+
+
+def quality_line(summary_json: Path) -> str:
+    """The demo model's test HR@10 and NDCG@10 against the most-popular baseline on the same users and protocol
+    (the training's summary: ``training.eval.evaluator``), and by how much it beats or trails it."""
+    import json
+
+    summary = json.loads(summary_json.read_text()).get("summary", {}) if summary_json.is_file() else {}
+    names = ("hr_at_10", "ndcg_at_10")
+    if not all(name in summary and f"popular_{name}" in summary for name in names):
+        return f"freescale demo: model quality: not in {summary_json} (the training did not evaluate)"
+    parts = []
+    for name, shown in zip(names, ("HR@10", "NDCG@10")):
+        model, popular = summary[name], summary[f"popular_{name}"]
+        change = f"{(model - popular) / popular:+.0%}" if popular else "n/a"
+        parts.append(f"{shown} {model:.3f} vs most-popular {popular:.3f} ({change})")
+    verdict = "beats" if all(summary[n] > summary[f"popular_{n}"] for n in names) else "does not beat"
+    return f"freescale demo: the trained model {verdict} most-popular on its test users: {'; '.join(parts)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +132,8 @@ def _dispatch(command: str, rest: list[str]) -> int:
         from jobs.simulate import main as run
     elif command == "export":
         from jobs.export import main as run
+    elif command == "recommend":
+        from jobs.recommend import main as run
     else:
         run = demo
     return run(rest)

@@ -8,6 +8,7 @@ whose options say what each key means; the others are declared here, a docstring
     [prepare]   the input (or the synthetic generator)       [calibrate]  the cost model (optional)
     [balance]   strategy, window_steps, ...                  [train]      a training config + overrides
     [compare]   contiguous vs balanced (optional)        [export]     the trained model (optional)
+    [recommend] every user's top k from the exported model (optional)
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from training.parallel.rank_checks import check_ranks_can_run
 from tracking.store import DEFAULT_EXPERIMENT
 from training.config import ConfigError, apply_table, load_config, parse_overrides  # no torch
 from training.export.spec import ExportSpec  # standard library only
+from training.export.recommend_spec import RecommendSpec  # standard library only
 
 # ------------------------------------------------------------------------------ config
 
@@ -115,6 +117,14 @@ and the options of ``training.export.spec.ExportSpec`` offered to the pipeline (
 registry name, "" = none)."""
 
 
+RecommendSection = options.section(RecommendSpec, "pipeline", "RecommendSection", extra=(
+    ("enabled", bool, field(default=False)),))
+"""``[recommend]``: ``enabled`` (after export, every prepared user's top k: `freescale recommend` of
+<workdir>/model on <workdir>/prepared into <workdir>/recommendations; needs [export] enabled) and the
+options of ``training.export.recommend_spec.RecommendSpec`` offered to the pipeline (k; exclude_history: "true",
+"false", "" = the model's default)."""
+
+
 @dataclass
 class WorkflowConfig:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
@@ -131,6 +141,8 @@ class WorkflowConfig:
     """``[compare]``: contiguous vs balanced (optional stage)."""
     export: ExportSection = field(default_factory=ExportSection)
     """``[export]``: the trained model as one folder and an MLflow model (optional stage)."""
+    recommend: RecommendSection = field(default_factory=RecommendSection)
+    """``[recommend]``: every user's top k from the exported model (optional stage)."""
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:

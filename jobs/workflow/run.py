@@ -1,11 +1,11 @@
-"""`freescale pipeline --config FILE.toml`: prepare, calibrate, balance, train [, compare, export] from one
+"""`freescale pipeline --config FILE.toml`: prepare, calibrate, balance, train [, compare, export, recommend] from one
 TOML, safe to rerun from cron, Airflow or any scheduler.
 
     freescale pipeline --config configs/demo_pipeline.toml [--fresh] [--section.key VALUE ...]
 
 Each stage calls its job in-process, each still runnable by itself, through its typed entry
 (`jobs.prepare.run`, `jobs.calibrate.run`, `jobs.balance.run`, `jobs.launch.run`, `jobs.compare.run`,
-`jobs.export.run`, each with the spec built from its section).
+`jobs.export.run`, `jobs.recommend.run`, each with the spec built from its section).
 A stage that finishes leaves a record next to its output in the working directory,
 `<workdir>/<stage>.fingerprint.json`: the fingerprint of everything the stage's arguments are
 built from (its config section, the shared sizes, the identity of its input files: path,
@@ -50,10 +50,10 @@ from runtime.json_files import write_json
 from jobs.workflow.stages import LOCK, Stage, file_identity, json_damage, read_record, record_path, run_stages
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 
-STAGES = ("prepare", "calibrate", "balance", "train", "compare", "export")
+STAGES = ("prepare", "calibrate", "balance", "train", "compare", "export", "recommend")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
                                         "train": ("balance",), "compare": ("prepare", "calibrate"),
-                                        "export": ("train",)}
+                                        "export": ("train",), "recommend": ("prepare", "export")}
 """The stages whose output a stage reads: when one of them runs, the stage runs too."""
 
 
@@ -68,7 +68,7 @@ class Workdir:
         self.prepared, self.shards, self.checkpoints, self.compare = (
             root / name for name in ("prepared", "shards", "checkpoints", "compare"))
         self.cost_model, self.rank_speeds = root / "cost_model.json", root / "rank_speeds.json"
-        self.model = root / "model"
+        self.model, self.recommendations = root / "model", root / "recommendations"
         self.summary, self.compare_summary = root / "train_summary.json", root / "compare_summary.json"
 
 
@@ -93,7 +93,8 @@ def build_stages(config: WorkflowConfig) -> list[Stage]:
     """The stages in order (STAGES), with their jobs, fingerprint content and output checks."""
     work = Workdir(Path(config.pipeline.workdir))
     stages = [prepare_stage(config, work), calibrate_stage(config, work), balance_stage(config, work),
-              train_stage(config, work), compare_stage(config, work), export_stage(config, work)]
+              train_stage(config, work), compare_stage(config, work), export_stage(config, work),
+              recommend_stage(config, work)]
     for stage in stages:
         stage.upstream = UPSTREAM[stage.name]
     return stages
@@ -290,6 +291,28 @@ def export_stage(config: WorkflowConfig, work: Workdir) -> Stage:
         return export.run(lambda: options.from_values(export.ExportSpec, values), tracking_of(config))
     return Stage("export", run, params, work.model, json_damage(work.model / "model.json", "exported model"),
                  off=None if config.export.enabled else "[export] enabled = false")
+
+
+def recommend_stage(config: WorkflowConfig, work: Workdir) -> Stage:
+    """Every prepared user's top k from the exported model, into <workdir>/recommendations."""
+    from training.export.recommend_spec import RecommendSpec  # standard library only
+
+    values = {**options.section_values(config.recommend), "model": str(work.model), "input": str(work.prepared),
+              "output": str(work.recommendations), "overwrite": True}
+    params = {"k": config.recommend.k, "exclude_history": config.recommend.exclude_history or None}
+
+    def run() -> int:
+        from jobs import recommend
+
+        return recommend.run(lambda: options.from_values(RecommendSpec, values), tracking_of(config))
+
+    def damage() -> str | None:
+        done = work.recommendations / "_SUCCESS"
+        return None if done.is_file() else f"{done} is missing"
+    off = None if config.recommend.enabled else "[recommend] enabled = false"
+    if config.recommend.enabled and not config.export.enabled:
+        off = "[recommend] needs [export] enabled = true (it scores the exported model)"
+    return Stage("recommend", run, params, work.recommendations, damage, off=off)
 
 
 # ------------------------------------------------------------------------------ the run

@@ -59,6 +59,9 @@ max_seq_len = 64
 window_steps = 4
 [export]
 enabled = true
+[recommend]
+enabled = true
+k = 5
 [train]
 config = "{train}"
 """
@@ -122,14 +125,22 @@ def test_first_run_runs_every_stage_and_a_rerun_skips_them(first_run, copy, caps
                                 "calibrate": ("off", "[calibrate] enabled = false; balance uses the built-in cost model"),
                                 "balance": ("ran", "upstream prepare ran"), "train": ("ran", "upstream balance ran"),
                                 "compare": ("off", "[compare] enabled = false"),
-                                "export": ("ran", "upstream train ran")}
+                                "export": ("ran", "upstream train ran"),
+                                "recommend": ("ran", "upstream prepare, export ran")}
+    # a scheduled run ends with every prepared user's recommendations, from the exported model
+    import pyarrow.parquet as pq
+
+    folder, _ = first_run
+    top = pq.read_table(folder / "work" / "recommendations").to_pydict()
+    users = pq.read_table(folder / "work" / "prepared" / "sequences", columns=["user_id"]).num_rows
+    assert len(top["user_id"]) == users > 0 and {len(items) for items in top["items"]} == {5}
     work, config = copy
     record = json.loads((work / "balance.fingerprint.json").read_text())
     assert record["status"] == "done" and record["params"]["window_steps"] == 4
     assert run(config) == 0
     seen = statuses(capsys.readouterr().out)
     assert json.loads((work / "model" / "model.json").read_text())  # the model, exported at the end
-    for stage in ("prepare", "balance", "train", "export"):
+    for stage in ("prepare", "balance", "train", "export", "recommend"):
         assert seen[stage][0] == "skipped", seen
         assert seen[stage][1].startswith("fingerprint matches ")
 

@@ -41,8 +41,9 @@ def nothing_beside(output: Path) -> list[str]:
 # ------------------------------------------------------------------ a model folder without a training
 
 
-def small_folder(root: Path, num_items: int = 30) -> tuple[Path, list[str]]:
-    """An export folder of a random one-layer HSTU over ``num_items`` items whose raw ids are ``i<n>``."""
+def small_folder(root: Path, num_items: int = 30, counts: list[int] | None = None) -> tuple[Path, list[str]]:
+    """An export folder of a random one-layer HSTU over ``num_items`` items whose raw ids are ``i<n>`` (with
+    ``counts``: each item's interaction count, index 0 padding)."""
     import torch
 
     from training.config import TrainConfig
@@ -57,7 +58,7 @@ def small_folder(root: Path, num_items: int = 30) -> tuple[Path, list[str]]:
     state = {ITEM_TABLE: table.table.weight.detach().clone(), **model.state_dict()}
     raw = [None] + [f"i{n}" for n in range(1, num_items + 1)]
     source = Source(root / "ckpt" / "step_1", 1, config, {}, SimpleNamespace(state_dict_metadata={}))
-    vocab = Vocabulary(root, raw, [], {}, max_history=8)
+    vocab = Vocabulary(root, raw, [], {}, max_history=8, counts=counts)
     write_folder(root / "model", source, vocab, state, {})
     return root / "model", raw
 
@@ -71,10 +72,11 @@ def test_unknown_items_are_skipped_and_counted(tmp_path):
     model = ExportedModel(folder)
     known = model.predict([["i3", "i7", "i2"]], k=5)
     mixed = model.predict(pd.DataFrame({"items": [["nope", "i3", "i7", 99, "i2"], ["gone"], []]}), k=5)
-    assert list(mixed.columns) == ["items", "scores", "unknown_items"]
-    assert mixed["unknown_items"].tolist() == [2, 1, 0]
+    assert list(mixed.columns) == ["items", "scores", "unknown_items", "fallback"]
+    assert mixed["unknown_items"].tolist() == [2, 1, 0] and mixed["fallback"].tolist() == [False, True, True]
     assert mixed["items"][0] == known["items"][0] and mixed["scores"][0] == known["scores"][0]
-    assert mixed["items"][1] == [] and mixed["items"][2] == []  # no known item: no recommendation
+    # no known item: the most popular (no counts recorded: by dense id, prepare's popularity order)
+    assert mixed["items"][1] == mixed["items"][2] == raw[1:6] and mixed["scores"][1] == [0.0] * 5
     assert len(known["items"][0]) == 5 and known["scores"][0] == sorted(known["scores"][0], reverse=True)
 
 
@@ -295,10 +297,12 @@ PREDICT = textwrap.dedent("""
     unknown["timestamps"] = [[0] + ts for ts in unknown["timestamps"]]
     unknown["ratings"] = [[0] + rs for rs in unknown["ratings"]]
     odd = model.predict(unknown, params={"k": 10, "exclude_history": False})
-    lists = model.predict([items for items in frame["items"].head(2)], params={"k": 5})
+    lists = model.predict(frame[["items"]].head(2), params={"k": 5})  # items alone: the rest is optional
+    cold = model.predict(pd.DataFrame({"items": [["no-such-item"]]}), params={"k": 4})
     json.dump({"full": full["items"].tolist(), "full_scores": full["scores"].tolist(),
                "unseen": unseen["items"].tolist(), "unknown": odd["unknown_items"].tolist(),
                "unknown_items": odd["items"].tolist(), "lists": lists["items"].tolist(),
+               "cold": cold[["items", "fallback"]].to_dict("records"),
                "modules": sorted(m for m in sys.modules if m.split(".")[0] in ("torchrec", "fbgemm_gpu")),
                "process_group": torch.distributed.is_available() and torch.distributed.is_initialized()},
               open(output, "w"))
@@ -316,6 +320,8 @@ def metrics_of(tops: list[list[str]], targets: list[str]) -> dict[str, float]:
 @pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 def test_a_fresh_process_predicts_the_trainers_ranking_without_torchrec(trained, exported, movielens_prepared,
                                                                         movielens_dir, tmp_path):
+    import pyarrow.parquet as pq
+
     rows, top, sums = reference(trained, movielens_prepared, movielens_dir / "users.parquet")
     summary = trained.summary["summary"]
     assert sums["full"]["count"] == summary["eval_samples"] == len(rows)
@@ -340,6 +346,10 @@ def test_a_fresh_process_predicts_the_trainers_ranking_without_torchrec(trained,
     assert all(not set(unseen) & set(row["items"]) for unseen, row in zip(out["unseen"], rows))
     assert out["unknown"] == [1, 1, 1] and out["unknown_items"] == top["full"][:3]
     assert [len(items) for items in out["lists"]] == [5, 5]
+    # a cold start: the prepared data's most popular items (prepare numbers items by count: ids 1..4)
+    raw = dict(zip(*pq.read_table(movielens_prepared / "item_vocab", columns=["item_id", "raw_item"])
+                   .to_pydict().values()))
+    assert out["cold"] == [{"items": [raw[i] for i in range(1, 5)], "fallback": True}]
 
 
 @pytest.mark.slow

@@ -9,7 +9,9 @@ The folder (written by ``training.export.exporter``):
     model.json                FORMAT, the catalog size, the model config, precision, user features, the source
     weights.pt                the weights as one plain fp32 state dict (torch.save): ``item_table`` [N+1, D],
                               ``user_tables.<i>`` per user feature, the dense model's own keys
-    item_vocab.json           ``{"raw_items": [null, raw id of item 1, ...]}``: dense index -> raw item id
+    item_vocab.json           ``{"raw_items": [null, raw id of item 1, ...], "counts": [null, ...]}``: dense
+                              index -> raw item id, and each item's interaction count in the prepared
+                              data (the cold-start fallback's ranking; absent in older folders)
     user_feature_vocab.json   with user features: ``{feature: {value: id}}``
     evaluation.json           the protocol the trainer evaluated with, and its numbers when known
 
@@ -23,8 +25,12 @@ unless ``exclude_history`` is False (the trainer's summary ranks the whole catal
 top-k are its ranking).
 
 Unknown ids: items the vocabulary does not hold are skipped (with their timestamps and ratings) and
-counted per user in ``unknown_items``; a history with no known item gets no recommendations. A user
-feature value the vocabulary does not hold is the unknown id 0, as for a user the user table lacked.
+counted per user in ``unknown_items``. A history with no known item (a cold start, or an empty one)
+gets the most popular items instead, marked ``fallback``: the catalog by descending interaction count
+of the prepared data the model was exported with (``item_vocab.json``'s ``counts``; a folder exported
+before they were recorded ranks by dense id, which prepare assigns by descending count), scored by
+their share of those interactions (0 when the counts are not recorded). A user feature value the
+vocabulary does not hold is the unknown id 0, as for a user the user table lacked.
 Without ``timestamps`` every time gap is 0; without ``ratings`` every rating is unknown (0).
 """
 from __future__ import annotations
@@ -51,6 +57,8 @@ ITEM_TABLE = "item_table"
 USER_TABLE = "user_tables.{index}"
 ITEMS, TIMESTAMPS, RATINGS = "items", "timestamps", "ratings"
 """The query columns; a user feature's column is its name."""
+FALLBACK = "fallback"
+"""The output column that marks a history answered with the most popular items."""
 DEFAULT_K = 10
 ARTIFACT = "freescale_model"
 """The folder's name in the MLflow model (``artifacts/freescale_model``)."""
@@ -74,6 +82,8 @@ class Recommendation:
     scores: list[float]
     unknown_items: int
     """Items of the history the vocabulary does not hold (skipped)."""
+    fallback: bool = False
+    """No item of the history was known: ``items`` are the most popular ones (``ExportedModel.popular``)."""
 
 
 def raw_key(value: Any) -> str:
@@ -163,7 +173,9 @@ class ExportedModel:
         self.num_items = int(meta["num_items"])
         self.max_history = int(meta["max_history"])
         self.user_features = [(f["name"], int(f["num_ids"])) for f in meta.get("user_features", [])]
-        self.raw_items: list[str | None] = self._json(ITEMS_FILE)["raw_items"]
+        vocabulary = self._json(ITEMS_FILE)
+        self.raw_items: list[str | None] = vocabulary["raw_items"]
+        self.popular, self.popular_shares = popularity(vocabulary.get("counts"), self.num_items)
         self.item_ids = {raw: index for index, raw in enumerate(self.raw_items) if index}
         self.feature_ids: dict[str, dict[str, int]] = self._json(USER_FEATURES_FILE) if self.user_features else {}
         weights = torch.load(self.folder / WEIGHTS_FILE, map_location=device, weights_only=True)
@@ -185,84 +197,108 @@ class ExportedModel:
 
     def predict(self, model_input: Any, k: int = DEFAULT_K, exclude_history: bool = True) -> Any:
         """A pandas DataFrame, one row per query in order: ``items`` (the top-k raw ids), ``scores``,
-        ``unknown_items``."""
+        ``unknown_items``, ``fallback`` (the most popular items: no item of the history was known)."""
         import pandas as pd
 
         found = self.recommend(queries_from(model_input, [name for name, _ in self.user_features]), k,
                                exclude_history)
         return pd.DataFrame({ITEMS: [r.items for r in found], "scores": [r.scores for r in found],
-                             "unknown_items": [r.unknown_items for r in found]})
+                             "unknown_items": [r.unknown_items for r in found],
+                             FALLBACK: [r.fallback for r in found]})
 
     @torch.no_grad()
     def recommend(self, queries: Sequence[Query], k: int = DEFAULT_K,
                   exclude_history: bool = True) -> list[Recommendation]:
+        return self.rank([self.history(query) for query in queries], k, exclude_history)
+
+    def rank(self, histories: Sequence[History], k: int = DEFAULT_K,
+             exclude_history: bool = True) -> list[Recommendation]:
+        """Each history's top k (a history with no known item: the fallback), scored QUERY_CHUNK at a time."""
         if int(k) < 1:
             raise InputError(f"k must be a positive integer, got {k}")
-        known = [self._known(query) for query in queries]
-        scored = [i for i, history in enumerate(known) if history.ids]
-        results = [Recommendation([], [], history.unknown) for history in known]
+        scored = [i for i, history in enumerate(histories) if history.ids]
+        results = [self._fallback(int(k), history.unknown) for history in histories]
         for start in range(0, len(scored), QUERY_CHUNK):
             rows = scored[start:start + QUERY_CHUNK]
-            top_scores, top_ids = self._top([known[i] for i in rows], [queries[i] for i in rows], int(k),
-                                            exclude_history)
+            top_scores, top_ids = self._top([histories[i] for i in rows], int(k), exclude_history)
             for row, scores, ids in zip(rows, top_scores.tolist(), top_ids.tolist()):
                 kept = [(s, i) for s, i in zip(scores, ids) if math.isfinite(s)]
                 results[row] = Recommendation([self.raw_items[i] for _, i in kept], [s for s, _ in kept],
-                                              known[row].unknown)
+                                              histories[row].unknown)
         return results
 
-    def _known(self, query: Query) -> "_Known":
+    def _fallback(self, k: int, unknown: int) -> Recommendation:
+        """A history without a known item: the ``k`` most popular items, marked."""
+        top = self.popular[:k]
+        return Recommendation([self.raw_items[i] for i in top], self.popular_shares[:k], unknown, fallback=True)
+
+    def history(self, query: Query) -> History:
+        """A query's history as the model reads it: raw ids and feature values to dense ids."""
         ids = [self.item_ids.get(raw_key(raw)) for raw in query.items]
         timestamps = query.timestamps or [0] * len(ids)
         ratings = query.ratings or [0] * len(ids)
         kept = [(i, int(t), int(r)) for i, t, r in zip(ids, timestamps, ratings) if i is not None]
-        seen = [i for i, _, _ in kept]
-        kept = kept[-self.max_history:]
-        return _Known([i for i, _, _ in kept], [t for _, t, _ in kept], [r for _, _, r in kept], ids.count(None),
-                      seen)
-
-    def _user_ids(self, queries: Sequence[Query]) -> torch.Tensor | None:
-        if not self.user_features:
-            return None
-        return torch.tensor([[self._feature_id(name, query.features.get(name)) for name, _ in self.user_features]
-                             for query in queries], dtype=torch.int64, device=self.device)
+        features = [self._feature_id(name, query.features.get(name)) for name, _ in self.user_features]
+        return History.of(kept, self.max_history, ids.count(None), features)
 
     def _feature_id(self, name: str, value: Any) -> int:
         ids = self.feature_ids[name]
         return next((ids[key] for key in _feature_keys(value) if key in ids), 0)
 
-    def _top(self, known: list["_Known"], queries: Sequence[Query], k: int,
-             exclude_history: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top(self, histories: list[History], k: int, exclude_history: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k ``(scores, ids)`` of a chunk of non-empty histories (``score_queries``' query)."""
         device = self.device
 
         def flat(name: str) -> torch.Tensor:
-            return torch.tensor([v for history in known for v in getattr(history, name)], dtype=torch.int64,
+            return torch.tensor([v for history in histories for v in getattr(history, name)], dtype=torch.int64,
                                 device=device)
 
-        lengths = torch.tensor([len(history.ids) for history in known], dtype=torch.int64, device=device)
+        lengths = torch.tensor([len(history.ids) for history in histories], dtype=torch.int64, device=device)
         offsets = offsets_from_lengths(lengths)
-        users = self.model.user_vectors(self.model.lookup_users(self._user_ids(queries), self.user_tables))
+        user_ids = (torch.tensor([history.features for history in histories], dtype=torch.int64, device=device)
+                    if self.user_features else None)
+        users = self.model.user_vectors(self.model.lookup_users(user_ids, self.user_tables))
         hidden = self.model.encode_rows(self.item_table[flat("ids")], offsets, flat("timestamps"), flat("ratings"),
                                         users)
         scores = hidden[last_positions(offsets)] @ self.normalized_table.t()
         scores[:, 0] = float("-inf")
         if exclude_history:
-            seen = torch.tensor([len(history.seen) for history in known], device=device)
-            scores[torch.repeat_interleave(torch.arange(len(known), device=device), seen), flat("seen")] = -math.inf
+            seen = torch.tensor([len(history.seen) for history in histories], device=device)
+            rows = torch.repeat_interleave(torch.arange(len(histories), device=device), seen)
+            scores[rows, flat("seen")] = -math.inf
         return torch.topk(scores, min(k, self.num_items), dim=1)
 
 
 @dataclass
-class _Known:
-    """A history's known items: the most recent ``max_history`` with their times and ratings (the query),
-    how many were unknown, and every known one (what ``exclude_history`` leaves out)."""
+class History:
+    """A history as dense ids: its known items, the most recent ``max_history`` with their times and ratings
+    (the query), how many were unknown, every known one (what ``exclude_history`` leaves out) and the user's
+    feature ids (0: unknown), in the model's feature order."""
 
     ids: list[int]
     timestamps: list[int]
     ratings: list[int]
     unknown: int
     seen: list[int]
+    features: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, events: Sequence[tuple[int, int, int]], max_history: int, unknown: int = 0,
+           features: Sequence[int] = ()) -> History:
+        """From known ``(id, timestamp, rating)`` events, oldest first."""
+        recent = events[-max_history:]
+        return cls([i for i, _, _ in recent], [t for _, t, _ in recent], [r for _, _, r in recent], unknown,
+                   [i for i, _, _ in events], list(features))
+
+
+def popularity(counts: list[int | None] | None, num_items: int) -> tuple[list[int], list[float]]:
+    """Every item's dense id, most popular first, and its share of the interactions: by ``counts`` (ties by
+    id), or (none recorded) by id with shares 0 -- prepare numbers items by descending count."""
+    if not counts:
+        return list(range(1, num_items + 1)), [0.0] * num_items
+    order = sorted(range(1, num_items + 1), key=lambda i: (-(counts[i] or 0), i))
+    total = sum(c or 0 for c in counts[1:]) or 1
+    return order, [(counts[i] or 0) / total for i in order]
 
 
 def _feature_keys(value: Any) -> tuple[str, ...]:

@@ -32,7 +32,7 @@ from runtime.errors import InputError, ServiceUnavailable, one_line
 from training.checkpoint.checkpointer import COMPLETE, CONFIG, STEP_DIR, Checkpointer
 from training.config import ConfigError, TrainConfig, apply_table, moved_flat, to_flat_dict
 from training.export.spec import ExportSpec
-from training.export.exported_model import (ARTIFACT, DEFAULT_K, EVALUATION_FILE, FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE,
+from training.export.exported_model import (ARTIFACT, EVALUATION_FILE, FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE,
                                      USER_FEATURES_FILE, USER_TABLE, WEIGHTS_FILE, ExportedModel, Query, nested)
 from training.model.recommender import ITEM_TABLE as CHECKPOINT_ITEM_TABLE, USER_TABLE as CHECKPOINT_USER_TABLE
 from tracking.store import Tracking
@@ -156,6 +156,9 @@ class Vocabulary:
     features: list[tuple[str, int]]
     feature_ids: dict[str, dict[str, int]]
     max_history: int
+    counts: list[int | None] | None = None
+    """Each dense id's interaction count in the prepared data (item_vocab's ``count``): the cold-start
+    fallback's ranking (``training.export.exported_model.popularity``)."""
 
 
 def prepared_folder(spec: ExportSpec, config: TrainConfig) -> Path:
@@ -189,12 +192,14 @@ def read_vocabulary(folder: Path, num_items: int, tables: list[int]) -> Vocabula
 
     from pipeline.prepared import read_metadata
 
-    vocab = pq.read_table(folder / "item_vocab", columns=["raw_item", "item_id"]).to_pydict()
+    vocab = pq.read_table(folder / "item_vocab").to_pydict()
     raw_items: list[str | None] = [None] * (num_items + 1)
-    for raw, index in zip(vocab["raw_item"], vocab["item_id"]):
+    counts: list[int | None] = [None] * (num_items + 1)
+    for row, (raw, index) in enumerate(zip(vocab["raw_item"], vocab["item_id"])):
         if not 1 <= index <= num_items or raw_items[index] is not None:
             raise InputError(f"{folder}/item_vocab does not fit the checkpoint's {num_items} items (id {index})")
         raw_items[index] = raw
+        counts[index] = int(vocab["count"][row]) if "count" in vocab else None
     if len(vocab["item_id"]) != num_items:
         raise InputError(f"{folder}/item_vocab holds {len(vocab['item_id'])} items, the checkpoint's table "
                          f"{num_items}: another prepare output")
@@ -208,7 +213,8 @@ def read_vocabulary(folder: Path, num_items: int, tables: list[int]) -> Vocabula
         rows = pq.read_table(folder / "user_feature_vocab", columns=["feature", "value", "id"]).to_pydict()
         for name, value, index in zip(rows["feature"], rows["value"], rows["id"]):
             feature_ids[name][value] = int(index)
-    return Vocabulary(folder, raw_items, features, feature_ids, int(meta.get("max_seq_len", 1024)) + 1)
+    return Vocabulary(folder, raw_items, features, feature_ids, int(meta.get("max_seq_len", 1024)) + 1,
+                      counts if "count" in vocab else None)
 
 
 def user_table_rows(source: Source) -> list[int]:
@@ -247,7 +253,8 @@ def write_folder(folder: Path, source: Source, vocab: Vocabulary, state: dict[st
                        "mlflow_run_id": source.run_id, "shards": config.data.shards,
                        "prepared": str(vocab.prepared.resolve())}}
     (folder / MODEL_FILE).write_text(json.dumps(meta, indent=1, default=str) + "\n")
-    (folder / ITEMS_FILE).write_text(json.dumps({"raw_items": vocab.raw_items}) + "\n")
+    items = {"raw_items": vocab.raw_items, **({"counts": vocab.counts} if vocab.counts else {})}
+    (folder / ITEMS_FILE).write_text(json.dumps(items) + "\n")
     if vocab.features:
         (folder / USER_FEATURES_FILE).write_text(json.dumps(vocab.feature_ids) + "\n")
     (folder / EVALUATION_FILE).write_text(json.dumps(evaluation_protocol(config, metrics), indent=1) + "\n")
@@ -376,29 +383,48 @@ def requirements() -> list[str]:
     return found
 
 
+def pyfunc_arguments(folder: Path) -> dict[str, Any]:
+    """What ``mlflow.pyfunc.log_model`` (or ``save_model``) takes for the folder: the code, the artifact, the
+    signature and input example (``training.export.signature``), the requirements."""
+    from training.export.signature import input_example, signature
+
+    model = ExportedModel(folder)
+    return {"python_model": str(Path(__file__).with_name("model_pyfunc.py")), "artifacts": {MODEL_FOLDER: str(folder)},
+            "signature": signature([name for name, _ in model.user_features]),
+            "input_example": input_example(model), "pip_requirements": requirements()}
+
+
 def log_model(folder: Path, uri: str, run_id: str, register: str | None) -> dict[str, Any]:
     """Log ``folder`` as an MLflow pyfunc model (its code ``training/export/model_pyfunc.py``) on run ``run_id``,
     which ends in the status it had; registered as ``register`` (a new version) when given."""
     import mlflow
-    from mlflow.models import ModelSignature
     from mlflow.tracking import MlflowClient
-    from mlflow.types.schema import ParamSchema, ParamSpec
 
-    signature = ModelSignature(inputs=None, params=ParamSchema([ParamSpec("k", "long", DEFAULT_K),
-                                                                ParamSpec("exclude_history", "boolean", True)]))
     status = MlflowClient(uri).get_run(run_id).info.status
-    # mlflow's chatter (warnings that ask for an input example, progress bars, "Created version 2") is
+    # mlflow's chatter (its check of the input example, progress bars, "Created version 2") is
     # dropped: the job's last line says what was logged and registered.
-    with tracking_at(uri), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+    with tracking_at(uri), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), quiet_mlflow():
         warnings.simplefilter("ignore")
         mlflow.start_run(run_id=run_id)
         try:
-            info = mlflow.pyfunc.log_model(
-                name="model", python_model=str(Path(__file__).with_name("model_pyfunc.py")),
-                artifacts={MODEL_FOLDER: str(folder)}, signature=signature, pip_requirements=requirements(),
-                registered_model_name=register)
+            info = mlflow.pyfunc.log_model(name="model", registered_model_name=register, **pyfunc_arguments(folder))
         finally:
             mlflow.end_run(status=status)
     return {"model_uri": info.model_uri, "model_id": info.model_id, "run_id": run_id,
             "registered_name": register,
             "registered_version": None if register is None else int(info.registered_model_version)}
+
+
+@contextlib.contextmanager
+def quiet_mlflow() -> Iterator[None]:
+    """mlflow's own loggers at ERROR for the block: they write to the stderr they found at import (not
+    redirect_stderr's), e.g. "Validating input example against model signature"."""
+    import logging
+
+    logger = logging.getLogger("mlflow")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -4,18 +4,26 @@ loading and predicting need torch and this project (``training.export.exported_m
 
     model = mlflow.pyfunc.load_model("models:/NAME/1")
     model.predict(pandas.DataFrame({"items": [["50", "172"]]}), params={"k": 10, "exclude_history": True})
-    model.predict([["50", "172"], ["1"]])                                            # a list of histories
 
 Returns a DataFrame, one row per history in order: ``items`` (the top-k raw item ids, best first),
-``scores`` (their cosines with the history's query) and ``unknown_items`` (ids of the history the
-vocabulary does not hold: skipped). ``training.export.exported_model`` says how a history is scored.
+``scores`` (their cosines with the history's query), ``unknown_items`` (ids of the history the
+vocabulary does not hold: skipped) and ``fallback`` (true: no item of the history was known, and
+``items`` are the most popular ones). ``training.export.exported_model`` says how a history is scored.
+
+The model's signature (``training.export.signature``) has MLflow check each request's columns and
+types first; what only the model can check (a history's timestamps that do not match its items, a k
+below 1) is an MlflowException of INVALID_PARAMETER_VALUE, so a server answers 400 with its message.
+Models logged before the signature (none) also take a list of item-id lists.
 """
 from __future__ import annotations
 
 import mlflow
 import pandas as pd
+from mlflow.exceptions import MlflowException
 from mlflow.models import set_model
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
+from runtime.errors import InputError
 from training.export.exported_model import ARTIFACT, DEFAULT_K, ExportedModel
 
 
@@ -25,12 +33,15 @@ class FreeScaleRecommender(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
         self.model = ExportedModel(context.artifacts[ARTIFACT])
 
-    # The hint is a DataFrame, from which mlflow infers no schema and so converts nothing: a list of
-    # histories is taken as well (training.export.exported_model.queries_from).
+    # The hint is a DataFrame, from which mlflow infers no schema and so converts nothing: the schema is
+    # the logged signature's.
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         params = params or {}
-        return self.model.predict(model_input, k=int(params.get("k", DEFAULT_K)),
-                                  exclude_history=bool(params.get("exclude_history", True)))
+        try:
+            return self.model.predict(model_input, k=int(params.get("k", DEFAULT_K)),
+                                      exclude_history=bool(params.get("exclude_history", True)))
+        except InputError as bad:  # the client's fault: mlflow's server answers 400 with this message
+            raise MlflowException(str(bad), error_code=INVALID_PARAMETER_VALUE) from None
 
 
 set_model(FreeScaleRecommender())
