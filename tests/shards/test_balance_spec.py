@@ -34,8 +34,9 @@ class WithNewOption(balance_spec.BalanceSpec):
 
 
 balance_spec.BalanceSpec = WithNewOption
-from jobs import balance, compare, workflow  # noqa: E402
-from pipeline import options  # noqa: E402
+from jobs import balance, compare  # noqa: E402
+from jobs.workflow import run as workflow  # noqa: E402
+from runtime import options  # noqa: E402
 
 tmp, seen = Path(sys.argv[1]), {}
 required = ["--input", "in", "--output", "out", "--world-size", "2", "--local-batch-size", "4"]
