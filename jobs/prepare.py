@@ -25,7 +25,7 @@ from typing import Callable
 from runtime.job_errors import run_job
 from tracking.store import Tracking, add_tracking_arguments  # no mlflow import until a run opens
 from runtime import options
-from pipeline.prepare_spec import PrepareSpec  # standard library only
+from pipeline.prepare_spec import PrepareSpec, synthetic_text  # standard library only
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,8 +90,7 @@ def prepare(spec: PrepareSpec, tracking: Tracking) -> int:
 def summary_line(spec: PrepareSpec, inputs, prepared, output_uri: str) -> str:
     """The job's last line: what it wrote, and every user and row it left out or changed."""
     stats = prepared.stats
-    synthetic = (f" from synthetic data ({spec.synthetic_users} users, {spec.synthetic_items} items, seed {spec.seed}; "
-                 "no --input)" if spec.input is None else "")
+    synthetic = f" from synthetic data ({synthetic_text(spec)}; no --input)" if spec.input is None else ""
     return (f"freescale prepare: {stats['users']} sequences over {stats['num_items']} items{synthetic} to {output_uri}; "
             f"{stats['users_dropped_short']} users dropped (fewer than 3 interactions), "
             f"{stats['users_truncated']} truncated to {spec.max_seq_len} items"

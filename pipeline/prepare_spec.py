@@ -5,7 +5,7 @@ pipeline/spark_prepare.py takes. Standard library only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from runtime.errors import InputError
 from pipeline.layouts import FORMATS  # plain data
@@ -45,6 +45,13 @@ class PrepareSpec:
     synthetic_users: int = option(20_000, "users", group=SYNTHETIC)
     synthetic_items: int = option(10_000, "catalog size", group=SYNTHETIC)
     seed: int = option(0, "generator seed", group=SYNTHETIC)
+    synthetic_groups: int = option(
+        0, "taste groups: each user belongs to one of this many groups and draws its items, with probability "
+           "--synthetic-group-share, from its group's own Zipf law over a slice of the catalog, so its history "
+           "predicts its next items beyond popularity (default 0: none, every item from one global Zipf law, "
+           "where most-popular is the best possible ranking)", group=SYNTHETIC)
+    synthetic_group_share: float = option(0.8, "with --synthetic-groups: the share of events drawn from the "
+                                               "user's group, in [0, 1]", group=SYNTHETIC)
     overwrite: bool = option(False, "replace an existing output", surfaces=CLI)
     master: str | None = option(None, "Spark master (default: spark-submit's, else local[*])", surfaces=CLI)
 
@@ -56,8 +63,29 @@ class PrepareSpec:
         return [c.strip() for c in self.user_feature_cols.split(",") if c.strip()]
 
     def check(self) -> None:
-        """The generator's sizes count only when it runs."""
+        """The generator's sizes count only when it runs; its group settings are checked always."""
         if self.input is None:
             for name in ("synthetic_users", "synthetic_items"):
                 if getattr(self, name) <= 0:
                     raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if self.synthetic_groups < 0:
+            raise InputError(f"--synthetic-groups must be >= 0 (0: none), got {self.synthetic_groups}")
+        if not 0.0 <= self.synthetic_group_share <= 1.0:
+            raise InputError(f"--synthetic-group-share must be in [0, 1], got {self.synthetic_group_share}")
+
+    @property
+    def synthetic_source(self) -> dict[str, Any]:
+        """What prepare.json records of the generator: its sizes and seed, and its groups when on."""
+        source: dict[str, Any] = {"kind": "synthetic", "users": self.synthetic_users, "items": self.synthetic_items,
+                                  "seed": self.seed}
+        if self.synthetic_groups:
+            source.update(groups=self.synthetic_groups, group_share=self.synthetic_group_share)
+        return source
+
+
+def synthetic_text(settings: Any) -> str:
+    """The generator's settings (a PrepareSpec or the pipeline's [prepare] section) for a summary line:
+    "U users, I items, seed S" and ", G taste groups (share P)" when they are on."""
+    groups = (f", {settings.synthetic_groups} taste groups (share {settings.synthetic_group_share})"
+              if settings.synthetic_groups else "")
+    return f"{settings.synthetic_users} users, {settings.synthetic_items} items, seed {settings.seed}{groups}"

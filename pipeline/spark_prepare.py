@@ -50,8 +50,10 @@ def read_inputs(spark, fs, spec: PrepareSpec) -> Inputs:
     from pipeline.user_features import read_user_table
 
     if spec.input is None:
-        source = {"kind": "synthetic", "users": spec.synthetic_users, "items": spec.synthetic_items, "seed": spec.seed}
-        interactions = synthetic_interactions(spark, spec.synthetic_users, spec.synthetic_items, seed=spec.seed)
+        source = spec.synthetic_source
+        interactions = synthetic_interactions(spark, spec.synthetic_users, spec.synthetic_items, seed=spec.seed,
+                                              taste_groups=spec.synthetic_groups,
+                                              taste_share=spec.synthetic_group_share)
     else:
         source = {"kind": "file", "uri": fs.qualify(spec.input), "format": spec.format}
         interactions = read_interactions(spark, spec.input, fmt=spec.format, user_col=spec.user_col,

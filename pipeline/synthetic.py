@@ -9,6 +9,16 @@ the generator reproduces both, with MovieLens-like defaults:
 * Item per event: continuous Zipf (density ~ x^-alpha on [1, num_items+1))
   sampled by inverse CDF and floored, so item "1" is the most popular and the
   share of item rank r falls like r^-alpha. Default alpha=1.1.
+* Taste groups (opt-in, ``taste_groups=G`` > 0; off by default, when every
+  item comes from the one global law above and most-popular is the best
+  possible ranking): each user belongs to one of G groups (a uniform per
+  user), and each event's item is, with probability ``taste_share`` (default
+  0.8), its Zipf rank counted in the user's group's own slice of the catalog
+  (rank r of group g is item ``(r - 1 + offset_g) mod num_items + 1``, with
+  ``offset_g = (g + 1) * num_items // (G + 1)``), else the global item of that
+  rank. Each group has its own favourites, mid-catalog globally, so a user's
+  history predicts its next items far better than global popularity does.
+  Item labels are then no longer exact popularity ranks.
 * Timestamps: each user starts at ``start_ts`` plus up to ``START_SPREAD_S``
   and has its own mean gap between events (log-uniform in
   ``[MIN_GAP_S, MAX_GAP_S]``); event k is at ``start + k*gap + jitter`` with
@@ -44,6 +54,8 @@ class SyntheticDefaults:
     max_len: int = 1024
     zipf_alpha: float = 1.1
     start_ts: int = 1_600_000_000  # 2020-09-13 UTC
+    taste_groups: int = 0  # 0: no groups, every item from the global law
+    taste_share: float = 0.8
 
 
 DEFAULTS = SyntheticDefaults()
@@ -54,8 +66,8 @@ MIN_GAP_S, MAX_GAP_S = 60, 86_400  # per-user mean gap between events
 RATING_CDF = (0.061, 0.175, 0.447, 0.788)
 
 # Salts keep the uniforms drawn for different purposes independent.
-_SALT_LEN_1, _SALT_LEN_2, _SALT_START, _SALT_GAP = 1, 2, 3, 4
-_SALT_ITEM, _SALT_JITTER, _SALT_RATING = 11, 12, 13
+_SALT_LEN_1, _SALT_LEN_2, _SALT_START, _SALT_GAP, _SALT_GROUP = 1, 2, 3, 4, 5
+_SALT_ITEM, _SALT_JITTER, _SALT_RATING, _SALT_TASTE = 11, 12, 13, 14
 _MANTISSA = 1 << 53
 
 
@@ -89,15 +101,19 @@ def synthetic_interactions(
     max_len: int = DEFAULTS.max_len,
     zipf_alpha: float = DEFAULTS.zipf_alpha,
     start_ts: int = DEFAULTS.start_ts,
+    taste_groups: int = DEFAULTS.taste_groups,
+    taste_share: float = DEFAULTS.taste_share,
     partitions: int | None = None,
 ) -> DataFrame:
     """Interactions in the canonical schema (``user_id, item, timestamp, rating``).
 
     ``user_id`` is "0".."num_users-1" and ``item`` "1".."num_items" (popularity
-    rank). ``partitions`` sets the width of ``spark.range`` (default: Spark's
+    rank; with ``taste_groups``, a rank in the user's group's slice or the global
+    one). ``partitions`` sets the width of ``spark.range`` (default: Spark's
     default parallelism); it changes the layout, never the rows.
     """
     _check_arguments(num_users, num_items, mu, sigma, min_len, max_len, zipf_alpha)
+    _check_groups(taste_groups, taste_share)
     users = spark.range(0, num_users, numPartitions=partitions).withColumnRenamed("id", "_u")
     u = F.col("_u")
     length = _history_length(seed, u, mu, sigma, min_len, max_len)
@@ -108,6 +124,8 @@ def synthetic_interactions(
 
     pos = F.col("_pos")
     item = _zipf_rank(_uniform(seed, u, pos, _SALT_ITEM), num_items, zipf_alpha)
+    if taste_groups:
+        item = _group_item(seed, u, pos, item, num_items, taste_groups, taste_share)
     jitter = F.floor(_uniform(seed, u, pos, _SALT_JITTER) * F.col("_gap")).cast("long")
     timestamp = F.col("_start") + pos.cast("long") * F.col("_gap") + jitter
     # Named once so the rating `when` chain tests one value, not four hashes.
@@ -131,6 +149,27 @@ def _check_arguments(num_users: int, num_items: int, mu: float, sigma: float, mi
         raise InputError(f"need finite mu and sigma >= 0, got mu={mu}, sigma={sigma}")
     if not zipf_alpha > 0:
         raise InputError(f"zipf_alpha must be > 0, got {zipf_alpha}")
+
+
+def _check_groups(taste_groups: int, taste_share: float) -> None:
+    """InputError on a taste group setting ``synthetic_interactions`` cannot use."""
+    if taste_groups < 0:
+        raise InputError(f"taste_groups must be >= 0 (0: none), got {taste_groups}")
+    if not 0.0 <= taste_share <= 1.0:
+        raise InputError(f"taste_share must be in [0, 1], got {taste_share}")
+
+
+def _group_item(seed: int, user: Column, pos: Column, rank: Column, num_items: int, groups: int,
+                share: float) -> Column:
+    """The event's item under taste groups: with probability ``share`` the Zipf ``rank`` counted from
+    the user's group's offset (wrapping around the catalog), else the global item of that rank."""
+    # The uniform can round to 1.0 at the top: clamp the group into 0..groups-1.
+    group = F.least(F.floor(_uniform(seed, user, F.lit(0), _SALT_GROUP) * F.lit(groups)), F.lit(groups - 1))
+    # Exact in doubles: (group + 1) * num_items stays far below 2**52.
+    offset = F.floor((group + F.lit(1)) * F.lit(num_items) / F.lit(groups + 1)).cast("long")
+    in_group = _uniform(seed, user, pos, _SALT_TASTE) < F.lit(share)
+    shifted = F.pmod(rank - F.lit(1) + offset, F.lit(num_items)) + F.lit(1)
+    return F.when(in_group, shifted).otherwise(rank).cast("long")
 
 
 def _history_length(seed: int, user: Column, mu: float, sigma: float, min_len: int, max_len: int) -> Column:

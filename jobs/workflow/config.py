@@ -56,7 +56,8 @@ class PipelineSection:
 PrepareSection = options.section(PrepareSpec, "pipeline", "PrepareSection")
 """``[prepare]``: the options of ``pipeline.prepare_spec.PrepareSpec`` offered to the pipeline (input,
 format, user_features, user_feature_cols, max_seq_len, keep_duplicates, synthetic_users,
-synthetic_items, seed; "" for none: the synthetic generator, the format from the file name)."""
+synthetic_items, seed, synthetic_groups, synthetic_group_share; "" for none: the synthetic
+generator, the format from the file name)."""
 
 
 @dataclass

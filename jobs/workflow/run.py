@@ -49,6 +49,7 @@ from runtime.errors import InputError
 from runtime.json_files import write_json
 from jobs.workflow.stages import LOCK, Stage, file_identity, json_damage, read_record, record_path, run_stages
 from shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
+from pipeline.prepare_spec import synthetic_text  # standard library only
 
 STAGES = ("prepare", "calibrate", "balance", "train", "compare", "export", "recommend")
 UPSTREAM: dict[str, tuple[str, ...]] = {"prepare": (), "calibrate": (), "balance": ("prepare", "calibrate"),
@@ -113,6 +114,8 @@ def prepare_params(config: WorkflowConfig) -> dict[str, Any]:
         params.update(input=prep.input, format=prep.format, **{"input identity": file_identity(prep.input)})
     else:
         params.update(synthetic_users=prep.synthetic_users, synthetic_items=prep.synthetic_items, seed=prep.seed)
+        if prep.synthetic_groups:  # only when on: a default workdir's fingerprint stays what it was
+            params.update(synthetic_groups=prep.synthetic_groups, synthetic_group_share=prep.synthetic_group_share)
     if prep.user_features:
         params.update(user_features=prep.user_features,
                       **{"user_features identity": file_identity(prep.user_features)})
@@ -485,8 +488,7 @@ def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
 
     if not config.prepare.input:  # the default: say it, so nobody takes the results for their data's
         p = config.prepare
-        say(f"freescale pipeline: prepare   uses synthetic data ([prepare] has no input: {p.synthetic_users} "
-            f"users, {p.synthetic_items} items, seed {p.seed})")
+        say(f"freescale pipeline: prepare   uses synthetic data ([prepare] has no input: {synthetic_text(p)})")
     ran, failed = run_stages(build_stages(config), work, fresh, lambda stage: run_stage(stage, work), say)
     print(f"freescale pipeline: summary of {config.pipeline.workdir}:", flush=True)
     for text in lines:

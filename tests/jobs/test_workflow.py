@@ -330,6 +330,24 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     assert (exported.checkpoint, exported.output, exported.register) == (str(work.checkpoints), str(work.model), "m")
 
 
+def test_taste_groups_reach_prepare_and_its_fingerprint(tmp_path):
+    """[prepare] synthetic_groups and synthetic_group_share reach the prepare job and its fingerprint (a
+    change reruns prepare); with groups off, the fingerprint's values are those from before groups existed."""
+    from runtime import options
+    from pipeline.prepare_spec import PrepareSpec
+
+    config = write_config(tmp_path, tmp_path / "work")
+    off = workflow.load_workflow_config(str(config), [])
+    assert set(workflow.prepare_params(off)) == {"max_seq_len", "keep_duplicates", "synthetic_users",
+                                                 "synthetic_items", "seed"}
+    on = workflow.load_workflow_config(str(config), ["--prepare.synthetic_groups", "10",
+                                                     "--prepare.synthetic_group_share", "0.5"])
+    params = workflow.prepare_params(on)
+    assert (params["synthetic_groups"], params["synthetic_group_share"]) == (10, 0.5)
+    spec = options.from_values(PrepareSpec, workflow.prepare_values(on, workflow.Workdir(tmp_path / "work")))
+    assert (spec.synthetic_groups, spec.synthetic_group_share) == (10, 0.5)
+
+
 # ------------------------------------------------------------------ stopped and killed runs
 
 

@@ -1,5 +1,8 @@
-"""Synthetic interactions: determinism across layouts, heavy tails, valid values."""
+"""Synthetic interactions: determinism across layouts, heavy tails, valid values; the opt-in taste
+groups (a user's items concentrate on its group's slice of the catalog; off, the rows are the old ones)."""
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 from pyspark.sql import Window
@@ -91,9 +94,104 @@ def test_timestamps_strictly_increasing_per_user(sample):
 
 @pytest.mark.parametrize("kwargs", [
     {"num_users": 0}, {"num_items": 0}, {"min_len": 0}, {"min_len": 30, "max_len": 20},
-    {"sigma": -1.0}, {"zipf_alpha": 0.0},
+    {"sigma": -1.0}, {"zipf_alpha": 0.0}, {"taste_groups": -1}, {"taste_share": -0.1},
+    {"taste_groups": 4, "taste_share": 1.5},
 ])
 def test_bad_parameters(spark, kwargs):
     args = {"num_users": 10, "num_items": 10, **kwargs}
     with pytest.raises(InputError):
         synthetic_interactions(spark, **args)
+
+
+# ------------------------------------------------------------------ taste groups (opt-in)
+
+def digest(df) -> tuple[str, int]:
+    """sha256 of the sorted rows, and their count: pins a small output exactly."""
+    rows = sorted((r.user_id, r.item, r.timestamp, r.rating) for r in df.collect())
+    return hashlib.sha256(repr(rows).encode()).hexdigest(), len(rows)
+
+
+# Computed from the generator before taste groups existed (commit a92c27c): the default rows must not move.
+PINNED_DEFAULT = ("9de900db9d07c21beeafcefb1d3b41ec5651577080c2abcdaffe907f204dd2f4", 4233)
+
+
+def test_without_groups_the_rows_are_the_ones_before_groups_existed(spark):
+    assert digest(synthetic_interactions(spark, 40, 300, seed=5, partitions=3)) == PINNED_DEFAULT
+    # groups off whatever the share; a share of 0 draws nothing from the groups: the same rows again
+    assert digest(synthetic_interactions(spark, 40, 300, seed=5, taste_share=0.3)) == PINNED_DEFAULT
+    assert digest(synthetic_interactions(spark, 40, 300, seed=5, taste_groups=6, taste_share=0.0)) == PINNED_DEFAULT
+    assert digest(synthetic_interactions(spark, 40, 300, seed=5, taste_groups=6)) != PINNED_DEFAULT
+
+
+def test_groups_give_the_same_rows_for_any_partitioning(spark):
+    one = synthetic_interactions(spark, 60, 200, seed=3, taste_groups=5, partitions=1)
+    many = synthetic_interactions(spark, 60, 200, seed=3, taste_groups=5, partitions=7)
+    assert many.rdd.getNumPartitions() == 7
+    assertDataFrameEqual(one, many)
+
+
+def group_heads(df, groups: int, num_items: int):
+    """Per user: the share of its events in each group's head (the first half of its slice, from the
+    documented offset ``(g + 1) * num_items // (groups + 1)``), best group first."""
+    width = num_items // (2 * (groups + 1))
+    item = F.col("item").cast("long")
+    shares = [F.avg(((item > off) & (item <= off + width)).cast("double")).alias(f"g{g}")
+              for g, off in enumerate((g + 1) * num_items // (groups + 1) for g in range(groups))]
+    per_user = df.groupBy("user_id").agg(*shares).toPandas().set_index("user_id")
+    return per_user.max(axis=1), per_user.idxmax(axis=1)
+
+
+def test_with_groups_a_users_items_concentrate_on_its_groups_slice(spark):
+    groups, num_items = 8, 2000
+    best, which = group_heads(synthetic_interactions(spark, 400, num_items, seed=11, taste_groups=groups),
+                              groups, num_items)
+    # ~80% of a user's events come from its group, ~71% of those in the head half of its slice (Zipf(1.1)
+    # over 2,000 items): ~57%.
+    assert 0.5 < best.median() < 0.65 and (best > 0.3).mean() > 0.95
+    assert which.value_counts().min() > 400 / groups / 2  # every group has its users
+    # Without groups the same windows are mid-catalog and nearly empty: a few percent (short histories more).
+    chance, _ = group_heads(synthetic_interactions(spark, 400, num_items, seed=11), groups, num_items)
+    assert chance.median() < 0.08 and chance.max() < 0.3
+
+
+def hit_rates(df) -> tuple[float, float]:
+    """Share of each user's last 20% of events among (its own 10 most frequent items in its first 80%,
+    the 10 most frequent items overall): a personal history against global popularity."""
+    w = Window.partitionBy("user_id")
+    ranked = df.withColumn("k", F.percent_rank().over(w.orderBy("timestamp")))
+    early, late = ranked.where("k < 0.8"), ranked.where("k >= 0.8")
+    own = early.groupBy("user_id", "item").count().withColumn(
+        "r", F.row_number().over(w.orderBy(F.desc("count"), "item"))).where("r <= 10").select("user_id", "item")
+    popular = [r["item"] for r in df.groupBy("item").count().orderBy(F.desc("count"), "item").limit(10).collect()]
+    total = late.count()
+    return (late.join(own, ["user_id", "item"]).count() / total,
+            late.where(F.col("item").isin(popular)).count() / total)
+
+
+def test_with_groups_a_users_history_beats_global_popularity(spark):
+    """What the demo needs: with groups a user's own past predicts its next items better than the most
+    popular items do; without them (one global law) popularity is the better guess."""
+    own, popular = hit_rates(synthetic_interactions(spark, 400, 2000, seed=11, taste_groups=8))
+    assert own > 1.5 * popular, (own, popular)
+    own, popular = hit_rates(synthetic_interactions(spark, 400, 2000, seed=11))
+    assert own < popular, (own, popular)
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--synthetic-groups", "-1"], "--synthetic-groups must be >= 0 (0: none), got -1"),
+    (["--synthetic-group-share", "1.5"], "--synthetic-group-share must be in [0, 1], got 1.5"),
+])
+def test_prepare_refuses_bad_group_settings_in_one_line(tmp_path, capsys, argv, fragment):
+    from jobs import prepare
+
+    assert prepare.main(["--output", str(tmp_path / "out"), *argv, "--tracking-uri", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"freescale prepare: error: {fragment}"), err
+
+
+def test_prepare_defaults_are_the_generators():
+    from pipeline.prepare_spec import PrepareSpec
+    from runtime.options import default_of
+
+    assert default_of(PrepareSpec, "synthetic_groups") == DEFAULTS.taste_groups == 0
+    assert default_of(PrepareSpec, "synthetic_group_share") == DEFAULTS.taste_share
