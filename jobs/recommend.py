@@ -34,10 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_inputs(spec: RecommendSpec) -> None:
     """What can be checked without Spark: the arguments, and that a --master spark://... takes connections."""
-    from pipeline import preflight
+    from runtime.spark_master import check_master
 
     check_arguments(spec)
-    preflight.check_master(spec.master)
+    check_master(spec.master)
 
 
 def recommend(spec: RecommendSpec, tracking: Tracking) -> int:
