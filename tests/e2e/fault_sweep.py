@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tests.helpers import MOVIELENS_DIR, REPO
+from tests.helpers import MOVIELENS_DIR, REPO, kill_tree
 
 FREESCALE = str(Path(sys.executable).parent / "freescale")  # the console script of this interpreter's venv
 
@@ -211,28 +211,6 @@ def kill_balance_then_rerun(s: Sweep) -> Outcome:
 SOAK_KILLS, SOAK_STEPS = 5, 8
 
 
-def _kill_tree(root: int) -> None:
-    """kill -9 of a process and all its descendants (torchrun starts each rank in its own session)."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(proc.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def kill_training_soak(s: Sweep) -> Outcome:
     """kill -9 of a whole training (launcher, torchrun and ranks) at a random step, five times.
     Each resume must give the uninterrupted run's losses, take over the stale lock, and continue
@@ -262,7 +240,7 @@ def kill_training_soak(s: Sweep) -> Outcome:
                 if line.startswith("step ") and int(line.split()[1].split("/")[0]) > kill_step:
                     break
         finally:
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
             proc.wait(timeout=60)
         if not (folder / "LOCK").exists():
             problems.append(f"trial {trial}: no lock left by the killed job")
