@@ -103,19 +103,14 @@ def read_input(spark, fs, source, input_uri: str, spec: RecommendSpec):
 
 
 def datasets(input_uri: str, metadata: str, output_uri: str, model_uri: str, spec: RecommendSpec, users: int):
-    """The run's dataset inputs: the prepare output it read, and the recommendations it wrote (their digest:
-    the model, the input and the options that made them)."""
+    """The run's dataset inputs: the prepare output it read, and the recommendations it wrote."""
     import hashlib
-    import json
-    from pathlib import PurePosixPath
 
-    from tracking.datasets import DIGEST_CHARS, DataRef
+    from tracking.datasets import DataRef
 
-    made_of = json.dumps({"model": model_uri, "input": hashlib.sha256(metadata.encode()).hexdigest(), "k": spec.k,
-                          "exclude_history": spec.exclude_history, "users": spec.users}, sort_keys=True)
-    output = DataRef(f"recommendations:{PurePosixPath(output_uri.rstrip('/')).name}",
-                     hashlib.sha256(made_of.encode()).hexdigest()[:DIGEST_CHARS], output_uri,
-                     {"users": users, "k": spec.k, "model": model_uri})
+    made_of = {"model": model_uri, "input": hashlib.sha256(metadata.encode()).hexdigest(), "k": spec.k,
+               "exclude_history": spec.exclude_history, "users": spec.users}
+    output = DataRef.recommendations(output_uri, made_of, {"users": users, "k": spec.k, "model": model_uri})
     return {"input": DataRef.prepared(input_uri, metadata), "output": output}
 
 

@@ -34,6 +34,17 @@ class DataRef:
                    {k: meta[k] for k in keys if k in meta})
 
     @classmethod
+    def recommendations(cls, uri: str, made_of: dict[str, Any], profile: dict[str, Any]) -> DataRef:
+        """A `freescale recommend` output, by what made it (the model, its input's prepare.json digest, the
+        options)."""
+        import hashlib
+        import json
+
+        text = json.dumps(made_of, sort_keys=True)
+        return cls(f"recommendations:{Path(uri.rstrip('/')).name}",
+                   hashlib.sha256(text.encode()).hexdigest()[:DIGEST_CHARS], uri, profile)
+
+    @classmethod
     def shards(cls, uri: str, manifest_text: str) -> DataRef:
         """A shard set, by its manifest.json (whose sha256 is shards.manifest.Manifest.sha256)."""
         import hashlib

@@ -83,7 +83,7 @@ from pipeline.calibration import (
     prediction_quality,
     score_form,
 )
-from pipeline.cost_model import KINDS, CostModel, default_cost_model
+from pipeline.cost_model import KINDS, STEP_CONSTANT_KEY, CostModel, default_cost_model
 from training.data.batch import SequenceBatch
 from training.timing.bubbles import DenseSpanProbe
 from training.config import CudaGraphs, LossKind, ModelConfig, Precision
@@ -481,7 +481,7 @@ def build_provenance(result: CalibrationResult, config_record: dict) -> dict:
         "cv": "both forms fitted on the grid-length batches, scored on the held-out-length batches",
         "chosen": result.fits[FIT_CLOCK].choice.chosen,
         "reason": result.fits[FIT_CLOCK].choice.reason,
-        "step_constant_s": result.chosen.step_constant,
+        STEP_CONSTANT_KEY: result.chosen.step_constant,  # what CostModel.step_constant_s reads
         "fits": {clock: _clock_record(result, clock, held_batches) for clock in CLOCKS},
         "calibration_seconds": result.seconds,
     }

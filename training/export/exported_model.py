@@ -206,18 +206,19 @@ class ExportedModel:
                              "unknown_items": [r.unknown_items for r in found],
                              FALLBACK: [r.fallback for r in found]})
 
-    @torch.no_grad()
     def recommend(self, queries: Sequence[Query], k: int = DEFAULT_K,
                   exclude_history: bool = True) -> list[Recommendation]:
         return self.rank([self.history(query) for query in queries], k, exclude_history)
 
+    # Every caller scores through here (the pyfunc's predict and the recommend job's workers): no graph.
+    @torch.no_grad()
     def rank(self, histories: Sequence[History], k: int = DEFAULT_K,
              exclude_history: bool = True) -> list[Recommendation]:
         """Each history's top k (a history with no known item: the fallback), scored QUERY_CHUNK at a time."""
         if int(k) < 1:
             raise InputError(f"k must be a positive integer, got {k}")
         scored = [i for i, history in enumerate(histories) if history.ids]
-        results = [self._fallback(int(k), history.unknown) for history in histories]
+        results = [None if history.ids else self._fallback(int(k), history.unknown) for history in histories]
         for start in range(0, len(scored), QUERY_CHUNK):
             rows = scored[start:start + QUERY_CHUNK]
             top_scores, top_ids = self._top([histories[i] for i in rows], int(k), exclude_history)
