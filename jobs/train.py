@@ -126,7 +126,7 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
             artifacts = [plot_rank_timelines(result.timings, result.steps, Path(tmp) / "rank_timelines.png",
                                              title=f"{sink.run.info.run_name}")]
         job.end("FINISHED", summary, artifacts)
-    dist.barrier()
+    dist.barrier(group=trainer.env.host_group)
     dist.destroy_process_group()
     return 0
 

@@ -90,23 +90,23 @@ def rank_speeds_worker(argv: list[str]) -> int:
     gathered = []
     with caching_malloc():
         for repeat in range(args.warmup + args.repeats):
-            dist.barrier()  # lock-step: every rank starts the repeat together, under the same machine load
+            dist.barrier(group=env.host_group)  # lock-step: every rank starts the repeat together, under the same machine load
             times = [time_dense_step(model, table, b, config.loss.num_negatives, config.loss.full_softmax, seed=i,
                                      loss_kind=config.loss.kind)
                      for i, b in enumerate(batches)]
             local = torch.tensor([sum(t.wall_s for t in times), sum(t.cpu_s for t in times)], dtype=torch.float64)
             everyone = [torch.empty_like(local) for _ in range(env.world_size)]
-            dist.all_gather(everyone, local)
+            dist.all_gather(everyone, local, group=env.host_group)
             if repeat >= args.warmup:
                 gathered.append(torch.stack(everyone).tolist())
     hosts: list[Any] = [None] * env.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    dist.all_gather_object(hosts, socket.gethostname(), group=env.host_group)
     if env.rank == 0:
         Path(args.result).write_text(json.dumps({
             "wall": [[rank[0] for rank in row] for row in gathered],
             "cpu": [[rank[1] for rank in row] for row in gathered],
             "hosts": hosts, "threads_per_rank": torch.get_num_threads(),
             "batches": [list(m) for m in mixes]}))
-    dist.barrier()
+    dist.barrier(group=env.host_group)
     dist.destroy_process_group()
     return 0

@@ -57,9 +57,12 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 class Checkpointer:
-    def __init__(self, folder: str, rank: int):
+    def __init__(self, folder: str, rank: int, group: dist.ProcessGroup | None = None):
         self.folder = Path(folder) if folder else None
         self.rank = rank
+        # Every collective here carries host data (flags, objects, DCP's plans): a group serving
+        # CPU tensors, ``DistEnv.host_group`` (None: the default group).
+        self.group = group
 
     @property
     def enabled(self) -> bool:
@@ -90,16 +93,16 @@ class Checkpointer:
         """`shared`: state saved through DCP (sharded or replicated tensors); `own`: this rank's;
         `config`: the run's flat config (``to_flat_dict``), checked on resume."""
         target = self.step_dir(step)
-        dcp.save(shared, checkpoint_id=str(target))
+        dcp.save(shared, checkpoint_id=str(target), process_group=self.group)
         own_state = {name: state.state_dict() for name, state in own.items()}
         check_plain(own_state, f"rank {self.rank}'s own state")  # what a resume reads back safely
         torch.save(own_state, target / f"rank_{self.rank}.pt")
-        dist.barrier()
+        dist.barrier(group=self.group)
         if self.rank == 0:
             (target / SHARDS).write_text(f"{shards_sha256}\n")
             (target / CONFIG).write_text(json.dumps(config, indent=1, default=str) + "\n")
             (target / COMPLETE).write_text(f"{step}\n")
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def check_shards(self, step: int, shards_sha256: str) -> None:
         """Refuse to resume in shards other than the ones the checkpoint trained on."""
@@ -145,9 +148,9 @@ class Checkpointer:
         Rank 0 decides and tells the others, so no rank goes on into a collective alone.
         """
         refusal = self._take_lock() if self.rank == 0 and self.folder is not None else None
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             shared = [refusal]
-            dist.broadcast_object_list(shared, src=0)
+            dist.broadcast_object_list(shared, src=0, group=self.group)
             refusal = shared[0]
         if refusal:
             raise FileExistsError(refusal)
@@ -186,7 +189,7 @@ class Checkpointer:
         # DCP then takes for a checkpoint from torch <= 2.3 and fails on every key.
         planner = SafePlanner(source, flatten_sharded_tensors=False)
         try:
-            dcp.load(shared, storage_reader=reader, planner=planner)
+            dcp.load(shared, storage_reader=reader, planner=planner, process_group=self.group)
         except CheckpointException as failed:
             refusal = _refusal_in(failed)
             if refusal is None:
@@ -209,7 +212,7 @@ class Checkpointer:
             reader = SafeReader(source)
         except (FileNotFoundError, InputError) as exc:
             error = exc
-        if not all_ranks_ok(error is None):
+        if not all_ranks_ok(error is None, self.group):
             raise error or InputError(f"checkpoint {source}: another rank's file was refused (its error "
                                       "names the file)")
         return saved, reader

@@ -164,9 +164,10 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
              device: torch.device, max_samples: int | None = None,
              evaluation: EvaluationConfig | None = None, seed: int = 0,
              uses: tuple[str, ...] = tuple(SPLIT_PREFIX), negatives: NegativeDraws | None = None,
-             batch_samples: int = EVAL_BATCH_SAMPLES) -> dict[str, float]:
+             batch_samples: int = EVAL_BATCH_SAMPLES, group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Score this rank's shard's ``uses`` targets (test and validation), then sum over ranks (a
-    collective: all ranks call it). The most-popular baseline comes with the test item.
+    collective: all ranks call it; the sums are CPU tensors, summed through ``group``, one serving
+    them: ``DistEnv.host_group``). The most-popular baseline comes with the test item.
 
     The whole item table is gathered once (a collective lookup); scoring then reads it
     locally, so ranks may hold different numbers of samples. Under the mirror control
@@ -190,10 +191,10 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
         drawn = negatives.of(ordinal, batch) if sampled else None
         tally.add(model, batch.to(device), drawn, device, table, raw, user_tables)
     model.train()
-    result = _model_summary(tally.sums, uses, world_size)
+    result = _model_summary(tally.sums, uses, world_size, group)
     if "test" not in uses:
         return result
-    result.update(_baseline_summary(tally, manifest.num_items, world_size))
+    result.update(_baseline_summary(tally, manifest.num_items, world_size, group))
     result["eval_samples"] = result.pop("count")
     return result
 
@@ -254,41 +255,43 @@ class _Tally:
             self.drawn_rows.append(drawn)
 
 
-def _model_summary(sums: dict[str, ProtocolMetrics], uses: tuple[str, ...], world_size: int) -> dict[str, float]:
+def _model_summary(sums: dict[str, ProtocolMetrics], uses: tuple[str, ...], world_size: int,
+                   group: dist.ProcessGroup | None) -> dict[str, float]:
     """The model's means over every rank, per held-out item and protocol (a collective)."""
     result: dict[str, float] = {}
     for use in uses:
         prefix = SPLIT_PREFIX[use]
-        result.update(_named(sums[use].full, world_size, prefix))
+        result.update(_named(sums[use].full, world_size, prefix, group))
         if sums[use].sampled is not None:
-            result.update(_named(sums[use].sampled, world_size, f"{prefix}sampled_"))
+            result.update(_named(sums[use].sampled, world_size, f"{prefix}sampled_", group))
         if sums[use].unseen is not None:
-            result.update(_named(sums[use].unseen, world_size, f"{prefix}unseen_"))
+            result.update(_named(sums[use].unseen, world_size, f"{prefix}unseen_", group))
     return result
 
 
-def _baseline_summary(tally: _Tally, num_items: int, world_size: int) -> dict[str, float]:
+def _baseline_summary(tally: _Tally, num_items: int, world_size: int,
+                      group: dist.ProcessGroup | None) -> dict[str, float]:
     """The most-popular baseline's means on the test targets, under each protocol the model was
     scored by (a collective)."""
     counts = tally.counts
     if world_size > 1:  # the baseline ranks items by their count over every rank's histories
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=group)
     popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
     all_targets = torch.cat(tally.targets) if tally.targets else torch.zeros(0, dtype=torch.int64)
     baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K)
-    result = _named(baseline, world_size, "popular_")
+    result = _named(baseline, world_size, "popular_", group)
     if tally.unseen:
         empty = torch.zeros(0, dtype=torch.int64)
         exclude = (torch.cat([lengths for lengths, _ in tally.test_histories] or [empty]),
                    torch.cat([ids for _, ids in tally.test_histories] or [empty]))
         baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K, exclude=exclude)
-        result.update(_named(baseline, world_size, "popular_unseen_"))
+        result.update(_named(baseline, world_size, "popular_unseen_", group))
     if tally.sampled:
         all_negatives = (torch.cat(tally.drawn_rows) if tally.drawn_rows
                          else torch.zeros(0, tally.sampled, dtype=torch.int64))
         baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K,
                                          negative_ids=all_negatives)
-        result.update(_named(baseline, world_size, "popular_sampled_"))
+        result.update(_named(baseline, world_size, "popular_sampled_", group))
     return result
 
 
@@ -307,11 +310,12 @@ def joined(batches: Iterable[SequenceBatch], samples: int) -> Iterator[SequenceB
         yield SequenceBatch.concat(pending)
 
 
-def _named(metrics: RetrievalMetrics, world_size: int, prefix: str) -> dict[str, float]:
+def _named(metrics: RetrievalMetrics, world_size: int, prefix: str,
+           group: dist.ProcessGroup | None) -> dict[str, float]:
     """The means over every rank's queries, under MLflow-safe names with ``prefix``."""
     sums = metrics.to_tensor()
     if world_size > 1:
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=group)
     means = RetrievalMetrics.from_tensor(sums, k=K).means()
     if prefix:  # one count, the model's full-catalog one: every protocol scores the same queries
         means.pop("count")

@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from training.data.batch import SequenceBatch
@@ -144,9 +145,10 @@ class TrainStep(ABC):
 class BlockingStep(TrainStep):
     """``plain``: TorchRec's blocking lookups and one flat dense all-reduce after the backward."""
 
-    def __init__(self, parts: StepParts, dense: list[nn.Parameter], backend: str):
+    def __init__(self, parts: StepParts, dense: list[nn.Parameter], backend: str,
+                 group: dist.ProcessGroup | None = None):
         super().__init__(parts)
-        self.sync_dense_grads = DenseGradSync(dense)
+        self.sync_dense_grads = DenseGradSync(dense, group)
         self.backend = backend
 
     def describe(self) -> str:
@@ -247,6 +249,6 @@ def build_step(config: TrainConfig, parts: StepParts, sharded_model: nn.Module, 
                dense: list[nn.Parameter]) -> TrainStep:
     """The step of ``config.comm.mode``."""
     if config.comm.mode == "plain":
-        return BlockingStep(parts, dense, env.backend)
+        return BlockingStep(parts, dense, env.backend, env.device_group)
     return OverlappedStep(parts, CommLayer(config.comm, sharded_model, env, dense,
                                            timedelta(seconds=config.parallel.collective_timeout_s)))

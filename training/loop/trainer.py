@@ -71,7 +71,7 @@ class Trainer:
         self.env = env or init_distributed(config.parallel, config.training.threads)
         # One job per checkpoint folder, until close(): taken first, so a refused job stops
         # before it reads shards or builds the model.
-        self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank)
+        self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank, self.env.host_group)
         self.checkpointer.lock()
         try:
             self.manifest, self.loader = self._open_shards()
@@ -87,7 +87,7 @@ class Trainer:
                 config.optimizer, config.parallel, self.env)
             self.model = self.sharded_model.module
             dense = dense_parameters(self.sharded_model)
-            broadcast_dense(dense)
+            broadcast_dense(dense, group=self.env.device_group)
             self.dense_optimizer = torch.optim.Adam(dense, lr=config.optimizer.dense_lr,
                                                     weight_decay=config.optimizer.weight_decay)
             self.generator = rank_generator(config.training.seed, self.env.rank)
@@ -96,7 +96,7 @@ class Trainer:
                                                               self.generator, negatives, self.env.world_size,
                                                               config.optimizer.max_grad_norm),
                                             self.sharded_model, self.env, dense)
-            self.log = StepTimeLog(self.env.world_size, config.training.timing_sync_every)
+            self.log = StepTimeLog(self.env.world_size, config.training.timing_sync_every, self.env.host_group)
             self.step = 0
             planned, self.max_steps = planned_steps(config, self.manifest.num_steps)
             self.schedule = LearningRateSchedule(config.optimizer, planned, self.dense_optimizer,
@@ -135,7 +135,7 @@ class Trainer:
             iter(loader)  # opens and checks every file footer of this rank
         except ShardError as exc:
             error = exc
-        if not all_ranks_ok(error is None):
+        if not all_ranks_ok(error is None, self.env.host_group):
             raise error or ShardError(f"rank {self.env.rank}: another rank's shard failed its checks "
                                       "(its error names the file)")
         return manifest, loader
@@ -216,7 +216,8 @@ class Trainer:
         """The held-out items ``uses`` of every rank's users, scored by this run's model (a collective)."""
         return evaluate(self.model, self.manifest, self.env.rank, self.env.world_size, self.env.device,
                         self.config.training.eval_max_samples or None, self.config.evaluation,
-                        self.config.training.seed, uses=uses, negatives=self.eval_negatives)
+                        self.config.training.seed, uses=uses, negatives=self.eval_negatives,
+                        group=self.env.host_group)
 
     def _validate(self) -> None:
         """Score the validation item (a collective), record it, and keep the weights if best."""

@@ -1,4 +1,12 @@
-"""Process-group set-up for the trainer: gloo on CPU, nccl on CUDA, with a collective timeout."""
+"""Process-group set-up for the trainer: gloo on CPU, nccl on CUDA, with a collective timeout.
+
+A process group sends a tensor through the backend it pairs with the tensor's device type;
+one without a backend for that type refuses it ("No backend type associated with device
+type cpu": a bare "nccl" group serves only CUDA tensors). The trainer sends host tensors
+(agreements, timings, metric sums, checkpoint coordination) and device tensors (the model's
+exchanges, dense gradients), so ``DistEnv`` names a group for each and every collective
+passes the one that serves its tensors.
+"""
 from __future__ import annotations
 
 import os
@@ -20,6 +28,10 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str
+    host_group: dist.ProcessGroup | None = None
+    """Serves CPU tensors and Python objects (None: the default group)."""
+    device_group: dist.ProcessGroup | None = None
+    """Serves tensors on ``device``: TorchRec's sharding env, the dense all-reduce (None: the default group)."""
 
 
 def choose_backend(requested: ParallelBackendName) -> str:
@@ -29,12 +41,41 @@ def choose_backend(requested: ParallelBackendName) -> str:
     return requested
 
 
+def default_group_backend(backend: str) -> str:
+    """The default group's backend string: on CUDA torch's pairing, so host tensors go through
+    gloo and device tensors through NCCL (a bare "nccl" maps only cuda)."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def serves(group: dist.ProcessGroup, device_type: str) -> bool:
+    """Whether ``group`` has a backend for tensors on ``device_type`` (its "device:backend" pairs)."""
+    return any(pair.split(":")[0] == device_type for pair in dist.get_backend_config(group).split(","))
+
+
+def tensor_groups(device: torch.device, backend: str,
+                  timeout: timedelta) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """``(host_group, device_group)``: the default group where it serves the tensors, else a
+    group made here that does (gloo for CPU, ``backend`` for the device). Collective: every rank
+    makes the same groups in the same order."""
+    world = dist.GroupMember.WORLD
+    assert world is not None
+    device_group = world if serves(world, device.type) else dist.new_group(backend=backend, timeout=timeout)
+    if serves(world, "cpu"):
+        host_group = world
+    elif device.type == "cpu":
+        host_group = device_group
+    else:
+        host_group = dist.new_group(backend="gloo", timeout=timeout)
+    return host_group, device_group
+
+
 def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
     """Join the job's process group (torchrun's env:// variables), or make a group of one.
 
     `collective_timeout_s` bounds every collective: when a rank dies, the others
     fail with a timeout error instead of waiting forever (gloo enforces it on each
-    transfer; nccl through its watchdog).
+    transfer; nccl through its watchdog). A default group already started (by whoever
+    runs the trainer) is kept; groups serving what it does not are made beside it.
     """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -57,27 +98,30 @@ def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
     timeout = timedelta(seconds=config.collective_timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(default_group_backend(backend), timeout=timeout)
         else:
             store = tempfile.NamedTemporaryFile(prefix="freescale-pg-", delete=False).name
             # The store itself, not a file:// URL: torch would urlparse the temporary path.
-            dist.init_process_group(backend, store=dist.FileStore(store, 1), rank=0, world_size=1,
-                                    timeout=timeout)
-    return DistEnv(rank, world_size, local_rank, local_world_size, device, backend)
+            dist.init_process_group(default_group_backend(backend), store=dist.FileStore(store, 1), rank=0,
+                                    world_size=1, timeout=timeout)
+    return DistEnv(rank, world_size, local_rank, local_world_size, device, backend,
+                   *tensor_groups(device, backend, timeout))
 
 
 _stopping_together = False
+_agreeing_group: dist.ProcessGroup | None = None
 
 
-def all_ranks_ok(ok: bool) -> bool:
-    """Agree before the first collective that could hang: False on every rank if any rank failed."""
-    global _stopping_together
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_ranks_ok(ok: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Agree before the first collective that could hang: False on every rank if any rank failed.
+    ``group`` must serve CPU tensors (``DistEnv.host_group``)."""
+    global _stopping_together, _agreeing_group
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return ok
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    dist.all_reduce(flag)
+    dist.all_reduce(flag, group=group)
     agreed_ok = int(flag.item()) == 0
-    _stopping_together = not agreed_ok
+    _stopping_together, _agreeing_group = not agreed_ok, group
     return agreed_ok
 
 
@@ -86,7 +130,7 @@ def wait_for_peers_to_report() -> None:
     ranks have printed their error. The elastic launcher stops the remaining ranks as
     soon as one exits, which would otherwise cut a peer off before its line is out."""
     if _stopping_together and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_agreeing_group)
 
 
 def exit_without_finalization(status: int) -> None:

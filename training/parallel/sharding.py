@@ -11,7 +11,7 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingType
+from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -80,8 +80,10 @@ def shard_model(model: SequentialRecommender, optimizer: OptimizerConfig, parall
     apply_fused_sparse_optimizer(model, optimizer)
     sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
     planner = build_planner(parallel, env, model)
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    return DistributedModelParallel(model, device=env.device, plan=plan, sharders=sharders,
+    # The plan is a Python object (host memory); the sharded tables exchange device tensors.
+    plan = planner.collective_plan(model, sharders, env.host_group or dist.GroupMember.WORLD)
+    sharding_env = ShardingEnv.from_process_group(env.device_group or dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=env.device, plan=plan, sharders=sharders, env=sharding_env,
                                     init_data_parallel=False)
 
 
@@ -93,25 +95,27 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
             if p.requires_grad and getattr(p, "_in_backward_optimizers", None) is None]
 
 
-def broadcast_dense(params: list[nn.Parameter], src: int = 0) -> None:
-    """Start every rank from rank 0's dense weights."""
-    if dist.get_world_size() > 1:
+def broadcast_dense(params: list[nn.Parameter], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Start every rank from rank 0's dense weights (``group``: one serving their device, ``DistEnv.device_group``)."""
+    if dist.get_world_size(group) > 1:
         for p in params:
-            dist.broadcast(p.data, src)
+            dist.broadcast(p.data, src, group=group)
 
 
 class DenseGradSync:
-    """Averages dense gradients over ranks with one flat all-reduce per step."""
+    """Averages dense gradients over ranks with one flat all-reduce per step, through ``group``
+    (one serving the gradients' device, ``DistEnv.device_group``)."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None = None):
         self.params = params
+        self.group = group
 
     def __call__(self) -> None:
-        world = dist.get_world_size()
+        world = dist.get_world_size(self.group)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if world > 1:
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=self.group)
             flat /= world
         offset = 0
         for p, g in zip(self.params, grads):
