@@ -46,8 +46,6 @@ def _serve_objects_beside(side, rerouted: list[str]) -> None:
 
 def _train(argv: list[str], out: Path) -> None:
     """The real trainer on this rank; its losses and scores (the summary less its timings) written to ``out``."""
-    import torch.distributed as dist
-
     from training.config import load_config
     from training.loop.trainer import Trainer
     from training.timing.step_report import run_summary
@@ -55,13 +53,11 @@ def _train(argv: list[str], out: Path) -> None:
     trainer = Trainer(load_config(None, argv))
     try:
         result = trainer.train()
-        groups = (trainer.env.host_group, trainer.env.device_group)
     finally:
         trainer.close()
     timings = set(run_summary(result.timings)) - {"loss"}
     scores = {key: value for key, value in result.summary.items() if key not in timings}
-    out.write_text(json.dumps({"steps": result.steps, "losses": result.losses, "scores": scores,
-                               "default_group_used": [g is dist.GroupMember.WORLD for g in groups]}))
+    out.write_text(json.dumps({"steps": result.steps, "losses": result.losses, "scores": scores}))
 
 
 def _rank(rank: int, folder: str, runs: dict[str, list[str]]) -> None:
@@ -135,6 +131,5 @@ def test_trains_on_a_default_group_that_refuses_host_tensors(tmp_path: Path) -> 
     # Groups made beside the refusing default train what the default gloo group trains, to the bit.
     assert refusing["losses"] == gloo["losses"] and refusing["scores"] == gloo["scores"]
     assert resumed["losses"] == pytest.approx(refusing["losses"][2:], rel=1e-5)
-    assert gloo["default_group_used"] == [True, True] and refusing["default_group_used"] == [False, False]
     # Not one barrier or object collective was left to the default group.
     assert [json.loads((tmp_path / f"rerouted-rank{r}.json").read_text()) for r in range(2)] == [[], []]
