@@ -71,7 +71,7 @@ class Trainer:
         self.env = env or init_distributed(config.parallel, config.training.threads)
         # One job per checkpoint folder, until close(): taken first, so a refused job stops
         # before it reads shards or builds the model.
-        self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank)
+        self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank, config.checkpoint.keep_last)
         self.checkpointer.lock()
         try:
             self.manifest, self.loader = self._open_shards()
