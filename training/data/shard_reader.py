@@ -246,6 +246,7 @@ class ShardReader(BaseNode[StepRows]):
             self._close()
             self._file_index = file_index
             self._open(file_index)
+        self._table = self._steps = None  # no stale row group under the new key if the read fails
         self._row_group = row_group
         self._load_row_group()
 
