@@ -10,8 +10,10 @@ kept whole and in its own order: the window planner moved samples between the st
 (each step is still split over the ranks on its own, ``balancing.window``), and keeping a window
 together keeps the plan exactly as made.
 
-A run interrupted at ``position`` of ``epoch`` has trained the plan steps
-``epoch_order(...)[:position]`` of that epoch.
+A run interrupted at ``position`` of ``epoch`` (its loader state, ``training.data.shard_reader``:
+``epoch``, ``position``, ``order_seed``, ``permuted_from``) has trained the plan steps
+``epoch_order(num_steps, window_steps, order_seed, epoch, permuted_from=permuted_from)[:position]``
+of that epoch.
 """
 from __future__ import annotations
 
@@ -21,13 +23,17 @@ ORDER_STREAM = 0x5E9_0DE5
 """Mixed into the seed so the order's draws are not those of another use of the training seed."""
 
 
-def epoch_order(num_steps: int, window_steps: int, seed: int, epoch: int) -> np.ndarray:
+def epoch_order(num_steps: int, window_steps: int, seed: int, epoch: int, *, permuted_from: int = 1) -> np.ndarray:
     """Position in ``epoch`` -> the plan step trained there (int64, a permutation of
-    ``0..num_steps-1``); the identity for epoch 0. Deterministic in its arguments."""
-    if num_steps < 0 or window_steps < 1 or epoch < 0:
+    ``0..num_steps-1``); the identity for epoch 0. Deterministic in its arguments.
+
+    ``permuted_from``: the first epoch in a permuted order (a loader state's ``permuted_from``;
+    1 but for a run resumed from a checkpoint saved before epochs had orders, whose interrupted
+    epoch finishes in plan order, as it began)."""
+    if num_steps < 0 or window_steps < 1 or epoch < 0 or permuted_from < 1:
         raise ValueError(f"epoch_order: num_steps {num_steps} must be >= 0, window_steps {window_steps} >= 1, "
-                         f"epoch {epoch} >= 0")
-    if epoch == 0:
+                         f"epoch {epoch} >= 0, permuted_from {permuted_from} >= 1")
+    if epoch < permuted_from:
         return np.arange(num_steps, dtype=np.int64)
     # SeedSequence takes non-negative words: the seed's sign is a word of its own.
     rng = np.random.default_rng([ORDER_STREAM, abs(int(seed)), int(seed < 0), int(epoch)])

@@ -45,7 +45,14 @@ def test_a_negative_seed_is_its_own_order() -> None:
     assert sorted(epoch_order(40, 1, -3, 1).tolist()) == list(range(40))
 
 
+def test_epochs_before_permuted_from_keep_the_plan_order() -> None:
+    assert epoch_order(9, 1, 2, 3, permuted_from=4).tolist() == list(range(9))
+    assert np.array_equal(epoch_order(9, 1, 2, 4, permuted_from=4), epoch_order(9, 1, 2, 4))
+
+
 @pytest.mark.parametrize("args", [(-1, 1, 0, 1), (5, 0, 0, 1), (5, 1, 0, -1)])
 def test_bad_arguments_are_refused(args: tuple[int, int, int, int]) -> None:
     with pytest.raises(ValueError, match="epoch_order"):
         epoch_order(*args)
+    with pytest.raises(ValueError, match="permuted_from 0"):
+        epoch_order(5, 1, 0, 1, permuted_from=0)

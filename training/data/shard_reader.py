@@ -219,9 +219,9 @@ class ShardReader(BaseNode[StepRows]):
     # -- position ----------------------------------------------------------
 
     def _epoch_order(self) -> np.ndarray:
-        """This epoch's plan steps by position (plan order before ``permuted_from``)."""
-        epoch = self._epoch if self._epoch >= self._permuted_from else 0
-        return epoch_order(self._num_steps, self._window_steps, self._order_seed, epoch)
+        """This epoch's plan steps by position."""
+        return epoch_order(self._num_steps, self._window_steps, self._order_seed, self._epoch,
+                           permuted_from=self._permuted_from)
 
     def _read_step(self, step: int) -> pa.Table:
         """The rank's rows of plan ``step`` (an empty table when the plan gave it none)."""
