@@ -27,9 +27,9 @@ Checkpointing the loader (all ranks do the same, each with its own loader)::
     loader = build_loader(manifest, rank, seed=seed, repeat=True)
     if resume_state is not None:            # e.g. checkpoint["loader"][rank]
         loader.load_state_dict(resume_state)  # applied at the next iter(loader)
-    for batch in loader:
+    for trained, batch in enumerate(loader, start=1):  # batch.step: the plan step
         train_step(batch.to(device))
-        if batch.step % save_every == 0:
+        if trained % save_every == 0:
             save({"loader": loader.state_dict(), ...})  # state after `batch`
 
 ``loader.state_dict()`` describes the position after the last batch the loader
