@@ -403,6 +403,36 @@ def test_a_plan_order_state_finishes_its_epoch_in_plan_order(shards: Path) -> No
     assert [it.step for it in plain] == [3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_checkpoints_plan_order_loader_state_resumes_through_the_trainers_loader(shards: Path,
+                                                                                    prefetch: int) -> None:
+    """What a checkpoint saved when every epoch replayed the plan holds: the loader's nested state with
+    the reader's file position; the run had trained 7 + 3 steps (epoch 1, position 3)."""
+    from types import SimpleNamespace
+
+    from training.checkpoint.resume import LoaderPosition
+
+    manifest = load_manifest(shards, 2, rank=0)
+    old = build_loader(manifest, 0, prefetch=prefetch)
+    it = iter(old)
+    for _ in range(3):
+        next(it)
+    reader_state = json.loads(json.dumps(old.state_dict()))
+    source = reader_state["root"]
+    while "rank" not in source:  # the reader's state, under the prefetcher's and mapper's
+        source = next(v for v in source.values() if isinstance(v, dict))
+    position = ShardReader(manifest, 0)
+    position.reset(None)
+    file_index, row_group, row_offset, _ = position._index.segments(3)[0]
+    source.clear()
+    source.update({"rank": 0, "file_index": file_index, "row_group_index": row_group, "row_offset": row_offset,
+                   NEXT_STEP_KEY: 3})
+    loader = build_loader(manifest, 0, prefetch=prefetch, seed=4, repeat=True)
+    LoaderPosition(loader, SimpleNamespace(step=7 + 3), 7).load_state_dict(reader_state)
+    it = iter(loader)
+    assert [next(it).step for _ in range(4 + 7)] == [3, 4, 5, 6, *epoch_order(7, 1, 4, 2).tolist()]
+
+
 def test_a_windowed_plan_is_permuted_window_by_window(shards: Path) -> None:
     rewrite_manifest(shards, lambda m: m.update(window_steps=3))
     reader = repeating_reader(shards, 0, seed=4)
