@@ -35,9 +35,12 @@ def epoch_order(num_steps: int, window_steps: int, seed: int, epoch: int, *, per
                          f"epoch {epoch} >= 0, permuted_from {permuted_from} >= 1")
     if epoch < permuted_from:
         return np.arange(num_steps, dtype=np.int64)
+    # The windows sorted by keys from SeedSequence's hash (a fixed algorithm, unlike a Generator's
+    # methods, which NumPy may change between versions: a resume after an upgrade keeps its order).
     # SeedSequence takes non-negative words: the seed's sign is a word of its own.
-    rng = np.random.default_rng([ORDER_STREAM, abs(int(seed)), int(seed < 0), int(epoch)])
     num_windows = -(-num_steps // window_steps)
-    starts = rng.permutation(num_windows).astype(np.int64) * window_steps
+    keys = np.random.SeedSequence([ORDER_STREAM, abs(int(seed)), int(seed < 0), int(epoch)]).generate_state(
+        num_windows, dtype=np.uint64)
+    starts = np.argsort(keys, kind="stable").astype(np.int64) * window_steps
     steps = (starts[:, None] + np.arange(window_steps, dtype=np.int64)).ravel()
     return steps[steps < num_steps]  # the last window may be short
