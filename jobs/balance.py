@@ -91,7 +91,7 @@ def balance(spec: BalanceSpec, tracking: Tracking) -> int:
           f"{planned.num_steps} steps x {spec.world_size} ranks to {output_uri}; strategy {spec.strategy}"
           f"{' (control ' + spec.control + ')' if spec.control else ''}, predicted bubble "
           f"{planned.stats['bubble']:.2%} vs {planned.stats['bubble_contiguous']:.2%} contiguous; "
-          f"{planned.leftover} leftover samples dropped ({spec.leftover}), {planned.moved_samples} moved between "
+          f"{planned.leftover} leftover samples dropped ({spec.leftover_applied}), {planned.moved_samples} moved between "
           f"steps{stale_note(stale_removed)}")
     return 0
 

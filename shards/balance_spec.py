@@ -75,8 +75,9 @@ class BalanceSpec:
     seed: int = option(0, "shuffle and tie-break seed", surfaces=("cli", "pipeline"))
     time_limit: float | None = option(None, "seconds per step for the ortools strategy", positive=True,
                                       surfaces=("cli", "pipeline"))
-    leftover: LeftoverPolicy = option("drop", "the last partial global batch: drop it (default) or keep it as a "
-                                              "short step", surfaces=("cli", "pipeline"))
+    leftover: LeftoverPolicy = option("keep", "the last partial global batch: keep it as a short last step split "
+                                              "over the ranks (default: every sample trains every epoch) or drop "
+                                              "it (counted in the manifest)", surfaces=("cli", "pipeline"))
     control: Literal["mirror"] | None = option(
         None, "diagnostic shards: 'mirror' gives every rank the same samples each step", surfaces=CLI)
     overwrite: bool = option(False, "replace an existing output", surfaces=CLI)
@@ -85,6 +86,11 @@ class BalanceSpec:
     @property
     def global_batch_size(self) -> int:
         return self.world_size * self.local_batch_size
+
+    @property
+    def leftover_applied(self) -> str:
+        """The leftover policy the plan follows: the mirror control fills whole steps only, so it drops."""
+        return "drop" if self.control else self.leftover
 
     @property
     def window_size(self) -> int:

@@ -78,7 +78,7 @@ def check_sample_count(num_samples: int, spec: BalanceSpec, sequences_path: str)
     g = spec.global_batch_size
     if num_samples == 0:
         raise InputError(f"input {sequences_path} has no samples")
-    if num_samples < g and (spec.leftover == "drop" or spec.control):
+    if num_samples < g and spec.leftover_applied == "drop":
         raise InputError(f"input {sequences_path} has {num_samples} samples, fewer than one global batch "
                          f"(world size {spec.world_size} x local batch {spec.local_batch_size} = {g})")
     if num_samples < spec.world_size:
@@ -273,7 +273,7 @@ def write_shard_set(spark, fs, staging: str, planned: PlannedShards, spec: Balan
         num_items=planned.prepared.get("num_items"), user_features=features,
         input={"uri": planned.input_uri, "samples": planned.num_samples},
         num_samples=planned.planned_samples, num_rows=planned.num_rows,
-        leftover={"policy": spec.leftover, "samples": planned.leftover},
+        leftover={"policy": spec.leftover_applied, "samples": planned.leftover},
         moved_samples=planned.moved_samples, columns=["rank", *planned.rows.columns[1:]], stats=planned.stats,
         step_stats=STEP_STATS_DIR)
     fs.write_text(f"{staging}/{MANIFEST_NAME}", manifest.dumps())

@@ -65,7 +65,7 @@ def with_global_position(samples: DataFrame, seed: int) -> DataFrame:
 def apply_leftover_policy(positioned: DataFrame, num_samples: int, global_batch_size: int,
                           policy: str) -> DataFrame:
     """`drop`: the last partial global batch (random samples, by position) is left out.
-    `keep`: it becomes a short last step, split over the ranks with +-1 samples each."""
+    `keep`: it becomes a short last step, split over the ranks as the strategy splits any step."""
     from pyspark.sql import functions as F
 
     from balancing.types import LEFTOVER_POLICIES

@@ -246,5 +246,5 @@ def _balanced_shards(prepared: Path, out: Path, world_size: int) -> Path:
     from jobs import balance
 
     assert balance.main(["--input", str(prepared), "--output", str(out), "--world-size", str(world_size),
-                         "--local-batch-size", "16", "--tracking-uri", "none"]) == 0
+                         "--local-batch-size", "16", "--leftover", "drop", "--tracking-uri", "none"]) == 0
     return out

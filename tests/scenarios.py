@@ -115,7 +115,8 @@ def stopped_run(movielens_shards, mlflow_server, e2e_dir):
     proc = helpers.start_train(movielens_shards, "--max-steps", "100000", "--comm-mode", "plain",
                                "--parallel.sharding", "row_wise", "--tracking-uri", mlflow_server,
                                "--tracking.experiment", "e2e-stopped", "--training.log_every", "1",
-                               "--checkpoint.folder", str(folder), "--checkpoint.every_steps", "1", *helpers.SMALL_RUN)
+                               "--checkpoint.folder", str(folder), "--checkpoint.every_steps", "1",
+                               "--checkpoint.keep_last", "0", *helpers.SMALL_RUN)  # row_resume takes its step 3
     seen = SimpleNamespace(folder=folder, uri=mlflow_server, experiment="e2e-stopped")
     try:
         helpers.read_until_step(proc, 3)
@@ -186,6 +187,38 @@ def killed_run(movielens_shards, e2e_dir):
     seen.run_id, seen.final_status = run.info.run_id, run.info.status
     seen.logged = helpers.logged_losses(uri, run.info.run_id)
     return seen
+
+
+EPOCH_STEPS = 8  # the epochs run's steps per epoch
+
+
+def short_last_step(rank: int, rows: list[dict]) -> None:
+    """What the balance job's default `--leftover keep` makes: a short last step split over the ranks
+    (3 samples: 2 on rank 0, 1 on rank 1)."""
+    rows[:] = [r for r in rows if r["step"] < EPOCH_STEPS - 1 or r["slot"] < 2 - rank]
+
+
+@scenario
+def epochs_run(e2e_dir):
+    """Two epochs on small synthetic shards (2 ranks x 4 samples, 8 steps, a short last step),
+    checkpointed every 4 steps keeping the last 2; then a copy of its checkpoint of step 12 (epoch
+    1, position 4) resumed to the end. Attributes: shards, folder, log and resumed (the summaries)."""
+    shards = helpers.write_shards(e2e_dir / "epochs-shards", world_size=2, local_batch=4, num_steps=EPOCH_STEPS,
+                                  max_len=30, alter=short_last_step)
+    folder, copy = e2e_dir / "epochs-ckpt", e2e_dir / "epochs-resume-ckpt"
+    common = ("--training.max_epochs", "2", "--training.log_every", "1000", "--model.embedding_dim", "16",
+              "--loss.num_negatives", "8", "--model.hstu.num_layers", "1", "--training.eval_max_samples", "16")
+    run = helpers.freescale_train(shards, *common, "--tracking-uri", "none", "--checkpoint.folder", str(folder),
+                                  "--checkpoint.every_steps", "4", "--checkpoint.keep_last", "2",
+                                  "--summary-json", str(e2e_dir / "epochs.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    copy.mkdir()
+    shutil.copytree(folder / "step_12", copy / "step_12")
+    resumed = helpers.freescale_train(shards, *common, "--tracking-uri", "none", "--checkpoint.folder", str(copy),
+                                      "--summary-json", str(e2e_dir / "epochs-resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return SimpleNamespace(shards=shards, folder=folder, log=json.loads((e2e_dir / "epochs.json").read_text()),
+                           resumed=json.loads((e2e_dir / "epochs-resumed.json").read_text()))
 
 
 @scenario

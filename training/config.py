@@ -468,6 +468,14 @@ class CheckpointConfig:
     """Save every N steps (0: only at the end when a folder is set)."""
     resume: bool = True
     """Continue from the newest complete checkpoint in the folder, if any."""
+    keep_last: int = 3
+    """Keep the newest N complete checkpoints: after a save is complete, older ones are deleted
+    (0: keep all)."""
+
+    def __post_init__(self) -> None:
+        # Also run by load_config after a file or override changed the fields.
+        if self.keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0 (0 = keep all), got {self.keep_last}")
 
 
 

@@ -68,7 +68,7 @@ def test_prepare_bad_user_table_leaves_nothing(spark, movielens_dir, tmp_path, c
 def test_balance_movielens_every_sample_once(prepared_ml, tmp_path):
     out = tmp_path / "shards"
     assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
-                       "--strategy", "kk", "--window-steps", "4") == 0
+                       "--strategy", "kk", "--window-steps", "4", "--leftover", "drop") == 0
     manifest = load_manifest(out)
     rows = read_all(out)
     assert manifest["leftover"] == {"policy": "drop", "samples": 943 % 64}
@@ -143,13 +143,17 @@ def test_balance_flops_kk_through_the_cli(prepared_ml, tmp_path, capsys):
         assert not (tmp_path / "refused").exists()
 
 
-def test_keep_leftover_loses_nothing(prepared_ml, tmp_path):
+def test_the_default_keeps_the_leftover_as_a_short_last_step(prepared_ml, tmp_path):
     out = tmp_path / "shards"
-    assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
-                       "--leftover", "keep") == 0
+    assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16") == 0
     rows = read_all(out)
-    assert len(rows) == 943 and rows["user_id"].is_unique
-    assert load_manifest(out)["leftover"]["samples"] == 0
+    assert len(rows) == 943 and rows["user_id"].is_unique  # every user trains, every epoch
+    manifest = load_manifest(out)
+    assert manifest["leftover"] == {"policy": "keep", "samples": 0} and manifest["num_steps"] == 943 // 64 + 1
+    # the short last step is planned over the ranks like any step, and its targets are its own
+    last = rows[rows["step"] == manifest["num_steps"] - 1]
+    assert len(last) == 943 % 64 and last["rank"].nunique() > 1
+    assert int((last["length"] - 1).sum()) == int(last["step_targets"].iloc[0])
 
 
 def test_deterministic_for_a_seed(prepared_ml, tmp_path):
@@ -170,6 +174,7 @@ def test_mirror_control_gives_every_rank_the_same_samples(prepared_ml, tmp_path)
     rows = read_all(out)
     manifest = load_manifest(out)
     assert manifest["control"] == "mirror" and manifest["num_steps"] == 943 // 24
+    assert manifest["leftover"]["policy"] == "drop"  # whole steps only, whatever --leftover says
     by_rank = [read_rank(out, r).groupby("step")["user_id"].apply(list) for r in range(3)]
     assert by_rank[0].equals(by_rank[1]) and by_rank[0].equals(by_rank[2])
     assert len(rows) == 3 * 8 * manifest["num_steps"]

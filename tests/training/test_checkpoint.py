@@ -207,3 +207,124 @@ def test_a_resume_at_another_precision_is_named_and_an_older_checkpoint_is_not(t
     assert checkpointer.check_config(2, bf16) == ["training.precision fp32 -> bf16"]
     assert checkpointer.check_config(4, bf16) == []
 
+
+
+# -- retention: [checkpoint] keep_last ------------------------------------------
+
+
+def fake_checkpoints(folder: Path, complete: list[int], half_written: list[int]) -> Checkpointer:
+    checkpointer = Checkpointer(str(folder), rank=0, keep_last=2)
+    for step in complete + half_written:
+        checkpointer.step_dir(step).mkdir(parents=True)
+        (checkpointer.step_dir(step) / "rank_0.pt").write_bytes(b"x")
+    for step in complete:
+        (checkpointer.step_dir(step) / "COMPLETE").write_text(f"{step}\n")
+    return checkpointer
+
+
+def test_prune_keeps_the_newest_complete_and_what_is_newer_than_the_save(tmp_path):
+    checkpointer = fake_checkpoints(tmp_path / "ckpt", complete=[1, 2, 3, 6, 9], half_written=[4, 5, 10])
+    # The save of step 6 completed: up to it, the newest 2 complete stay (3, 6); 1 and 2 go, and the
+    # half-written 4 and 5 (older than a complete save: no resume can use them). 9 (newer: another
+    # run's) and the half-written 10 (the resume names it) are left.
+    assert checkpointer.prune(6) == [1, 2, 4, 5]
+    left = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert left == ["step_10", "step_3", "step_6", "step_9"]
+    assert checkpointer.latest_step() == 9  # what a resume loads is untouched
+    assert checkpointer.prune(6) == []  # nothing more to do
+    keep_all = fake_checkpoints(tmp_path / "all", complete=[1, 2, 3], half_written=[])
+    keep_all.keep_last = 0
+    assert keep_all.prune(3) == [] and len(list((tmp_path / "all").iterdir())) == 3
+
+
+def test_a_prune_cut_short_leaves_no_checkpoint_behind(tmp_path):
+    """A folder being deleted is renamed first: a kill mid-delete leaves no step_<n> folder that looks
+    complete, and the next prune removes the rest."""
+    from training.checkpoint.checkpointer import PRUNED_PREFIX
+
+    checkpointer = fake_checkpoints(tmp_path, complete=[1, 2, 3], half_written=[])
+    leftover = tmp_path / f"{PRUNED_PREFIX}0"
+    leftover.mkdir()
+    (leftover / "COMPLETE").write_text("0\n")
+    assert checkpointer.latest_step() == 3 and checkpointer.half_written() == []
+    assert checkpointer.prune(3) == [1] and not leftover.exists()
+
+
+SAVER = """
+import sys, time
+import torch, torch.distributed as dist
+from training.checkpoint.checkpointer import Checkpointer
+
+folder, store, steps, block_at = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")], int(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+
+class Progress:
+    def __init__(self, step):
+        self.step = step
+    def state_dict(self):
+        if self.step == block_at:
+            print(f"saving {self.step}", flush=True)
+            time.sleep(600)  # killed here: the DCP files are written, this rank's file and COMPLETE are not
+        return {"step": self.step}
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+model = torch.nn.Linear(3, 2)
+checkpointer = Checkpointer(folder, 0, keep_last=2)
+for step in steps:
+    checkpointer.save(step, {"model": model}, {"trainer": Progress(step)}, "sha", {})
+    print(f"saved {step}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def run_saver(tmp_path: Path, folder: Path, steps: str, block_at: int = -1) -> subprocess.Popen:
+    from tests.helpers import REPO
+
+    store = tmp_path / f"store-{steps.replace(',', '-')}"
+    return subprocess.Popen([sys.executable, "-c", SAVER, str(folder), str(store), steps, str(block_at)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.spawns
+def test_a_kill_during_a_save_keeps_every_older_complete_checkpoint(tmp_path, capsys):
+    from training.checkpoint.resume import resume_latest
+
+    folder = tmp_path / "ckpt"
+    proc = run_saver(tmp_path, folder, "1,2,3,4", block_at=4)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.startswith("saving 4"):
+                break
+        assert lines[-1] == "saving 4", lines
+        proc.kill()  # SIGKILL mid-save
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    checkpointer = Checkpointer(str(folder), rank=0, keep_last=2)
+    # keep_last 2 pruned step 1 after step 3 completed; the cut-short step 4 pruned nothing
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step_")) == ["step_2", "step_3", "step_4"]
+    assert checkpointer.latest_step() == 3 and checkpointer.half_written() == [checkpointer.step_dir(4)]
+    assert any(folder.joinpath("step_4").glob("*.distcp"))  # the kill came mid-save, after DCP's files
+    # the resume picks the newest complete checkpoint, naming the half-written one
+    progress = type("P", (), {"step": 0, "load_state_dict": lambda self, s: setattr(self, "step", s["step"]),
+                              "state_dict": lambda self: {"step": self.step}})()
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    assert resume_latest(checkpointer, TrainConfig(), "sha", 0, optimizer, ({"model": model}, {"trainer": progress}),
+                         10) == 3
+    assert progress.step == 3
+    [line] = capsys.readouterr().err.splitlines()
+    assert str(checkpointer.step_dir(4)) in line and line.endswith(f"resuming from {checkpointer.step_dir(3)}")
+    # the next complete save would prune step 2 and the half-written step 4, never step 3 before it is older
+    assert checkpointer.prune(5) == [] and checkpointer.latest_step() == 3  # nothing newer is complete yet
+    (checkpointer.step_dir(5)).mkdir()
+    (checkpointer.step_dir(5) / "COMPLETE").write_text("5\n")
+    assert checkpointer.prune(5) == [2, 4] and checkpointer.latest_step() == 5
+    assert sorted(p.name for p in folder.iterdir()) == ["step_3", "step_5"]

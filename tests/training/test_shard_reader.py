@@ -25,12 +25,16 @@ from shards.manifest import ShardError, load_manifest, parse_manifest, seal, ver
 from shards.schema import COLUMNS, MANIFEST_FORMAT, READ_COLUMNS, arrow_schema
 from tests.helpers import Row, write_shards
 from training.data.batch import SequenceBatch
+from shards.step_order import epoch_order
 from training.data.shard_reader import (
+    EPOCH_KEY,
     NEXT_STEP_KEY,
+    POSITION_KEY,
     ShardReader,
     StepRows,
     build_loader,
     collate_step,
+    with_epoch,
 )
 
 SCHEMA = arrow_schema()
@@ -99,10 +103,13 @@ class ReadLog:
     def __init__(self) -> None:
         self.keys: list[tuple[int, int]] = []
         self.live_bytes: list[int] = []
+        self.step_column_reads = 0
+        """Reads of the ``step`` column alone (the reader's step index, built once)."""
 
     def clear(self) -> None:
         self.keys.clear()
         self.live_bytes.clear()
+        self.step_column_reads = 0
 
 
 def record_reads(log: ReadLog, patch: Callable[[Any, str, Any], None]) -> None:
@@ -113,6 +120,9 @@ def record_reads(log: ReadLog, patch: Callable[[Any, str, Any], None]) -> None:
 
     def counting(self: pq.ParquetFile, i: int, *args: Any, **kwargs: Any) -> pa.Table:
         table = original(self, i, *args, **kwargs)
+        if table.column_names == ["step"]:
+            log.step_column_reads += 1
+            return table
         log.keys.append((table["step"][0].as_py(), table["slot"][0].as_py()))
         log.live_bytes.append(pa.total_allocated_bytes())
         return table
@@ -274,7 +284,7 @@ def test_resume_after_every_step(shards: Path, read_log: ReadLog, rank: int) -> 
         for _ in range(k):
             next(reader)
         state = json.loads(json.dumps(reader.state_dict()))  # checkpoints are JSON
-        assert state[NEXT_STEP_KEY] == k and len(state) <= 5
+        assert state[POSITION_KEY] == k and state[EPOCH_KEY] == 0 and len(state) <= 5
         read_log.clear()
         resumed = reader_for(shards, rank)
         resumed.reset(state)
@@ -292,8 +302,12 @@ def test_resume_rejects_foreign_state(shards: Path) -> None:
     state = reader.state_dict()
     with pytest.raises(ShardError, match="rank 0"):
         reader_for(shards, 1).reset(state)
+    with pytest.raises(ShardError, match="is outside the shard of rank 0"):
+        reader_for(shards, 0).reset({**state, POSITION_KEY: 99})
+    # A state of the earlier form (a file position) is checked against the files.
+    plan_order_state = {"rank": 0, "file_index": 0, "row_group_index": 99, "row_offset": 0, NEXT_STEP_KEY: 1}
     with pytest.raises(ShardError, match="does not exist"):
-        reader_for(shards, 0).reset({**state, "row_group_index": 99})
+        reader_for(shards, 0).reset(plan_order_state)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -311,6 +325,124 @@ def test_loader_state_dict_round_trip(shards: Path, prefetch: int) -> None:
     assert_batches_equal(list(restored), expected[3:])
     # The next epoch replays the plan from step 0.
     assert_batches_equal(list(restored), expected)
+
+
+# -- epochs: a new order every epoch ------------------------------------------
+
+
+def repeating_reader(root: Path, rank: int, seed: int = 5, world_size: int = 2) -> ShardReader:
+    return ShardReader(load_manifest(root, world_size, rank=rank), rank, seed=seed, repeat=True)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_later_epochs_seek_each_step_in_their_order(shards: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    rank: int) -> None:
+    num_steps = 7
+    expected = {b.step: b for b in reference_batches(shards, rank)}
+    groups = row_groups(shards, rank)
+    groups_of_step = {step: {key for key, last in groups if key[0] <= step <= last} for step in range(num_steps)}
+    read_log = ReadLog()
+    record_reads(read_log, monkeypatch.setattr)  # from here on, whole-file reads fail
+    reader = repeating_reader(shards, rank)
+    items = [next(reader) for _ in range(3 * num_steps)]
+    assert read_log.step_column_reads == len(groups)  # the index: once, at the first reset
+    for epoch in range(3):
+        order = epoch_order(num_steps, 1, 5, epoch)
+        assert sorted(order.tolist()) == list(range(num_steps))
+        got = items[epoch * num_steps:(epoch + 1) * num_steps]
+        assert [it.step for it in got] == order.tolist()
+        # a permuted step's rows are exactly the plan's rows of that step (empty ones included)
+        assert_batches_equal([collate_step(it) for it in got], [expected[int(s)] for s in order])
+    assert epoch_order(num_steps, 1, 5, 1).tolist() != list(range(num_steps))  # the check above is meaningful
+    # One seek per step: at most the row groups holding the step's rows are read for it.
+    read_log.clear()
+    reader.reset({**reader.state_dict(), EPOCH_KEY: 1, POSITION_KEY: 0})
+    for step in epoch_order(num_steps, 1, 5, 1):
+        before = len(read_log.keys)
+        assert next(reader).step == step
+        assert len(read_log.keys) - before <= len(groups_of_step[int(step)])
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_resume_mid_epoch_continues_the_same_order(shards: Path, prefetch: int) -> None:
+    manifest = load_manifest(shards, 2, rank=0)
+    uninterrupted = build_loader(manifest, 0, prefetch=0, seed=11, repeat=True)
+    it = iter(uninterrupted)
+    reference = [next(it).step for _ in range(4 * 7)]
+    loader = build_loader(manifest, 0, prefetch=prefetch, seed=11, repeat=True)
+    it = iter(loader)
+    assert [next(it).step for _ in range(7 + 3)] == reference[:10]  # epoch 1, position 3
+    state = json.loads(json.dumps(loader.state_dict()))
+    resumed = build_loader(manifest, 0, prefetch=prefetch, seed=99, repeat=True)  # the state's seed rules
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    assert [next(it).step for _ in range(18)] == reference[10:]
+    assert reference[7:14] != reference[:7] and reference[14:21] != reference[7:14]
+
+
+def test_a_plan_order_state_finishes_its_epoch_in_plan_order(shards: Path) -> None:
+    """A state saved when every epoch replayed the plan: epoch from the run's step (with_epoch)."""
+    legacy_reader = reader_for(shards, 0)
+    for _ in range(3):
+        next(legacy_reader)
+    position = legacy_reader._index.segments(3)[0]  # where the earlier reader stood before step 3
+    legacy = {"rank": 0, "file_index": position[0], "row_group_index": position[1], "row_offset": position[2],
+              NEXT_STEP_KEY: 3}
+    loader_state = {"root": {"source": legacy}, "num_yielded": 3}
+    upgraded = with_epoch(loader_state, trained_steps=7 + 3, num_steps=7)
+    assert upgraded["root"]["source"][EPOCH_KEY] == 1 and with_epoch(upgraded, 10, 7) == upgraded
+    reader = repeating_reader(shards, 0, seed=2)
+    reader.reset(upgraded["root"]["source"])
+    steps = [next(reader).step for _ in range(4 + 7)]
+    assert steps[:4] == [3, 4, 5, 6]  # epoch 1 began in plan order and ends in it
+    assert steps[4:] == epoch_order(7, 1, 2, 2).tolist()
+    assert reader.state_dict()[EPOCH_KEY] == 2
+    # without an epoch (a one-pass reader): epoch 0, the rest of the plan
+    plain = reader_for(shards, 0)
+    plain.reset(legacy)
+    assert [it.step for it in plain] == [3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_checkpoints_plan_order_loader_state_resumes_through_the_trainers_loader(shards: Path,
+                                                                                    prefetch: int) -> None:
+    """What a checkpoint saved when every epoch replayed the plan holds: the loader's nested state with
+    the reader's file position; the run had trained 7 + 3 steps (epoch 1, position 3)."""
+    from types import SimpleNamespace
+
+    from training.checkpoint.resume import LoaderPosition
+
+    manifest = load_manifest(shards, 2, rank=0)
+    old = build_loader(manifest, 0, prefetch=prefetch)
+    it = iter(old)
+    for _ in range(3):
+        next(it)
+    reader_state = json.loads(json.dumps(old.state_dict()))
+    source = reader_state["root"]
+    while "rank" not in source:  # the reader's state, under the prefetcher's and mapper's
+        source = next(v for v in source.values() if isinstance(v, dict))
+    position = ShardReader(manifest, 0)
+    position.reset(None)
+    file_index, row_group, row_offset, _ = position._index.segments(3)[0]
+    source.clear()
+    source.update({"rank": 0, "file_index": file_index, "row_group_index": row_group, "row_offset": row_offset,
+                   NEXT_STEP_KEY: 3})
+    loader = build_loader(manifest, 0, prefetch=prefetch, seed=4, repeat=True)
+    LoaderPosition(loader, SimpleNamespace(step=7 + 3), 7).load_state_dict(reader_state)
+    it = iter(loader)
+    assert [next(it).step for _ in range(4 + 7)] == [3, 4, 5, 6, *epoch_order(7, 1, 4, 2).tolist()]
+
+
+def test_a_windowed_plan_is_permuted_window_by_window(shards: Path) -> None:
+    rewrite_manifest(shards, lambda m: m.update(window_steps=3))
+    reader = repeating_reader(shards, 0, seed=4)
+    steps = [next(reader).step for _ in range(3 * 7)]
+    for epoch in (1, 2):
+        order = steps[epoch * 7:(epoch + 1) * 7]
+        assert order == epoch_order(7, 3, 4, epoch).tolist()
+        # windows {0,1,2}, {3,4,5}, {6}: each contiguous and in its own order
+        runs = [order[i:i + len(w)] for w in ([0, 1, 2], [3, 4, 5], [6]) for i in [order.index(w[0])]]
+        assert runs == [[0, 1, 2], [3, 4, 5], [6]]
 
 
 # -- manifest and file errors ------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,15 +55,20 @@ HYPERPARAMETER_KEYS = ("model.", "loss.", "optimizer.", "training.seed", "traini
 # placement (TorchRec's KeyedOptimizer: "Parameter ... not found"): refused as well.
 PLACEMENT_KEYS = ("parallel.sharding",)
 STEP_DIR = re.compile(r"^step_(\d+)$")
+PRUNED_PREFIX = ".pruned-step_"
+"""A checkpoint being deleted (renamed first: no longer a step_<n> folder)."""
 
 
 class Checkpointer:
-    def __init__(self, folder: str, rank: int, group: dist.ProcessGroup | None = None):
+    def __init__(self, folder: str, rank: int, group: dist.ProcessGroup | None = None, keep_last: int = 0):
         self.folder = Path(folder) if folder else None
         self.rank = rank
         # Every collective here carries host data (flags, objects, DCP's plans): a group serving
         # CPU tensors, ``DistEnv.host_group`` (None: the default group).
         self.group = group
+        self.keep_last = keep_last
+        """After a save is complete, rank 0 deletes the complete checkpoints older than the newest
+        ``keep_last`` (:meth:`prune`); 0 keeps all."""
 
     @property
     def enabled(self) -> bool:
@@ -102,7 +108,29 @@ class Checkpointer:
             (target / SHARDS).write_text(f"{shards_sha256}\n")
             (target / CONFIG).write_text(json.dumps(config, indent=1, default=str) + "\n")
             (target / COMPLETE).write_text(f"{step}\n")
+            self.prune(step)
         dist.barrier(group=self.group)
+
+    def prune(self, saved: int) -> list[int]:
+        """Rank 0, once the save of step ``saved`` is complete: delete the complete checkpoints up to it
+        but the newest ``keep_last``, and the half-written folders older than the newest of those (saves
+        cut short, which no resume can use); the steps deleted. So a checkpoint goes only once a newer one is complete;
+        the one a resume loads (the newest complete) and anything newer than ``saved`` (another run's,
+        or a half-written folder the resume names) are never touched. A folder is first renamed out of
+        the ``step_<n>`` names, so one cut short mid-delete is no checkpoint; its rest goes next time."""
+        if self.folder is None or not self.keep_last or not self.folder.is_dir():
+            return []
+        found = [(int(m.group(1)), (p / COMPLETE).exists()) for p in self.folder.iterdir()
+                 if (m := STEP_DIR.match(p.name))]
+        complete = sorted(step for step, done in found if done and step <= saved)
+        if not complete:
+            return []
+        doomed = complete[:-self.keep_last] + [step for step, done in found if not done and step < complete[-1]]
+        for step in sorted(doomed):
+            self.step_dir(step).rename(self.folder / f"{PRUNED_PREFIX}{step}")
+        for leftover in self.folder.glob(f"{PRUNED_PREFIX}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        return sorted(doomed)
 
     def check_shards(self, step: int, shards_sha256: str) -> None:
         """Refuse to resume in shards other than the ones the checkpoint trained on."""

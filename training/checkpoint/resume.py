@@ -10,6 +10,7 @@ from torch import nn
 from runtime.errors import InputError
 from training.checkpoint.checkpointer import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig, to_flat_dict
+from training.data.shard_reader import with_epoch
 from training.model.recommender import SequentialRecommender
 from training.eval.validation import is_sharded
 
@@ -34,10 +35,25 @@ def checkpoint_states(sharded_model: nn.Module, dense_optimizer: torch.optim.Opt
     shared = {"model": sharded_model, "sparse_optimizer": item_optimizer, "dense_optimizer": dense_optimizer}
     if best_weights is not None:
         shared["best_weights"] = best_weights
-    own: dict[str, Any] = {"trainer": progress, "loader": loader}
+    own: dict[str, Any] = {"trainer": progress, "loader": loader}  # loaded in this order: see LoaderPosition
     if user_optimizer:
         own["user_table_optimizer"] = LocalShards(user_optimizer[0])
     return shared, own
+
+
+class LoaderPosition:
+    """The loader as a checkpoint's ``Stateful``: a state saved before the reader recorded epochs gets
+    its epoch from the run's step (``training.data.shard_reader.with_epoch``). ``progress`` (the
+    trainer) must be loaded first: ``checkpoint_states`` lists it before the loader."""
+
+    def __init__(self, loader: Any, progress: Any, steps_per_epoch: int):
+        self.loader, self.progress, self.steps_per_epoch = loader, progress, steps_per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(with_epoch(state, self.progress.step, self.steps_per_epoch))
 
 
 class LocalShards:

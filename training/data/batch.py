@@ -48,7 +48,8 @@ class SequenceBatch:
     user_ids: list[str]
     """``B`` user ids, for logging and debugging only."""
     step: int = 0
-    """Training step this batch belongs to."""
+    """The plan step this batch belongs to (the shards' ``step``; the run's step differs after the
+    first epoch, whose order is the plan's)."""
     step_targets: int = 0
     """Next-item targets of this step summed over all ranks (from the shards). The loss
     is divided by it, so a target weighs the same whichever rank the plan put it on."""

@@ -2,16 +2,20 @@
 
 The balance job has already decided which samples every rank trains on at
 every step (``rank=<k>/part-*.parquet``, rows in ``(step, slot)`` order), so the
-input pipeline must not shuffle, drop or re-batch anything: it replays the plan.
-Its job is to do that with bounded memory and resumable state:
+input pipeline must not shuffle, drop or re-batch anything within a step: it
+replays the plan's steps, each epoch in its own order of whole steps
+(``shards.step_order.epoch_order``: the plan's order in epoch 0, a seeded
+permutation, the same on every rank, after). Its job is to do that with bounded
+memory and resumable state:
 
-* :class:`ShardReader` reads one Parquet row group at a time and yields all
-  rows of one step. Steps where the plan gave this rank nothing still yield an
-  (empty) item, because every rank must run exactly ``num_steps`` steps or the
-  collectives of the ranks would go out of step.
-* Its state is a position (file, row group, row offset, next step), so a resume
-  seeks straight to the row group holding the next row instead of replaying the
-  stream.
+* :class:`ShardReader` indexes where every step's rows are (``shards.step_index``),
+  reads the Parquet row groups holding the next step's rows and yields them. Steps
+  where the plan gave this rank nothing still yield an (empty) item, because every
+  rank must run exactly ``num_steps`` steps per epoch or the collectives of the
+  ranks would go out of step.
+* Its state is (epoch, position in the epoch's order, the order's seed), so a
+  resume seeks straight to the next step's row group instead of replaying the
+  stream, and continues the same order.
 * :func:`collate_step` turns a step's Arrow rows into flat tensors
   (:class:`SequenceBatch`) with vectorised Arrow/NumPy operations.
 * :func:`build_loader` wires reader -> collate -> prefetch into a
@@ -20,18 +24,19 @@ Its job is to do that with bounded memory and resumable state:
 Checkpointing the loader (all ranks do the same, each with its own loader)::
 
     manifest = load_manifest(shards_dir, world_size, rank)  # shards.manifest; once per rank
-    loader = build_loader(manifest, rank)
+    loader = build_loader(manifest, rank, seed=seed, repeat=True)
     if resume_state is not None:            # e.g. checkpoint["loader"][rank]
         loader.load_state_dict(resume_state)  # applied at the next iter(loader)
-    for batch in loader:
+    for trained, batch in enumerate(loader, start=1):  # batch.step: the plan step
         train_step(batch.to(device))
-        if batch.step % save_every == 0:
+        if trained % save_every == 0:
             save({"loader": loader.state_dict(), ...})  # state after `batch`
 
 ``loader.state_dict()`` describes the position after the last batch the loader
 handed out (batches sitting in the prefetch queue are not counted), is a small
-dict of ints and is JSON-serialisable. After the final step the loader restarts
-from step 0 on the next ``iter()`` (a new epoch over the same plan).
+dict of ints and is JSON-serialisable. With ``repeat`` the loader goes on into
+the next epoch after an epoch's last step; without, it stops after one pass in
+plan order (and a later ``iter()`` starts that pass again).
 """
 from __future__ import annotations
 
@@ -49,15 +54,25 @@ from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 from runtime.errors import one_line
 from shards.manifest import Manifest, ShardError, verify_checksums
 from shards.schema import NON_NULL_COLUMNS, PER_ITEM_COLUMNS, READ_COLUMNS, USER_FEATURES, type_mismatches
+from shards.step_index import StepIndex
+from shards.step_order import epoch_order
 from training.data.batch import SequenceBatch
 
 # ShardReader state keys.
 RANK_KEY = "rank"
+EPOCH_KEY = "epoch"
+POSITION_KEY = "position"
+"""Steps of the epoch's order already handed out."""
+ORDER_SEED_KEY = "order_seed"
+PERMUTED_FROM_KEY = "permuted_from"
+"""The first epoch in a permuted order (1; later for a run resumed from a plan-order state)."""
+_STATE_KEYS = (RANK_KEY, EPOCH_KEY, POSITION_KEY, ORDER_SEED_KEY, PERMUTED_FROM_KEY)
+# The earlier state (every epoch replayed the plan's order): a file position and the next step.
 FILE_INDEX_KEY = "file_index"
 ROW_GROUP_KEY = "row_group_index"
 ROW_OFFSET_KEY = "row_offset"
 NEXT_STEP_KEY = "next_step"
-_STATE_KEYS = (RANK_KEY, FILE_INDEX_KEY, ROW_GROUP_KEY, ROW_OFFSET_KEY, NEXT_STEP_KEY)
+_PLAN_ORDER_STATE_KEYS = (RANK_KEY, FILE_INDEX_KEY, ROW_GROUP_KEY, ROW_OFFSET_KEY, NEXT_STEP_KEY)
 
 MIN_RATING, MAX_RATING = 1, 5
 
@@ -115,25 +130,34 @@ def collate_step(step_rows: StepRows) -> SequenceBatch:
 
 
 class ShardReader(BaseNode[StepRows]):
-    """Yields :class:`StepRows` for steps ``0 .. num_steps-1`` of one rank, in order.
+    """Yields :class:`StepRows` for every plan step of one rank, one epoch in its order
+    (``shards.step_order.epoch_order``), then with ``repeat`` the next epoch, and so on.
 
-    Reads the rank's files in manifest order, one row group at a time
-    (``ParquetFile.read_row_group``), so memory is bounded by a row group plus
-    the rows of one step, never a whole file. Each row group is validated as it
-    is read (step order and range, list lengths, nulls, item ids within
-    ``1..num_items``); problems raise :class:`ShardError` naming the file.
+    The first ``reset`` reads every file's footer and ``step`` column (and checks them) into a
+    :class:`shards.step_index.StepIndex`, so a bad file fails the launch rather than hours into
+    training and any step is read with one seek. A step reads only the row groups holding its rows
+    (``ParquetFile.read_row_group``, the last one kept for the next step), so memory is bounded by
+    a row group plus the rows of one step, never a whole file; in plan order (epoch 0) every row
+    group is read once. Each row group is validated as it is read (step order and range, list
+    lengths, nulls, item ids within ``1..num_items``); problems raise :class:`ShardError` naming
+    the file.
 
-    State (``get_state``) is the position of the next unread row plus the next
-    step to yield; ``reset(state)`` opens the file at that position and the next
-    ``next()`` reads only the row group holding that row.
+    State (``get_state``) is the epoch, the position within it and the order's seed, so
+    ``reset(state)`` continues the same order exactly. A state of the earlier form (a file
+    position and ``next_step``, saved when every epoch replayed the plan's order) is accepted: its
+    epoch is ``EPOCH_KEY`` where the caller added it (:func:`with_epoch`), else 0, and it finishes
+    that epoch in plan order, as it began.
 
     Args:
         manifest: the validated manifest from :func:`shards.manifest.load_manifest`
             (which also checks the files exist with the recorded sizes).
         rank: which rank's shard to stream.
+        seed: the order's seed (the training seed) when a state does not name one.
+        repeat: after an epoch's last step go on with the next epoch (the trainer); else stop
+            (one pass, e.g. evaluation).
     """
 
-    def __init__(self, manifest: Manifest, rank: int) -> None:
+    def __init__(self, manifest: Manifest, rank: int, *, seed: int = 0, repeat: bool = False) -> None:
         super().__init__()
         assert manifest.root is not None, "the reader needs a manifest loaded from its directory"
         self._root = manifest.root
@@ -143,137 +167,132 @@ class ShardReader(BaseNode[StepRows]):
         if not self._files:
             raise ShardError(f"rank {rank} has an empty shard (no files) in {self._root}")
         self._num_steps = manifest.num_steps
+        self._window_steps = manifest.window_steps
         self._num_items = manifest.num_items
         self._user_features = [(f.name, f.num_ids) for f in manifest.user_features]
         self._columns = READ_COLUMNS + ((USER_FEATURES,) if self._user_features else ())
-        # Set up by reset(); None until then.
-        self._metadata: list[pq.FileMetaData | None] = []
-        self._parquet: pq.ParquetFile | None = None
+        self._seed, self._repeat = seed, repeat
+        # Set up by the first reset(); kept after (the files do not change).
+        self._metadata: list[pq.FileMetaData] = []
+        self._index: StepIndex | None = None
         self._schema: pa.Schema | None = None
-        self._table: pa.Table | None = None  # the row group holding the position
+        # The row group read last (kept: the next step usually starts in it).
+        self._parquet: pq.ParquetFile | None = None
+        self._table: pa.Table | None = None
         self._steps: np.ndarray | None = None
-        self._file_index = self._row_group = self._row_offset = self._next_step = 0
+        self._file_index = self._row_group = -1
+        # The position: this epoch's order and how far into it.
+        self._epoch, self._position, self._order_seed, self._permuted_from = 0, 0, seed, 1
+        self._order = np.empty(0, dtype=np.int64)
 
     # -- BaseNode contract -------------------------------------------------
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._close()
+        if self._index is None:
+            self._metadata = [self._read_footer(index) for index in range(len(self._files))]
+            arrow_schema = self._metadata[0].schema.to_arrow_schema()
+            self._schema = pa.schema([arrow_schema.field(name) for name in self._columns])
+            self._index = StepIndex.build([f["abspath"] for f in self._files], self._metadata, self._num_steps)
         if initial_state is None:
-            position = (0, 0, 0, 0)
+            self._epoch, self._position, self._order_seed, self._permuted_from = 0, 0, self._seed, 1
         else:
-            position = self._parse_state(initial_state)
-        self._file_index, self._row_group, self._row_offset, self._next_step = position
-        # Footers of the files still ahead are read (and checked) now, so a bad
-        # file fails the launch rather than hours into training; files already
-        # consumed before a resume are not touched.
-        self._metadata = [None] * len(self._files)
-        for index in range(self._file_index, len(self._files)):
-            self._metadata[index] = self._read_footer(index)
-        schema_source = self._metadata[min(self._file_index, len(self._files) - 1)]
-        if schema_source is None:  # resumed at the very end: still need a schema for empty steps
-            schema_source = self._read_footer(len(self._files) - 1)
-        arrow_schema = schema_source.schema.to_arrow_schema()
-        self._schema = pa.schema([arrow_schema.field(name) for name in self._columns])
-        if initial_state is not None:
-            self._check_position()
-        if self._file_index < len(self._files):
-            self._open(self._file_index)
+            self._epoch, self._position, self._order_seed, self._permuted_from = self._parse_state(initial_state)
+        self._order = self._epoch_order()
 
     def next(self) -> StepRows:
-        if self._next_step >= self._num_steps:
-            raise StopIteration
-        step = self._next_step
-        pieces: list[pa.Table] = []
-        # A step's rows may continue into the next row group (or file), so keep
-        # reading until a row of a later step shows up or the shard ends.
-        while self._ensure_rows():
-            assert self._table is not None and self._steps is not None
-            first = int(self._steps[self._row_offset])
-            if first < step:
-                raise ShardError(f"{self._current_path()}: row group {self._row_group} has step {first} "
-                                 f"after step {step - 1} was complete (rows not in step order)")
-            if first > step:
-                break  # this rank has nothing (more) for `step`
-            # Steps are non-decreasing within a row group (checked on load).
-            end = self._row_offset + int(np.searchsorted(self._steps[self._row_offset:], step, side="right"))
-            pieces.append(self._table.slice(self._row_offset, end - self._row_offset))
-            self._row_offset = end
-            if end < self._table.num_rows:
-                break
-        self._next_step = step + 1
-        if not pieces:
-            assert self._schema is not None
-            return StepRows(step, self._schema.empty_table(), len(self._user_features))
-        return StepRows(step, pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces), len(self._user_features))
+        if self._position >= self._num_steps:
+            if not self._repeat:
+                raise StopIteration
+            self._epoch, self._position = self._epoch + 1, 0
+            self._order = self._epoch_order()
+        step = int(self._order[self._position])
+        rows = self._read_step(step)
+        self._position += 1
+        return StepRows(step, rows, len(self._user_features))
 
     def get_state(self) -> dict[str, Any]:
-        return {
-            RANK_KEY: self._rank,
-            FILE_INDEX_KEY: self._file_index,
-            ROW_GROUP_KEY: self._row_group,
-            ROW_OFFSET_KEY: self._row_offset,
-            NEXT_STEP_KEY: self._next_step,
-        }
+        return {RANK_KEY: self._rank, EPOCH_KEY: self._epoch, POSITION_KEY: self._position,
+                ORDER_SEED_KEY: self._order_seed, PERMUTED_FROM_KEY: self._permuted_from}
 
     # -- position ----------------------------------------------------------
 
+    def _epoch_order(self) -> np.ndarray:
+        """This epoch's plan steps by position."""
+        return epoch_order(self._num_steps, self._window_steps, self._order_seed, self._epoch,
+                           permuted_from=self._permuted_from)
+
+    def _read_step(self, step: int) -> pa.Table:
+        """The rank's rows of plan ``step`` (an empty table when the plan gave it none)."""
+        assert self._index is not None and self._schema is not None
+        pieces: list[pa.Table] = []
+        for file_index, row_group, offset, count in self._index.segments(step):
+            self._seek(file_index, row_group)
+            assert self._table is not None and self._steps is not None
+            if not (self._steps[offset] == step == self._steps[offset + count - 1]):
+                raise ShardError(f"{self._current_path()}: row group {row_group} no longer holds step {step} at row "
+                                 f"{offset} (the file changed since the launch read it)")
+            pieces.append(self._table.slice(offset, count))
+        if not pieces:
+            return self._schema.empty_table()
+        return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+
+    def _seek(self, file_index: int, row_group: int) -> None:
+        """Make ``row_group`` of file ``file_index`` the loaded one (read and validated once per visit)."""
+        if (file_index, row_group) == (self._file_index, self._row_group) and self._table is not None:
+            return
+        if file_index != self._file_index or self._parquet is None:
+            self._close()
+            self._file_index = file_index
+            self._open(file_index)
+        self._table = self._steps = None  # no stale row group under the new key if the read fails
+        self._row_group = row_group
+        self._load_row_group()
+
     def _parse_state(self, state: dict[str, Any]) -> tuple[int, int, int, int]:
+        """``(epoch, position, order seed, first permuted epoch)`` of a state, checked against this shard."""
+        if RANK_KEY in state and state[RANK_KEY] != self._rank:
+            raise ShardError(f"ShardReader state was saved by rank {state[RANK_KEY]}, "
+                             f"cannot resume rank {self._rank} from it")
+        if POSITION_KEY not in state and NEXT_STEP_KEY in state:
+            return self._parse_plan_order_state(state)
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ShardError(f"ShardReader state lacks {missing} (state {state!r})")
-        if state[RANK_KEY] != self._rank:
-            raise ShardError(f"ShardReader state was saved by rank {state[RANK_KEY]}, "
-                             f"cannot resume rank {self._rank} from it")
-        values = tuple(int(state[k]) for k in _STATE_KEYS[1:])
-        file_index, row_group, row_offset, next_step = values
-        if not (0 <= file_index <= len(self._files) and row_group >= 0 and row_offset >= 0
-                and 0 <= next_step <= self._num_steps):
+        epoch, position, seed, permuted_from = (int(state[k]) for k in _STATE_KEYS[1:])
+        if not (epoch >= 0 and 0 <= position <= self._num_steps and permuted_from >= 1):
             raise ShardError(f"ShardReader state {state!r} is outside the shard of rank {self._rank} "
                              f"in {self._root} ({len(self._files)} files, {self._num_steps} steps)")
-        return file_index, row_group, row_offset, next_step
+        return epoch, position, seed, permuted_from
 
-    def _check_position(self) -> None:
+    def _parse_plan_order_state(self, state: dict[str, Any]) -> tuple[int, int, int, int]:
+        """A state of the earlier form: its file position is checked, its epoch finishes in plan order."""
+        missing = [k for k in _PLAN_ORDER_STATE_KEYS if k not in state]
+        if missing:
+            raise ShardError(f"ShardReader state lacks {missing} (state {state!r})")
+        file_index, row_group, row_offset, next_step = (int(state[k]) for k in _PLAN_ORDER_STATE_KEYS[1:])
+        epoch = int(state.get(EPOCH_KEY, 0))
+        if not (0 <= file_index <= len(self._files) and row_group >= 0 and row_offset >= 0
+                and 0 <= next_step <= self._num_steps and epoch >= 0):
+            raise ShardError(f"ShardReader state {state!r} is outside the shard of rank {self._rank} "
+                             f"in {self._root} ({len(self._files)} files, {self._num_steps} steps)")
+        self._check_file_position(file_index, row_group, row_offset)
+        return epoch, next_step, self._seed, epoch + 1
+
+    def _check_file_position(self, file_index: int, row_group: int, row_offset: int) -> None:
         """A state from another shard directory would silently read the wrong rows: refuse it."""
-        if self._file_index == len(self._files):
-            if self._row_group or self._row_offset:
+        if file_index == len(self._files):
+            if row_group or row_offset:
                 raise ShardError(f"ShardReader state points past the last file of rank {self._rank} in {self._root}")
             return
-        metadata = self._metadata[self._file_index]
-        assert metadata is not None
-        ok = self._row_group < metadata.num_row_groups and \
-            self._row_offset <= metadata.row_group(self._row_group).num_rows
+        metadata = self._metadata[file_index]
+        ok = row_group < metadata.num_row_groups and row_offset <= metadata.row_group(row_group).num_rows
         # Also accepted: exactly at the end of the file (nothing read yet from the next one).
-        ok = ok or (self._row_group == metadata.num_row_groups and self._row_offset == 0)
+        ok = ok or (row_group == metadata.num_row_groups and row_offset == 0)
         if not ok:
-            raise ShardError(f"ShardReader state (row group {self._row_group}, row {self._row_offset}) "
-                             f"does not exist in {self._current_path()}")
-
-    def _ensure_rows(self) -> bool:
-        """Make the row at the position loaded, advancing over exhausted row groups/files."""
-        while True:
-            if self._table is not None:
-                if self._row_offset < self._table.num_rows:
-                    return True
-                self._table = self._steps = None
-                self._row_group += 1
-                self._row_offset = 0
-            if self._file_index >= len(self._files):
-                return False
-            metadata = self._metadata[self._file_index]
-            assert metadata is not None
-            if self._row_group >= metadata.num_row_groups:
-                self._close()
-                self._file_index += 1
-                self._row_group = self._row_offset = 0
-                if self._file_index < len(self._files):
-                    self._open(self._file_index)
-                continue
-            if self._row_offset >= metadata.row_group(self._row_group).num_rows:
-                self._row_group += 1  # empty row group: nothing to read
-                self._row_offset = 0
-                continue
-            self._load_row_group()
+            raise ShardError(f"ShardReader state (row group {row_group}, row {row_offset}) "
+                             f"does not exist in {self._files[file_index]['abspath']}")
 
     # -- files -------------------------------------------------------------
 
@@ -314,6 +333,7 @@ class ShardReader(BaseNode[StepRows]):
             self._parquet.close()
         self._parquet = None
         self._table = self._steps = None
+        self._file_index = self._row_group = -1
 
     def _load_row_group(self) -> None:
         assert self._parquet is not None
@@ -391,9 +411,10 @@ class ShardReader(BaseNode[StepRows]):
                                  f"{table['user_id'][row]} is outside 0..{num_ids - 1} (manifest user_features)")
 
 
-def build_loader(manifest: Manifest, rank: int, *, prefetch: int = 2, verify: bool = False
-                 ) -> Loader[SequenceBatch]:
-    """Loader of this rank's :class:`SequenceBatch` for steps ``0..num_steps-1``.
+def build_loader(manifest: Manifest, rank: int, *, prefetch: int = 2, verify: bool = False, seed: int = 0,
+                 repeat: bool = False) -> Loader[SequenceBatch]:
+    """Loader of this rank's :class:`SequenceBatch`: one pass over the plan's steps in plan order, or
+    with ``repeat`` epoch after epoch, each in its order for ``seed`` (the training seed).
 
     Pipeline: :class:`ShardReader` -> ``Mapper(collate_step)`` -> ``Prefetcher``
     (a background thread reading and collating ``prefetch`` steps ahead; 0
@@ -406,10 +427,24 @@ def build_loader(manifest: Manifest, rank: int, *, prefetch: int = 2, verify: bo
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if verify:
         verify_checksums(manifest, rank)
-    node: BaseNode[Any] = Mapper(ShardReader(manifest, rank), collate_step)
+    node: BaseNode[Any] = Mapper(ShardReader(manifest, rank, seed=seed, repeat=repeat), collate_step)
     if prefetch:
         node = Prefetcher(node, prefetch_factor=prefetch)
     return Loader(node)
+
+
+def with_epoch(loader_state: dict[str, Any], trained_steps: int, num_steps: int) -> dict[str, Any]:
+    """A loader state saved when every epoch replayed the plan's order (it records the next step, not the
+    epoch) with its epoch added, from the steps the run had trained when it was saved; other states
+    unchanged. The reader finishes that epoch in plan order, as it began, and permutes the later ones."""
+    def upgraded(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if NEXT_STEP_KEY in node and POSITION_KEY not in node and EPOCH_KEY not in node:
+            return {**node, EPOCH_KEY: max(0, (trained_steps - int(node[NEXT_STEP_KEY])) // num_steps)}
+        return {key: upgraded(value) for key, value in node.items()}
+
+    return upgraded(loader_state)
 
 
 def stop_prefetch(loader: Loader) -> None:

@@ -46,7 +46,8 @@ class StepBatch:
 
 
 class BatchStream:
-    """This rank's batches, epoch after epoch (same plan), numbered by step, on the device."""
+    """This rank's batches, epoch after epoch (the loader repeats, each epoch in its own order of the
+    plan's steps), numbered by the run's step, on the device."""
 
     def __init__(self, loader: Any, device: torch.device, first_step: int):
         self.loader, self.device, self.next_step = loader, device, first_step
@@ -57,7 +58,7 @@ class BatchStream:
         for _ in range(count):
             try:
                 batch = next(self._iterator)
-            except StopIteration:  # past one pass over the shards: next epoch
+            except StopIteration:  # a loader that stops after one pass: start it again
                 self._iterator = iter(self.loader)
                 batch = next(self._iterator)
             self.next_step += 1

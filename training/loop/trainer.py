@@ -25,7 +25,7 @@ from training.config import TrainConfig, to_flat_dict
 from training.parallel.distributed import DistEnv, all_ranks_ok, init_distributed
 from training.eval.evaluator import SPLIT_PREFIX, NegativeDraws, check_protocol, evaluate
 from training.model.recommender import build_model
-from training.checkpoint.resume import checkpoint_states, resume_latest
+from training.checkpoint.resume import LoaderPosition, checkpoint_states, resume_latest
 from training.loop.seeding import StepNegatives, rank_generator, seed_initial_weights
 from training.data.shard_reader import build_loader, stop_prefetch
 from training.parallel.sharding import broadcast_dense, dense_parameters, shard_model
@@ -71,7 +71,8 @@ class Trainer:
         self.env = env or init_distributed(config.parallel, config.training.threads)
         # One job per checkpoint folder, until close(): taken first, so a refused job stops
         # before it reads shards or builds the model.
-        self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank, self.env.host_group)
+        self.checkpointer = Checkpointer(config.checkpoint.folder, self.env.rank, self.env.host_group,
+                                         keep_last=config.checkpoint.keep_last)
         self.checkpointer.lock()
         try:
             self.manifest, self.loader = self._open_shards()
@@ -131,7 +132,8 @@ class Trainer:
         try:
             manifest = load_manifest(self.config.data.shards, self.env.world_size, self.env.rank)
             loader = build_loader(manifest, self.env.rank, prefetch=self.config.data.prefetch,
-                                  verify=self.config.data.verify_checksums)
+                                  verify=self.config.data.verify_checksums, seed=self.config.training.seed,
+                                  repeat=True)
             iter(loader)  # opens and checks every file footer of this rank
         except ShardError as exc:
             error = exc
@@ -156,7 +158,8 @@ class Trainer:
         self.resumed_sink_state = state.get("sink") or {}
 
     def _checkpoint_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return checkpoint_states(self.sharded_model, self.dense_optimizer, self, self.loader, self.validation.best)
+        return checkpoint_states(self.sharded_model, self.dense_optimizer, self,
+                                 LoaderPosition(self.loader, self, self.manifest.num_steps), self.validation.best)
 
     def save(self) -> None:
         self.checkpointer.save(self.step, *self._checkpoint_states(), self.manifest.sha256,
