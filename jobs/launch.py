@@ -93,6 +93,7 @@ def _launch(args: LaunchSpec, overrides: list[str]) -> int:
     from runtime.errors import InputError
     from training.parallel import launcher
     from training.parallel.rank_checks import check_ranks_can_run
+    from training.parallel.resize import replan_settings
     from training.config import load_config
 
     # Checked here, not by the ranks: starting torchrun and its ranks takes seconds. What is in
@@ -105,6 +106,9 @@ def _launch(args: LaunchSpec, overrides: list[str]) -> int:
                                       run_name=args.run_name, comm_mode=args.comm_mode)
     # The ranks' config, checked here first: a bad file, key or value is one line, before torchrun;
     # so is what the ranks would refuse on this machine (their kernel, their tables' optimizer).
-    check_ranks_can_run(load_config(args.config, settings))
+    config = load_config(args.config, settings)
+    check_ranks_can_run(config)
+    # On another world size than the shards', the rest of the checkpoint's epoch is re-planned first.
+    settings += replan_settings(args.shards, nproc * args.nnodes, config.checkpoint.folder, config.checkpoint.resume)
     cmd = launcher.torchrun_command(rendezvous, nproc, args.config, args.summary_json, settings)
     return launcher.run_ranks(cmd, nproc, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout)

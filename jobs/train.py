@@ -111,7 +111,8 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if trainer.env.rank == 0:
             summary = dict(result.summary)
-            summary["predicted_bubble"] = trainer.manifest.stats.get("bubble", float("nan"))
+            summary["predicted_bubble"] = (trainer.replan.bubble if trainer.replan is not None
+                                           else trainer.manifest.stats.get("bubble", float("nan")))
             print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
             if summary_json:
                 write_run_summary(summary_json, summary=summary, run_id=sink.run_id if sink is not None else None,

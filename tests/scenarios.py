@@ -392,3 +392,22 @@ def spark_cluster(tmp_path_factory):
     cluster = helpers.SparkCluster(tmp_path_factory.mktemp("spark-cluster"))
     yield cluster
     cluster.stop()
+
+
+@scenario
+def resized_run(movielens_shards, e2e_dir):
+    """A resume on another world size: 10 steps on 2 ranks with a checkpoint, then `--nproc-per-node
+    3` on the same shards and checkpoint folder to the epoch's end. Attributes: first, second (the
+    launches), first_log, second_log (their --summary-json), folder."""
+    folder = e2e_dir / "resize-ckpt"
+    common = ("--checkpoint.folder", str(folder), "--checkpoint.every_steps", "10", "--training.log_every", "1000",
+              "--tracking-uri", "none", *helpers.SMALL_RUN)
+    first = helpers.freescale_train(movielens_shards, "--max-steps", "10", "--summary-json",
+                                    str(e2e_dir / "resize-2.json"), *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = helpers.freescale_train(movielens_shards, "--summary-json", str(e2e_dir / "resize-3.json"), *common,
+                                     nproc=3)
+    assert second.returncode == 0, second.stderr[-3000:]
+    return SimpleNamespace(first=first, second=second, folder=folder,
+                           first_log=json.loads((e2e_dir / "resize-2.json").read_text()),
+                           second_log=json.loads((e2e_dir / "resize-3.json").read_text()))

@@ -316,6 +316,9 @@ class DataConfig:
     """Collated step batches prepared ahead of the trainer on a background thread."""
     verify_checksums: bool = False
     """Hash every file of this rank against the manifest before training (slow on big shards)."""
+    replan: str = ""
+    """A re-plan of the rest of an epoch for this launch's world size (``shards.replan``), trained
+    instead of the plan's own steps. `freescale train` sets it on a resume on another world size."""
 
 
 @dataclass

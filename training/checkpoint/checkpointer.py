@@ -19,7 +19,6 @@ hyperparameters continues with a warning (``shape_keys``, HYPERPARAMETER_KEYS).
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -38,10 +37,8 @@ from training.config import ConfigError, moved_flat, shape_keys
 from training.parallel.distributed import all_ranks_ok
 from training.checkpoint.safe_load import SafePlanner, SafeReader, check_plain, read_own_state
 
-COMPLETE = "COMPLETE"
-SHARDS = "SHARDS"
-CONFIG = "CONFIG"
-LOCK = "LOCK"
+from training.checkpoint.layout import (COMPLETE, CONFIG, LOCK, SHARDS, STEP_DIR, complete_steps, other_shards, own_file,
+                                       saved_world_size)
 
 # Config keys the saved tensors' shapes depend on (a checkpoint cannot be loaded into a model or
 # optimizer built with other values, so a resume with any of them changed is refused) are the
@@ -54,7 +51,6 @@ HYPERPARAMETER_KEYS = ("model.", "loss.", "optimizer.", "training.seed", "traini
 # saved per rank, for the tables that rank held, so it cannot be restored into another
 # placement (TorchRec's KeyedOptimizer: "Parameter ... not found"): refused as well.
 PLACEMENT_KEYS = ("parallel.sharding",)
-STEP_DIR = re.compile(r"^step_(\d+)$")
 PRUNED_PREFIX = ".pruned-step_"
 """A checkpoint being deleted (renamed first: no longer a step_<n> folder)."""
 
@@ -80,11 +76,11 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """Newest complete checkpoint (the same answer on every rank: a shared folder)."""
-        if self.folder is None or not self.folder.is_dir():
-            return None
-        steps = [int(m.group(1)) for p in self.folder.iterdir()
-                 if (m := STEP_DIR.match(p.name)) and (p / COMPLETE).exists()]
-        return max(steps, default=None)
+        return max(complete_steps(self.folder), default=None)
+
+    def world_size_of(self, step: int) -> int:
+        """How many ranks wrote checkpoint ``step``."""
+        return saved_world_size(self.step_dir(step))
 
     def half_written(self) -> list[Path]:
         """``step_<n>`` folders without ``COMPLETE`` (a save cut short), oldest first."""
@@ -102,7 +98,7 @@ class Checkpointer:
         dcp.save(shared, checkpoint_id=str(target), process_group=self.group)
         own_state = {name: state.state_dict() for name, state in own.items()}
         check_plain(own_state, f"rank {self.rank}'s own state")  # what a resume reads back safely
-        torch.save(own_state, target / f"rank_{self.rank}.pt")
+        torch.save(own_state, own_file(target, self.rank))
         dist.barrier(group=self.group)
         if self.rank == 0:
             (target / SHARDS).write_text(f"{shards_sha256}\n")
@@ -136,9 +132,7 @@ class Checkpointer:
         """Refuse to resume in shards other than the ones the checkpoint trained on."""
         recorded = self.step_dir(step) / SHARDS
         if recorded.exists() and (found := recorded.read_text().strip()) != shards_sha256:
-            raise ShardError(f"checkpoint {self.step_dir(step)} was written for other shards (manifest sha256 "
-                             f"{found[:12]}..., these are {shards_sha256[:12]}...): use another "
-                             "checkpoint.folder, or remove this one to start over")
+            raise ShardError(other_shards(self.step_dir(step), found, shards_sha256))
 
     def check_config(self, step: int, config: dict[str, Any]) -> list[str]:
         """Refuse a resume into another model shape or table placement; return the changed hyperparameters as
@@ -207,11 +201,13 @@ class Checkpointer:
                     f"{refused.holder['host']} (lock {path}); if that job is gone, remove the lock")
         return f"checkpoint folder {self.folder}: another job took the lock {path} at the same time"
 
-    def load(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful]) -> None:
+    def load(self, step: int, shared: dict[str, Stateful], own: dict[str, Stateful], own_rank: int | None = None
+             ) -> None:
         """Load every state saved by :meth:`save` into the same objects, running no code from the files
-        (``training.checkpoint.safe_load``): a file that holds more than data is refused in one line."""
+        (``training.checkpoint.safe_load``): a file that holds more than data is refused in one line.
+        ``own_rank``: whose own file to read (a resume on another world size reads rank 0's)."""
         source = self.step_dir(step)
-        saved, reader = self._read_first(source)
+        saved, reader = self._read_first(source, self.rank if own_rank is None else own_rank)
         # flatten_sharded_tensors (for FSDP 2D nesting) drops a ShardedTensor that has
         # no shard on this rank -- a table-wise table placed on another rank -- which
         # DCP then takes for a checkpoint from torch <= 2.3 and fails on every key.
@@ -226,15 +222,15 @@ class Checkpointer:
         for name, state in own.items():
             state.load_state_dict(saved[name])
 
-    def _read_first(self, source: Path) -> tuple[dict[str, Any], SafeReader]:
-        """This rank's own file and DCP's metadata, read on every rank before the shared state's
+    def _read_first(self, source: Path, own_rank: int) -> tuple[dict[str, Any], SafeReader]:
+        """An own file and DCP's metadata, read on every rank before the shared state's
         collective load; all stop if any rank's are missing or refused."""
-        own_path = source / f"rank_{self.rank}.pt"
+        own_path = own_file(source, own_rank)
         error: Exception | None = None
         saved, reader = {}, None
         try:
             if not own_path.exists():
-                raise FileNotFoundError(f"checkpoint {source} has no state for rank {self.rank} "
+                raise FileNotFoundError(f"checkpoint {source} has no state for rank {own_rank} "
                                         "(saved with a different world size?)")
             saved = read_own_state(own_path)
             reader = SafeReader(source)

@@ -10,7 +10,7 @@ from torch import nn
 from runtime.errors import InputError
 from training.checkpoint.checkpointer import Checkpointer, materialize_optimizer_state
 from training.config import TrainConfig, to_flat_dict
-from training.data.shard_reader import with_epoch
+from training.data.shard_reader import at_step, with_epoch
 from training.model.recommender import SequentialRecommender
 from training.eval.validation import is_sharded
 
@@ -54,6 +54,11 @@ class LoaderPosition:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(with_epoch(state, self.progress.step, self.steps_per_epoch))
+
+    def start_at_progress(self) -> None:
+        """Without a state of its own (a checkpoint of another world size): the plan's reader starts where
+        the run's step is in its epoch order; a re-plan's reader starts at its first step, as it is."""
+        self.loader.load_state_dict(at_step(self.loader.state_dict(), self.progress.step, self.steps_per_epoch))
 
 
 class LocalShards:
@@ -109,11 +114,12 @@ def _copy_local_shards(live: dict[str, Any], saved: dict[str, Any], where: str) 
 
 def resume_latest(checkpointer: Checkpointer, config: TrainConfig, shards_sha256: str, rank: int,
                   dense_optimizer: torch.optim.Optimizer, states: tuple[dict[str, Any], dict[str, Any]],
-                  max_steps: int) -> int | None:
+                  max_steps: int, world_size: int) -> int | None:
     """Load the newest complete checkpoint into ``states``; its step, or None when there is none.
 
     Refused for other shards or another model shape; changed hyperparameters are named
-    in a warning (``training.checkpoint.checkpointer``)."""
+    in a warning (``training.checkpoint.checkpointer``). A checkpoint of another world size is
+    resharded (``_load_resized``)."""
     step = checkpointer.latest_step()
     skipped = [path for path in checkpointer.half_written() if step is None or int(path.name[5:]) > step]
     if skipped and rank == 0:
@@ -128,8 +134,39 @@ def resume_latest(checkpointer: Checkpointer, config: TrainConfig, shards_sha256
         print(f"freescale train: warning: resuming {checkpointer.step_dir(step)} with changed "
               f"settings: {', '.join(changed)}", file=sys.stderr, flush=True)
     materialize_optimizer_state(dense_optimizer)
-    checkpointer.load(step, *states)
+    saved_world_size = checkpointer.world_size_of(step)
+    if saved_world_size == world_size:
+        checkpointer.load(step, *states)
+    else:
+        _load_resized(checkpointer, step, states, saved_world_size, world_size, rank)
     if step >= max_steps and rank == 0:
         print(f"freescale train: checkpoint {checkpointer.step_dir(step)} already reached max_steps "
               f"{max_steps}: nothing left to train, evaluating only", file=sys.stderr, flush=True)
     return step
+
+
+class ResizedProgress:
+    """A K-rank checkpoint's progress, loaded by each rank of a K'-rank run: the step, the
+    validation record and the MLflow record go on (rank 0's); each rank's random streams stay
+    seeded for its new rank, and its loader starts the re-plan (``shards.replan``) at its first step."""
+
+    def __init__(self, progress: Any):
+        self.progress = progress
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.progress.load_progress(state)
+
+
+def _load_resized(checkpointer: Checkpointer, step: int, states: tuple[dict[str, Any], dict[str, Any]],
+                  saved_world_size: int, world_size: int, rank: int) -> None:
+    """Reshard checkpoint ``step`` of ``saved_world_size`` ranks into this run's ``world_size``:
+    DCP lays the model's and optimizers' saved shards out for the new placement; of the ranks'
+    own state only rank 0's progress carries over. The user feature tables' optimizer state is
+    saved per rank for the old placement and starts over."""
+    shared, own = states
+    checkpointer.load(step, shared, {"trainer": ResizedProgress(own["trainer"])}, own_rank=0)
+    own["loader"].start_at_progress()
+    if rank == 0:
+        note = "; the user feature tables' optimizer state starts over" if "user_table_optimizer" in own else ""
+        print(f"freescale train: resharded {checkpointer.step_dir(step)} from {saved_world_size} to "
+              f"{world_size} ranks (model, item table and optimizers){note}", file=sys.stderr, flush=True)

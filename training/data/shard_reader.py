@@ -447,6 +447,19 @@ def with_epoch(loader_state: dict[str, Any], trained_steps: int, num_steps: int)
     return upgraded(loader_state)
 
 
+def at_step(loader_state: dict[str, Any], trained_steps: int, num_steps: int) -> dict[str, Any]:
+    """A plan reader's state moved to where a run that has trained ``trained_steps`` steps is: epoch
+    ``trained_steps // num_steps``, that far into it (the order's seed kept); other states unchanged."""
+    def moved(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        if POSITION_KEY in node and EPOCH_KEY in node:
+            return {**node, EPOCH_KEY: trained_steps // num_steps, POSITION_KEY: trained_steps % num_steps}
+        return {key: moved(value) for key, value in node.items()}
+
+    return moved(loader_state)
+
+
 def stop_prefetch(loader: Loader) -> None:
     """Stop the loader's prefetch thread now rather than at interpreter exit.
 

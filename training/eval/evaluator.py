@@ -203,10 +203,12 @@ def _scored_batches(manifest: Manifest, rank: int, world_size: int, max_samples:
                     counts: torch.Tensor) -> Iterator[SequenceBatch]:
     """This rank's batches to score (under the mirror control, steps ``rank``, ``rank + K``, ...;
     at most ``max_samples`` samples); every batch's histories count towards the baseline:
-    added to ``counts``, item by item."""
+    added to ``counts``, item by item. A run on another world size than the shards' (a resume
+    that re-planned) scores shards ``rank``, ``rank + K'``, ...: every user once."""
     mirror = manifest.control == "mirror"
+    shards = (rank,) if mirror or world_size == manifest.world_size else range(rank, manifest.world_size, world_size)
     seen = 0
-    for batch in build_loader(manifest, rank, prefetch=0):
+    for batch in (batch for shard in shards for batch in build_loader(manifest, shard, prefetch=0)):
         if batch.batch_size == 0 or (mirror and batch.step % world_size != rank):
             continue
         counts.add_(torch.bincount(batch.item_ids, minlength=counts.numel()).to(torch.float64))

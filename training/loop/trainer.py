@@ -28,6 +28,8 @@ from training.model.recommender import build_model
 from training.checkpoint.resume import LoaderPosition, checkpoint_states, resume_latest
 from training.loop.seeding import StepNegatives, rank_generator, seed_initial_weights
 from training.data.shard_reader import build_loader, stop_prefetch
+from training.data.replanned_reader import build_replanned_loader, check_replan
+from shards.replan import Replan, ReplanFiles
 from training.parallel.sharding import broadcast_dense, dense_parameters, shard_model
 from training.loop.step import BatchStream, StepParts, build_step
 from training.loop.schedule import LearningRateSchedule
@@ -100,6 +102,8 @@ class Trainer:
             self.log = StepTimeLog(self.env.world_size, config.training.timing_sync_every, self.env.host_group)
             self.step = 0
             planned, self.max_steps = planned_steps(config, self.manifest.num_steps)
+            if self.replan is not None:
+                self.max_steps = replanned_end(self.max_steps, self.replan, self.manifest.num_steps)
             self.schedule = LearningRateSchedule(config.optimizer, planned, self.dense_optimizer,
                                                  self.model.fused_optimizers())
             self.validation = Validation(config.evaluation, self.manifest.num_steps, self.sharded_model)
@@ -109,7 +113,9 @@ class Trainer:
             self.resumed_sink_state: dict[str, Any] = {}
             if config.checkpoint.resume:
                 resume_latest(self.checkpointer, config, self.manifest.sha256, self.env.rank, self.dense_optimizer,
-                              self._checkpoint_states(), self.max_steps)
+                              self._checkpoint_states(), self.max_steps, self.env.world_size)
+            if self.replan is not None:
+                self._check_replan_start()
         except BaseException:
             self.close()
             raise
@@ -128,12 +134,18 @@ class Trainer:
         each rank reports success, and all stop if any failed.
         """
         error: Exception | None = None
-        manifest, loader = None, None
+        manifest, loader, self.replan = None, None, None
+        data = self.config.data
         try:
-            manifest = load_manifest(self.config.data.shards, self.env.world_size, self.env.rank)
-            loader = build_loader(manifest, self.env.rank, prefetch=self.config.data.prefetch,
-                                  verify=self.config.data.verify_checksums, seed=self.config.training.seed,
-                                  repeat=True)
+            if data.replan:
+                manifest = load_manifest(data.shards)
+                self.replan = check_replan(ReplanFiles(data.replan), manifest, self.env.world_size)
+                loader = build_replanned_loader(manifest, ReplanFiles(data.replan), self.env.rank,
+                                                prefetch=data.prefetch)
+            else:
+                manifest = load_manifest(data.shards, self.env.world_size, self.env.rank)
+                loader = build_loader(manifest, self.env.rank, prefetch=data.prefetch, verify=data.verify_checksums,
+                                      seed=self.config.training.seed, repeat=True)
             iter(loader)  # opens and checks every file footer of this rank
         except ShardError as exc:
             error = exc
@@ -141,6 +153,14 @@ class Trainer:
             raise error or ShardError(f"rank {self.env.rank}: another rank's shard failed its checks "
                                       "(its error names the file)")
         return manifest, loader
+
+    def _check_replan_start(self) -> None:
+        """A re-plan starts at the checkpoint it was made from: any other step would train samples twice or never."""
+        assert self.replan is not None
+        first, end = self.replan.from_step, self.replan.from_step + self.replan.num_steps
+        if not first <= self.step <= end:
+            raise ShardError(f"re-plan {self.config.data.replan} covers steps {first}..{end - 1}, but the checkpoint "
+                             f"in {self.config.checkpoint.folder} is at step {self.step}")
 
     # ------------------------------------------------------------------ state
 
@@ -150,9 +170,13 @@ class Trainer:
                 "sink": self.sink.state_dict(), "validation": self.validation.record.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
+        self.load_progress(state)
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
+
+    def load_progress(self, state: dict[str, Any]) -> None:
+        """The run's progress, which every rank shares: its step, validation record and MLflow record."""
+        self.step = int(state["step"])
         self.validation.record.load_state_dict(state.get("validation", {}))
         # The sink is built after the resume (it continues the record named here).
         self.resumed_sink_state = state.get("sink") or {}
@@ -204,6 +228,9 @@ class Trainer:
                 self.save()
         stop_prefetch(self.loader)
         self._report(reporter, self.log.flush())
+        if self.replan is not None and self.step == self.replan.from_step + self.replan.num_steps:
+            # The re-planned epoch is done: the run's count goes on from the plan's epoch end.
+            self.step = (self.replan.epoch + 1) * self.manifest.num_steps
         if self.checkpointer.enabled:
             self.save()
         if self.validation.best is not None and self.validation.record.best_epoch:
@@ -252,6 +279,15 @@ def planned_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
     training = config.training
     planned = training.max_epochs * steps_per_epoch or training.max_steps or steps_per_epoch
     return planned, min(planned, training.max_steps or planned)
+
+
+def replanned_end(max_steps: int, replan: Replan, steps_per_epoch: int) -> int:
+    """Where a run on a re-plan stops: the re-planned epoch's end, or ``max_steps`` where the run's
+    plan ends before the epoch would have (the re-plan's steps are not the plan's: only an end
+    inside the epoch is kept, as a step count from the re-plan's start)."""
+    end = replan.from_step + replan.num_steps
+    epoch_end = (replan.epoch + 1) * steps_per_epoch
+    return end if max_steps >= epoch_end else min(max_steps, end)
 
 
 def run(config: TrainConfig, sink: MetricsSink | None = None) -> TrainResult:

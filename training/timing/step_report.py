@@ -94,5 +94,8 @@ def run_summary(table: np.ndarray) -> dict[str, float]:
     losses = step_losses(table)
     summary["loss"] = float(np.mean(losses[-max(1, len(losses) // 10):])) if len(losses) else float("nan")
     total_time = float(bubbles.column(table, "step_s").max(axis=1).sum())
-    summary["samples_per_s"] = float(bubbles.column(table, "samples").sum()) / total_time if total_time else 0.0
+    samples = float(bubbles.column(table, "samples").sum())
+    summary["samples_per_s"] = samples / total_time if total_time else 0.0
+    # The samples whose loss this process computed, all ranks: a resumed run counts only its own.
+    summary["samples_trained"] = samples
     return summary
