@@ -22,16 +22,17 @@ from typing import Callable
 
 from shards.schema import MANIFEST_NAME
 
-# torchrun's own timeout for a rendezvous: LaunchConfig (torch/distributed/launcher/api.py) sets
-# rdzv_configs["timeout"] = 900 when none is given, which the static rendezvous passes to its
-# TCPStore (the static handler's own default, 600, is never reached from torchrun).
+# How long the nodes wait for each other by default: torchrun's own for its static rendezvous
+# (LaunchConfig's rdzv_configs["timeout"]), kept for the c10d rendezvous, whose own is 600.
 RDZV_TIMEOUT_S = 900
 
 
 def rendezvous_options(nnodes: int, node_rank: int, endpoint: str | None, timeout_s: int | None) -> list[str]:
     """torchrun's options for how the nodes meet: one node stands alone; several meet at node 0's
-    HOST:PORT in a static rendezvous, where node R's ranks are R*nproc .. (R+1)*nproc-1 (the ranks,
-    and so the shards each node reads, do not depend on which node starts first)."""
+    HOST:PORT in torchrun's c10d rendezvous, whose store node 0 hosts there. c10d, not static: a
+    node whose ranks restart (--max-restarts) meets the others again in a new round. The rendezvous
+    gives each node its ranks (by host name and launcher PID, not --node-rank), so which node runs
+    rank 0 is its choice; each rank reads its own shard wherever it runs."""
     from runtime.errors import InputError
 
     if nnodes < 1:
@@ -50,9 +51,11 @@ def rendezvous_options(nnodes: int, node_rank: int, endpoint: str | None, timeou
                          f"got {endpoint or 'none'}")
     if timeout_s is not None and timeout_s < 1:
         raise InputError(f"--rdzv-timeout must be a positive number of seconds, got {timeout_s}")
-    # Always given, so that the timeout the nodes' lines name is the one torchrun applies.
-    return [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-conf=timeout={timeout_s or RDZV_TIMEOUT_S}"]
+    # Always given, so that the timeout the nodes' lines name is the one torchrun applies: to the
+    # join, and to a node's wait for node 0's store (read_timeout; 60 s by default).
+    timeout = timeout_s or RDZV_TIMEOUT_S
+    return [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-conf=join_timeout={timeout},read_timeout={timeout},is_host={int(node_rank == 0)}"]
 
 
 def ranks_per_node(shards: str, nproc_per_node: int | None, nnodes: int) -> int:
@@ -91,26 +94,54 @@ def rank_settings(shards: str, overrides: list[str], *, max_steps: int | None = 
 
 
 def torchrun_command(rendezvous: list[str], nproc: int, config: str | None, summary_json: str | None,
-                     settings: list[str]) -> list[str]:
-    """torchrun's command line: this node's `nproc` ranks of `jobs/train.py`, with the ranks' settings."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
+                     settings: list[str], max_restarts: int = 0) -> list[str]:
+    """torchrun's command line: this node's `nproc` ranks of `jobs/train.py`, with the ranks' settings,
+    started again up to `max_restarts` times after a failure (each time from the newest checkpoint)."""
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}", *restarts,
            "-m", "jobs.train"]
     return cmd + (["--config", config] if config else []) + (
         ["--summary-json", summary_json] if summary_json else []) + settings
 
 
-def run_ranks(cmd: list[str], nproc: int, nnodes: int, endpoint: str | None, timeout_s: int | None) -> int:
-    """Run torchrun's `cmd` (this node's `nproc` ranks of a job of `nnodes`, meeting at `endpoint`);
-    the launch's exit status, after its one last line where it failed."""
-    rc, statuses, output, waiting = _run_torchrun(cmd, nnodes, endpoint, timeout_s)
+def run_ranks(cmd: list[str], nproc: int, nnodes: int, endpoint: str | None, timeout_s: int | None,
+              max_restarts: int = 0) -> int:
+    """Run torchrun's `cmd` (this node's `nproc` ranks of a job of `nnodes`, meeting at `endpoint`,
+    restarted up to `max_restarts` times); the launch's exit status, after its one last line where it
+    failed or was stopped."""
+    rc, statuses, output, waiting, stopped = _run_torchrun(cmd, nnodes, endpoint, timeout_s, max_restarts)
     if waiting and waiting.failed(rc, statuses, output):
         return waiting.conclude(rc, output)
-    return conclude_ranks(rc, statuses, output, nproc * nnodes)
+    if stopped is None:
+        return conclude_ranks(rc, statuses, output, nproc * nnodes)
+    code = conclude_stop(stopped, output)
+    _pass_on_stop(stopped)
+    return code
 
 
-def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: int | None):
+def conclude_stop(signum: int, output: RankOutput | None) -> int:
+    """A stop signal reached the launcher (a scheduler's SIGTERM, Ctrl-C): the job was stopped, not
+    failed, whatever the ranks said as they went (a rank whose peer the stop ended first fails in
+    their collective); never restarted (torchrun stops at a signal of its own). 128 + the signal."""
+    from runtime.job_errors import error_line
+
+    error_line("train", f"stopped by {signal.Signals(signum).name}", details=output is not None)
+    return 128 + signum
+
+
+def _pass_on_stop(signum: int) -> None:
+    """A SIGTERM the launcher took from its caller while torchrun ran goes on to the caller's own
+    handler (`freescale pipeline`'s, runtime/stops.py), which ends the caller as stopped too. (Ctrl-C
+    reached the caller's handler itself: the launcher never takes SIGINT.)"""
+    handler = signal.getsignal(signum)
+    if signum == signal.SIGTERM and callable(handler):
+        handler(signum, None)
+
+
+def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: int | None, max_restarts: int):
     """torchrun's status, the ranks' own statuses, its sorted output (None under --verbose: the
-    terminal has it all) and the wait for the other nodes (None for one node)."""
+    terminal has it all), the wait for the other nodes (None for one node) and the stop signal the
+    launcher received (None when none)."""
     from runtime.job_errors import STATUS_DIR_ENV
     from runtime import logs
 
@@ -125,20 +156,20 @@ def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: 
             proc = subprocess.Popen(cmd, env=env)
             if waiting:
                 waiting.start(proc)
-            rc = _wait(proc, waiting.stop if waiting else None)
+            rc, stopped = _wait(proc, waiting.stop if waiting else None)
             if waiting:
                 waiting.finish()
         else:
-            output = RankOutput(log)
+            output = RankOutput(log, status_dir, nnodes, max_restarts)
             waiting = _waiting(nnodes, endpoint, timeout_s, output.say)
-            rc = output.run(cmd, env, waiting)
+            rc, stopped = output.run(cmd, env, waiting)
         statuses = {}
         for path in Path(status_dir).glob("rank-*"):
             try:
                 statuses[int(path.name.split("-", 1)[1])] = int(path.read_text())
             except ValueError:
                 continue
-    return rc, statuses, output, waiting
+    return rc, statuses, output, waiting, stopped
 
 
 def _waiting(nnodes: int, endpoint: str | None, timeout_s: int | None,
@@ -154,13 +185,17 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _wait(proc: subprocess.Popen, on_stop: Callable[[int], None] | None = None) -> int:
-    """torchrun's status. A Ctrl-C reaches torchrun too (one process group); a SIGTERM sent to the
-    launcher alone (a scheduler stopping the job) is passed on to torchrun. Either way torchrun
-    stops its ranks, which end their runs KILLED, and the launcher keeps reading their output
-    until they are gone rather than dying with the pipes. `on_stop(signum)` hears of either
-    first: a node still waiting for the others stops torchrun itself."""
+def _wait(proc: subprocess.Popen, on_stop: Callable[[int], None] | None = None) -> tuple[int, int | None]:
+    """torchrun's status, and the stop signal received meanwhile (None when none). A Ctrl-C reaches
+    torchrun too (one process group); a SIGTERM sent to the launcher alone (a scheduler stopping
+    the job) is passed on to torchrun. Either way torchrun stops its ranks, which end their runs
+    KILLED, and the launcher keeps reading their output until they are gone rather than dying with
+    the pipes. `on_stop(signum)` hears of either first: a node still waiting for the others stops
+    torchrun itself."""
+    received: list[int] = []
+
     def stop(signum: int) -> None:
+        received.append(signum)
         if on_stop is not None:
             on_stop(signum)
         if signum == signal.SIGTERM:
@@ -170,7 +205,7 @@ def _wait(proc: subprocess.Popen, on_stop: Callable[[int], None] | None = None) 
     try:
         while True:
             try:
-                return proc.wait()
+                return proc.wait(), (received[0] if received else None)
             except KeyboardInterrupt:
                 stop(signal.SIGINT)
                 continue
@@ -325,16 +360,20 @@ class RankOutput:
     # logging module's default format (`WARNING:torchrec...:...`).
     WARNING = re.compile(r"(\S+:\d+: \w*Warning: |(WARNING|INFO|DEBUG):[\w.]+:)")
     RANK_ERROR = re.compile(r"freescale train \(rank (\d+)\): error:")
+    # torchrun's report of an attempt that failed on this node: its first failed rank (local) and how.
+    ATTEMPT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
     # An entry of torchrun's ChildFailedError report.
     FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
-    def __init__(self, log: Path):
+    def __init__(self, log: Path, status_dir: str | None = None, nnodes: int = 1, max_restarts: int = 0):
         self.log_path = log
+        self.status_dir, self.nnodes, self.restarts_left = status_dir, nnodes, max_restarts
         self.reported: dict[int, str] = {}  # rank -> the message of its error line
         self.hidden: collections.deque[str] = collections.deque(maxlen=5000)
         self._lock = threading.Lock()
 
-    def run(self, cmd: list[str], env: dict[str, str], waiting: RendezvousWait | None = None) -> int:
+    def run(self, cmd: list[str], env: dict[str, str],
+            waiting: RendezvousWait | None = None) -> tuple[int, int | None]:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a", encoding="utf-8", errors="replace") as self._log:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -345,12 +384,12 @@ class RankOutput:
                 pump.start()
             if waiting:
                 waiting.start(proc)
-            rc = _wait(proc, waiting.stop if waiting else None)
+            rc, stopped = _wait(proc, waiting.stop if waiting else None)
             for pump in pumps:
                 pump.join()
             if waiting:  # its last words reach the log too
                 waiting.finish()
-        return rc
+        return rc, stopped
 
     def say(self, line: str) -> None:
         """A line of the launcher's own, on stderr and in the log, whole between the ranks' lines."""
@@ -382,6 +421,25 @@ class RankOutput:
                     self.hidden.append(line)
                 if reported:
                     self.reported[int(reported.group(1))] = line[reported.end():].strip()
+                failed = self.ATTEMPT_FAILED.search(line)
+                if failed and not ours:
+                    self._attempt_failed(int(failed.group(2)), int(failed.group(1)))
+
+    def _attempt_failed(self, local_rank: int, code: int) -> None:
+        """An attempt failed: what failed, noted for the next attempt's rank 0 (training/parallel/
+        restarts.py). The ranks' error lines of an attempt torchrun restarts are not the job's last
+        line's."""
+        from training.parallel.restarts import FAILURE_NOTE, write_note
+
+        if self.status_dir is None:
+            return
+        # One node: local ranks are the ranks.
+        who = f"rank {local_rank}" if self.nnodes == 1 else f"local rank {local_rank} of this node"
+        said = self.reported.get(local_rank) if self.nnodes == 1 else None
+        write_note(FAILURE_NOTE, f"{who}: {said}" if said else f"{who} {_describe_exit(code)}", self.status_dir)
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            self.reported.clear()
 
     def torchrun_failures(self) -> dict[int, int]:
         """rank -> exit code of the ranks torchrun reported as failed."""
