@@ -132,7 +132,6 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
             summary = dict(result.summary)
             summary["predicted_bubble"] = trainer.manifest.stats.get("bubble", float("nan"))
             summary["restarts"] = float(restarts.restart_count())
-            print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
             if summary_json:
                 write_run_summary(summary_json, summary=summary, run_id=sink.run_id if sink is not None else None,
                                   losses=result.losses, steps=result.steps, comm=trainer.describe_comm(),
@@ -140,6 +139,8 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
                                   # The unit of the timings' cost column: freescale simulate checks it.
                                   cost_model=trainer.manifest.cost_model, fields=TIMING_FIELDS,
                                   timings=result.timings.tolist())
+            # After the file: whoever reads the line (a person, a scheduler) finds the file written.
+            print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
         if sink is not None:
             from training.timing.bubble_plot import plot_rank_timelines
 

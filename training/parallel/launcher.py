@@ -236,19 +236,19 @@ class RendezvousWait:
     """This node's wait for the others at node 0's endpoint, told on stderr: one line when it
     starts, one when every node has joined.
 
-    torchrun starts this node's ranks only once every node has joined (the static rendezvous
-    gives out ranks from all nodes' reports), so its first child process is the sign. Past the
-    timeout torchrun gives up by itself on node 0 (a second or two late); on another node its
-    store client tries to connect once more, about twice the timeout in all, so past the timeout
-    and GRACE_S this stops torchrun itself (before the join it has no ranks to leave behind)."""
+    torchrun starts this node's ranks only once every node has joined (the rendezvous gives out
+    ranks from all nodes' reports), so its first child process is the sign. Past the timeout
+    torchrun gives up by itself (seconds late: its imports, the rendezvous's closing); should it
+    not, past the timeout and GRACE_S this stops torchrun itself (before the join it has no ranks
+    to leave behind)."""
 
     POLL_S = 0.5
-    # Counted from torchrun's start, before its imports (seconds on a busy machine): node 0's own
-    # timeout, which counts from its store's, must come first to give its count of the nodes.
+    # Counted from torchrun's start, before its imports (seconds on a busy machine): torchrun's own
+    # timeout, which counts from its rendezvous's start, must come first to say which it was.
     GRACE_S = 20
-    # What torchrun says when it gives up: node 0's store counts the nodes (each node's agent is
-    # one client), another node's store client fails to reach node 0.
-    JOINED = re.compile(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+) clients joined")
+    # What torchrun says when it gives up: the rendezvous did not complete in time (it names no
+    # count), or this node's store client failed to reach node 0's store.
+    INCOMPLETE = re.compile(r"RendezvousTimeoutError")
     UNANSWERED = re.compile(r"failed to connect/validate to host|timed out after \d+ms while trying to connect to")
     # c10d's errors (a port in use, a host that does not resolve): the machine's or the network's.
     DIST_ERROR = re.compile(r"^torch\.distributed\.(Dist\w*Error): (.+)$", re.M)
@@ -323,19 +323,15 @@ class RendezvousWait:
         return code
 
     def _reason(self, rc: int, said: str) -> tuple[str, int]:
-        """Why the nodes did not meet, from what torchrun said (`said`; a count only where it gave
-        one), and the exit status: 3 where the network or another node is the cause."""
+        """Why the nodes did not meet, from what torchrun said (`said`), and the exit status: 3 where
+        the network or another node is the cause."""
         from runtime.job_errors import EXIT_ENVIRONMENT, EXIT_FAILED
 
         timed_out = f"timed out after {self.timeout_s} s"
-        joined = self.JOINED.search(said)
-        if joined:
-            return f"{timed_out}: {joined.group(1)} of {joined.group(2)} nodes joined", EXIT_ENVIRONMENT
         if self.UNANSWERED.search(said):
             return f"{timed_out}: node 0 did not answer there", EXIT_ENVIRONMENT
-        if self.gave_up:
-            return (f"{timed_out}; torchrun did not say how many of the {self.nnodes} nodes joined",
-                    EXIT_ENVIRONMENT)
+        if self.INCOMPLETE.search(said) or self.gave_up:
+            return f"{timed_out}: not all {self.nnodes} nodes joined", EXIT_ENVIRONMENT
         errors = self.DIST_ERROR.findall(said)
         if errors:
             return f"failed: {errors[-1][0]}: {errors[-1][1].strip()}", EXIT_ENVIRONMENT
