@@ -50,6 +50,8 @@ def test_a_rank_killed_mid_run_restarts_from_the_newest_checkpoint_with_the_same
     assert recorded.data.metrics["restarts"] == 1
     assert helpers.logged_losses(run.uri, recorded.info.run_id) == list(enumerate(reference.log["losses"]))
     assert not (run.folder / "LOCK").exists()
+    print(f"restarted run {run.seconds:.0f} s, the reference (stopped after its summary) {reference.seconds:.0f} s, "
+          "launched together")
 
 
 @pytest.mark.slow
