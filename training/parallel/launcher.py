@@ -148,7 +148,11 @@ def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: 
     log = logs.log_file("train").absolute()
     with tempfile.TemporaryDirectory(prefix="freescale-ranks-") as status_dir:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1", logs.LOG_FILE_ENV: str(log), STATUS_DIR_ENV: status_dir}
+               "PYTHONUNBUFFERED": "1", logs.LOG_FILE_ENV: str(log), STATUS_DIR_ENV: status_dir,
+               # A store of the ranks' own for each attempt: the c10d rendezvous would share its agent's
+               # store across attempts, where a restarted rank finds the last attempt's keys (a dead
+               # peer's address: "Gloo connectFullMesh failed ... Connection refused").
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if logs.verbose():
             env[logs.VERBOSE_ENV] = "1"
             output = None
@@ -429,10 +433,13 @@ class RankOutput:
 
         if self.status_dir is None:
             return
-        # One node: local ranks are the ranks.
-        who = f"rank {local_rank}" if self.nnodes == 1 else f"local rank {local_rank} of this node"
-        said = self.reported.get(local_rank) if self.nnodes == 1 else None
-        write_note(FAILURE_NOTE, f"{who}: {said}" if said else f"{who} {_describe_exit(code)}", self.status_dir)
+        if self.nnodes == 1:  # local ranks are the ranks
+            said = self.reported.get(local_rank)
+            what = f"rank {local_rank}: {said}" if said else f"rank {local_rank} {_describe_exit(code)}"
+        else:  # the ranks' error lines name their global rank, torchrun the local one
+            rank, said = next(iter(self.reported.items()), (None, None))
+            what = f"rank {rank}: {said}" if said else f"local rank {local_rank} of this node {_describe_exit(code)}"
+        write_note(FAILURE_NOTE, what, self.status_dir)
         if self.restarts_left > 0:
             self.restarts_left -= 1
             self.reported.clear()
