@@ -195,8 +195,8 @@ RESTART_STEPS, RESTART_EVERY, RESTART_KILL_AT = 40, 10, 15  # a kill between two
 @scenario
 def restarted_run(movielens_shards, e2e_dir):
     """Two launches at once of the same 40-step training, checkpointed every 10 steps, each recorded
-    in its own sqlite store. One with --max-restarts 1, whose rank 1 is killed (kill -9) at step 15:
-    torchrun restarts both ranks from the step-10 checkpoint. The other uninterrupted, then stopped
+    in its own sqlite store, both with --max-restarts 1. One whose rank 1 is killed (kill -9) at step
+    15: torchrun restarts both ranks from the step-10 checkpoint. The other uninterrupted, then stopped
     by SIGTERM to its process group as soon as its summary line is out (its summary file is written
     by then): the reference losses, and a stop that lands on the run's last barrier. Attributes:
     `restarted` and `stopped`, each with folder, uri, output, returncode, log (its --summary-json),
@@ -223,7 +223,7 @@ def restarted_run(movielens_shards, e2e_dir):
 
     procs = []
     try:
-        stopped_proc, stopped = launch("restart-reference")
+        stopped_proc, stopped = launch("restart-reference", "--max-restarts", "1")  # a stop is not restarted
         procs.append(stopped_proc)
         reading = helpers.Background("stopped-run", lambda: stop_after_summary(stopped_proc))
         restarted_proc, restarted = launch("restarted", "--max-restarts", "1")

@@ -58,7 +58,8 @@ def test_a_rank_killed_mid_run_restarts_from_the_newest_checkpoint_with_the_same
 def test_a_sigterm_just_after_the_summary_line_is_a_stop_not_a_failure(restarted_run):
     """SIGTERM to the job's process group as soon as the summary line is out: a rank whose peer the
     stop ended first loses it in the run's last barrier, which is the stop, not a failure: exit
-    128 + 15, one line saying so, the MLflow run KILLED, nothing restarted."""
+    128 + 15, one line saying so, the MLflow run KILLED, and nothing restarted (it was launched with
+    --max-restarts 1)."""
     run = restarted_run.stopped
     assert run.returncode == 128 + signal.SIGTERM, run.output[-3000:]
     errors = _lines(run.output, "freescale train: error")
