@@ -121,6 +121,66 @@ def test_rank_0_says_which_restart_after_what_and_from_where(tmp_path, monkeypat
         "freescale train: restart 2 of 3 after rank 1 killed by SIGKILL: resuming from /ckpt/step_10")
 
 
+FAKE_TORCHRUN = """
+import signal, sys, time
+from pathlib import Path
+got = []
+def stop(signum, frame):
+    got.append(signum)
+    if len(got) == 1:  # torchrun's own word, as its agent logs it
+        print("W1207 00:29:32.050000 9609 api.py:753] Received 15 death signal, shutting down workers",
+              file=sys.stderr, flush=True)
+signal.signal(signal.SIGTERM, stop)
+Path(sys.argv[1], "ready").touch()
+deadline = time.monotonic() + 60
+while not got and time.monotonic() < deadline:
+    time.sleep(0.02)
+time.sleep(float(sys.argv[2]) + 1)  # time for a second signal to come
+Path(sys.argv[1], "signals").write_text(str(len(got)))
+"""
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("to_group", [True, False])
+def test_torchrun_gets_one_sigterm_whether_sent_to_the_group_or_to_the_launcher(tmp_path, monkeypatch, capsys,
+                                                                                 to_group):
+    """A second SIGTERM cuts torchrun's stopping of its ranks short. Sent to the process group, the
+    signal reaches torchrun itself, and the launcher does not pass it on; sent to the launcher alone,
+    it does."""
+    import time
+
+    from runtime import logs
+    from training.parallel import launcher
+
+    monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(launcher, "FORWARD_WAIT_S", 1.0)
+    torchrun = [sys.executable, "-c", FAKE_TORCHRUN, str(tmp_path), "1.0"]
+
+    def signal_when_ready():
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if to_group:  # what killpg does: every process of the group, the launcher first or not
+            os.kill(torchrun_pid[0], signal.SIGTERM)
+
+    torchrun_pid = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        torchrun_pid.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    sender = threading.Thread(target=signal_when_ready, daemon=True)
+    sender.start()
+    assert launcher.run_ranks(torchrun, 2, 1, None, None) == 128 + signal.SIGTERM
+    sender.join()
+    assert (tmp_path / "signals").read_text() == "1"
+    assert capsys.readouterr().err.splitlines()[-1].startswith("freescale train: error: stopped by SIGTERM")
+
+
 @pytest.mark.spawns
 def test_a_sigterm_the_launcher_takes_in_a_pipeline_stops_the_pipeline(tmp_path, monkeypatch, capsys):
     """`freescale pipeline` runs the launcher in its own process, whose SIGTERM handler (runtime/stops.py)
@@ -131,6 +191,7 @@ def test_a_sigterm_the_launcher_takes_in_a_pipeline_stops_the_pipeline(tmp_path,
     from training.parallel import launcher
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(launcher, "FORWARD_WAIT_S", 0.5)
     torchrun = [sys.executable, "-c", "import signal, sys, time\n"
                 "signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))\ntime.sleep(60)"]
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))

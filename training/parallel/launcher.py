@@ -189,21 +189,38 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _wait(proc: subprocess.Popen, on_stop: Callable[[int], None] | None = None) -> tuple[int, int | None]:
+# How long a SIGTERM the launcher received waits for torchrun to say it got one too (sent to the
+# whole process group) before the launcher passes it on (sent to the launcher alone).
+FORWARD_WAIT_S = 3.0
+
+
+def _wait(proc: subprocess.Popen, on_stop: Callable[[int], None] | None = None,
+          torchrun_stopping: threading.Event | None = None) -> tuple[int, int | None]:
     """torchrun's status, and the stop signal received meanwhile (None when none). A Ctrl-C reaches
     torchrun too (one process group); a SIGTERM sent to the launcher alone (a scheduler stopping
     the job) is passed on to torchrun. Either way torchrun stops its ranks, which end their runs
     KILLED, and the launcher keeps reading their output until they are gone rather than dying with
     the pipes. `on_stop(signum)` hears of either first: a node still waiting for the others stops
-    torchrun itself."""
+    torchrun itself.
+
+    Passed on only where torchrun did not get the signal itself (`torchrun_stopping`, set when it
+    says so, waited for FORWARD_WAIT_S): a second SIGTERM cuts torchrun's stopping of its ranks
+    short (each signal raises in its main thread), leaving ranks that never heard of the stop to
+    fail when their stopped peers are gone."""
     received: list[int] = []
 
+    def forward() -> None:
+        if torchrun_stopping is None or not torchrun_stopping.wait(FORWARD_WAIT_S):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
     def stop(signum: int) -> None:
+        first = not received
         received.append(signum)
         if on_stop is not None:
             on_stop(signum)
-        if signum == signal.SIGTERM:
-            proc.send_signal(signal.SIGTERM)
+        if signum == signal.SIGTERM and first:
+            threading.Thread(target=forward, name="forward-sigterm", daemon=True).start()
 
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop(signum))
     try:
@@ -360,6 +377,8 @@ class RankOutput:
     # logging module's default format (`WARNING:torchrec...:...`).
     WARNING = re.compile(r"(\S+:\d+: \w*Warning: |(WARNING|INFO|DEBUG):[\w.]+:)")
     RANK_ERROR = re.compile(r"freescale train \(rank (\d+)\): error:")
+    # torchrun's word that a stop signal reached it (it stops its ranks and ends).
+    STOPPING = re.compile(r"Received \d+ death signal")
     # torchrun's report of an attempt that failed on this node: its first failed rank (local) and how.
     ATTEMPT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
     # An entry of torchrun's ChildFailedError report.
@@ -369,6 +388,7 @@ class RankOutput:
         self.log_path = log
         self.status_dir, self.nnodes, self.restarts_left = status_dir, nnodes, max_restarts
         self.reported: dict[int, str] = {}  # rank -> the message of its error line
+        self.torchrun_stopping = threading.Event()
         self.hidden: collections.deque[str] = collections.deque(maxlen=5000)
         self._lock = threading.Lock()
 
@@ -384,7 +404,7 @@ class RankOutput:
                 pump.start()
             if waiting:
                 waiting.start(proc)
-            rc, stopped = _wait(proc, waiting.stop if waiting else None)
+            rc, stopped = _wait(proc, waiting.stop if waiting else None, self.torchrun_stopping)
             for pump in pumps:
                 pump.join()
             if waiting:  # its last words reach the log too
@@ -421,6 +441,8 @@ class RankOutput:
                     self.hidden.append(line)
                 if reported:
                     self.reported[int(reported.group(1))] = line[reported.end():].strip()
+                if not ours and self.STOPPING.search(line):
+                    self.torchrun_stopping.set()
                 failed = self.ATTEMPT_FAILED.search(line)
                 if failed and not ours:
                     self._attempt_failed(int(failed.group(2)), int(failed.group(1)))
