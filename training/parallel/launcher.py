@@ -314,8 +314,7 @@ class RendezvousWait:
         if self.joined:
             return
         self.stopped_by = signum
-        if signum != signal.SIGTERM:  # _wait passes a SIGTERM on itself
-            self._proc.send_signal(signal.SIGTERM)
+        self._proc.send_signal(signal.SIGTERM)  # at once: no ranks yet whose stopping a second one could cut short
 
     def finish(self) -> None:
         """torchrun has exited: the watch ends, and has said what it had to before the last line."""
