@@ -7,7 +7,10 @@ The ranks' progress lines reach the terminal as they come; tracebacks, torchrun'
 logging and its failure report go to the job's log only (--verbose shows everything). A
 failed run ends with one line gathering the failed ranks' reasons and naming the log, and
 returns the ranks' exit status (2 bad input, 3 environment, 1 anything else), not
-torchrun's 1. Each rank runs `jobs/train.py`; training/parallel/launcher.py starts torchrun and does the above.
+torchrun's 1. With --max-restarts N torchrun starts the ranks again after a failure, up to N
+times, each time from the newest complete checkpoint; a stop signal (SIGTERM, Ctrl-C) ends the job
+as stopped (128 + the signal), never restarted. Each rank runs `jobs/train.py`;
+training/parallel/launcher.py starts torchrun and does the above.
 """
 from __future__ import annotations
 
@@ -38,12 +41,12 @@ class LaunchSpec:
         None, "ranks to start on this node (default: the manifest's world size over --nnodes)", surfaces=CLI)
     nnodes: int = option(1, "nodes of the job, each running `freescale train` with the same arguments but "
                             "--node-rank (default 1: this machine only)", surfaces=CLI)
-    node_rank: int = option(0, "this node's rank, 0 .. nnodes-1; node R runs global ranks R*nproc .. (R+1)*nproc-1",
-                            surfaces=CLI, show_default=False)
-    rdzv_endpoint: str | None = option(None, "HOST:PORT of node 0, where the nodes meet (torchrun's static "
+    node_rank: int = option(0, "this node, 0 .. nnodes-1; node 0 hosts the rendezvous at --rdzv-endpoint (which "
+                               "ranks each node runs is the rendezvous's choice)", surfaces=CLI, show_default=False)
+    rdzv_endpoint: str | None = option(None, "HOST:PORT of node 0, where the nodes meet (torchrun's c10d "
                                              "rendezvous); needed with --nnodes > 1", surfaces=CLI)
     rdzv_timeout: int | None = option(None, f"how long the nodes wait for each other at --rdzv-endpoint before the "
-                                            f"job ends with exit 3 (default {RDZV_TIMEOUT_S}, torchrun's)",
+                                            f"job ends with exit 3 (default {RDZV_TIMEOUT_S})",
                                       surfaces=CLI, metavar="SECONDS")
     config: str | None = option(None, "TOML config (configs/*.toml)")
     max_steps: int | None = option(None, "stop after N >= 1 steps (default: the config's training.max_steps; "
@@ -53,6 +56,9 @@ class LaunchSpec:
     summary_json: str | None = option(None, "write the run summary (and per-step losses) here", surfaces=CLI)
     comm_mode: CommMode | None = option(None, "how the step's collectives run (default: the config's comm.mode, "
                                               "prioritized)", surfaces=CLI)
+    max_restarts: int = option(0, "start the ranks again up to N times after a failure, each time from the newest "
+                                  "complete checkpoint (torchrun's --max-restarts); a stop signal is never restarted",
+                               surfaces=CLI, metavar="N")
 
     def check(self) -> None:
         from runtime.errors import InputError
@@ -60,6 +66,8 @@ class LaunchSpec:
         if self.max_steps is not None and self.max_steps < 1:
             raise InputError(f"--max-steps must be a positive integer (omit it for one pass over the shards), "
                              f"got {self.max_steps}")
+        if self.max_restarts < 0:
+            raise InputError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
 
 
 def launch(argv: list[str] | None = None) -> int:
@@ -110,5 +118,5 @@ def _launch(args: LaunchSpec, overrides: list[str]) -> int:
     check_ranks_can_run(config)
     # On another world size than the shards', the rest of the checkpoint's epoch is re-planned first.
     settings += replan_settings(args.shards, nproc * args.nnodes, config.checkpoint.folder, config.checkpoint.resume)
-    cmd = launcher.torchrun_command(rendezvous, nproc, args.config, args.summary_json, settings)
-    return launcher.run_ranks(cmd, nproc, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout)
+    cmd = launcher.torchrun_command(rendezvous, nproc, args.config, args.summary_json, settings, args.max_restarts)
+    return launcher.run_ranks(cmd, nproc, args.nnodes, args.rdzv_endpoint, args.rdzv_timeout, args.max_restarts)

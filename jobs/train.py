@@ -18,11 +18,13 @@ import os
 import signal
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 
 from runtime.stops import Stopped
 from training.loop.mlflow_sink import MLflowSink, build_sink  # no mlflow import until used
+from training.parallel import restarts  # no torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # how torchrun (and a terminal) stop the ranks
 
@@ -42,13 +44,16 @@ class RankJob:
         self.ending = False
 
     def end(self, status: str, summary: dict[str, float] | None = None, artifacts: list[Path] = ()) -> None:
-        """FINISHED, FAILED or KILLED (a stop signal turns a failure into KILLED); runs once."""
+        """FINISHED, FAILED or KILLED (a stop signal, even one received while the run ends, makes
+        it KILLED); runs once."""
         self.ending = True
         sink, self.sink = self.sink, None
         trainer, self.trainer = self.trainer, None
         if sink is not None:
-            sink.finish("KILLED" if self.stopped_by is not None and status == "FAILED" else status,
-                        summary, artifacts)
+            ended = "KILLED" if self.stopped_by is not None else status
+            sink.finish(ended, summary, artifacts)
+            if ended != "KILLED" and self.stopped_by is not None:  # the stop came while the run ended
+                sink.finish_again("KILLED")
         if trainer is not None:
             trainer.close()
 
@@ -84,9 +89,19 @@ def train(argv: list[str]) -> int:
     try:
         code = _train_rank(config, args.summary_json, job)
         status = "FINISHED"
-        return code
+        return code if job.stopped_by is None else 128 + job.stopped_by
     except Stopped as stopped:
         return 128 + stopped.signum
+    except Exception:
+        if job.stopped_by is None:
+            raise
+        # A peer the same stop ended first fails this rank's collective (the run's last barrier
+        # included): the job was stopped, not failed. The error goes to the log.
+        from runtime.job_errors import write_details
+
+        write_details(f"train (rank {os.environ.get('RANK', '0')})",
+                      "after a stop signal: " + traceback.format_exc())
+        return 128 + job.stopped_by
     finally:
         job.end(status)
 
@@ -104,7 +119,11 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     rank0 = os.environ.get("RANK", "0") == "0"
     uri = reachable_tracking_uri("train", config.tracking.uri or None) if rank0 else DISABLED
     trainer = job.trainer = Trainer(config)
+    if rank0:
+        _continue_after_restart(trainer)
     sink = job.sink = build_sink(config, trainer, uri)
+    if sink is not None:
+        restarts.write_note(restarts.RUN_NOTE, sink.run_id)  # a restart before the first checkpoint continues it
     trainer.sink = sink if sink is not None else NullSink(trainer.resumed_sink_state)
     result = trainer.train()
     summary, artifacts = None, []
@@ -113,7 +132,7 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
             summary = dict(result.summary)
             summary["predicted_bubble"] = (trainer.replan.bubble if trainer.replan is not None
                                            else trainer.manifest.stats.get("bubble", float("nan")))
-            print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
+            summary["restarts"] = float(restarts.restart_count())
             if summary_json:
                 write_run_summary(summary_json, summary=summary, run_id=sink.run_id if sink is not None else None,
                                   losses=result.losses, steps=result.steps, comm=trainer.describe_comm(),
@@ -121,15 +140,31 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
                                   # The unit of the timings' cost column: freescale simulate checks it.
                                   cost_model=trainer.manifest.cost_model, fields=TIMING_FIELDS,
                                   timings=result.timings.tolist())
+            # After the file: whoever reads the line (a person, a scheduler) finds the file written.
+            print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
         if sink is not None:
             from training.timing.bubble_plot import plot_rank_timelines
 
             artifacts = [plot_rank_timelines(result.timings, result.steps, Path(tmp) / "rank_timelines.png",
                                              title=f"{sink.run.info.run_name}")]
+        # Every rank is done before the run ends FINISHED: a stop until then ends it KILLED.
+        dist.barrier(group=trainer.env.host_group)
         job.end("FINISHED", summary, artifacts)
-    dist.barrier(group=trainer.env.host_group)
     dist.destroy_process_group()
     return 0
+
+
+def _continue_after_restart(trainer) -> None:
+    """Rank 0 of an attempt torchrun restarted after a failure: its line, and the MLflow run it
+    continues when no checkpoint names one (the failure came before the first)."""
+    resumed_from = str(trainer.checkpointer.step_dir(trainer.step)) if trainer.step else "step 0"
+    line = restarts.restart_line(resumed_from)
+    if line is None:
+        return
+    print(line, file=sys.stderr, flush=True)
+    run_id = restarts.read_note(restarts.RUN_NOTE)
+    if run_id and not trainer.resumed_sink_state.get("run_id"):
+        trainer.resumed_sink_state = {"run_id": run_id}
 
 
 _fault_log = None  # the log file faulthandler writes to (kept open for the process's life)

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,6 +220,63 @@ def epochs_run(e2e_dir):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return SimpleNamespace(shards=shards, folder=folder, log=json.loads((e2e_dir / "epochs.json").read_text()),
                            resumed=json.loads((e2e_dir / "epochs-resumed.json").read_text()))
+
+
+RESTART_STEPS, RESTART_EVERY, RESTART_KILL_AT = 40, 10, 15  # a kill between two checkpoints
+
+
+@scenario
+def restarted_run(movielens_shards, e2e_dir):
+    """Two launches at once of the same 40-step training, checkpointed every 10 steps, each recorded
+    in its own sqlite store, both with --max-restarts 1. One whose rank 1 is killed (kill -9) at step
+    15: torchrun restarts both ranks from the step-10 checkpoint. The other uninterrupted, then stopped
+    by SIGTERM to its process group as soon as its summary line is out (its summary file is written
+    by then): the reference losses, and a stop that lands on the run's last barrier. Attributes:
+    `restarted` and `stopped`, each with folder, uri, output, returncode, log (its --summary-json),
+    seconds; `restarted.launcher_pid` and `restarted.killed_pid`."""
+    common = ("--max-steps", str(RESTART_STEPS), "--checkpoint.every_steps", str(RESTART_EVERY),
+              "--training.log_every", "1", *helpers.SMALL_RUN)
+
+    def launch(name: str, *extra: str) -> tuple[subprocess.Popen, SimpleNamespace]:
+        seen = SimpleNamespace(folder=e2e_dir / f"{name}-ckpt", uri=helpers.sqlite_store(e2e_dir / f"{name}.db"),
+                               summary=e2e_dir / f"{name}.json", started=time.monotonic())
+        return helpers.start_train(movielens_shards, *common, "--checkpoint.folder", str(seen.folder),
+                                   "--tracking-uri", seen.uri, "--summary-json", str(seen.summary), *extra), seen
+
+    def stop_after_summary(proc: subprocess.Popen) -> list[str]:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("summary "):
+                os.killpg(proc.pid, signal.SIGTERM)  # a scheduler stops the job's process group
+                break
+        lines += proc.communicate(timeout=120)[0].splitlines(True)
+        stopped.seconds = time.monotonic() - stopped.started
+        return lines
+
+    procs = []
+    try:
+        stopped_proc, stopped = launch("restart-reference", "--max-restarts", "1")  # a stop is not restarted
+        procs.append(stopped_proc)
+        reading = helpers.Background("stopped-run", lambda: stop_after_summary(stopped_proc))
+        restarted_proc, restarted = launch("restarted", "--max-restarts", "1")
+        procs.append(restarted_proc)
+        lines = helpers.read_until_step(restarted_proc, RESTART_KILL_AT)
+        restarted.launcher_pid = restarted_proc.pid
+        restarted.killed_pid = helpers.rank_process(1, str(restarted.folder))
+        os.kill(restarted.killed_pid, signal.SIGKILL)
+        restarted.output = "".join(lines) + restarted_proc.communicate(timeout=helpers.TIMEOUT_S)[0]
+        restarted.seconds = time.monotonic() - restarted.started
+        stopped.output = "".join(reading.result())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                helpers.kill_tree(proc.pid)
+                proc.wait()
+    for seen, proc in ((restarted, restarted_proc), (stopped, stopped_proc)):
+        seen.returncode = proc.returncode
+        seen.log = json.loads(seen.summary.read_text()) if seen.summary.exists() else None
+    return SimpleNamespace(restarted=restarted, stopped=stopped)
 
 
 @scenario

@@ -181,6 +181,15 @@ class MLflowSink:
             self.failed = True
             warn(f"MLflow at {self.uri} failed ending the run ({tracking_failure(exc)})")
 
+    def finish_again(self, status: str) -> None:
+        """Change an ended run's status (a stop signal that came while it ended FINISHED)."""
+        if self.failed:
+            return
+        try:
+            self.client.set_terminated(self.run_id, status)
+        except Exception as exc:  # noqa: BLE001 - tracking must not fail the job
+            warn(f"MLflow at {self.uri} failed ending the run {status} ({tracking_failure(exc)})")
+
 
 def warn(message: str) -> None:
     try:

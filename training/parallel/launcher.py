@@ -22,16 +22,17 @@ from typing import Callable
 
 from shards.schema import MANIFEST_NAME
 
-# torchrun's own timeout for a rendezvous: LaunchConfig (torch/distributed/launcher/api.py) sets
-# rdzv_configs["timeout"] = 900 when none is given, which the static rendezvous passes to its
-# TCPStore (the static handler's own default, 600, is never reached from torchrun).
+# How long the nodes wait for each other by default: torchrun's own for its static rendezvous
+# (LaunchConfig's rdzv_configs["timeout"]), kept for the c10d rendezvous, whose own is 600.
 RDZV_TIMEOUT_S = 900
 
 
 def rendezvous_options(nnodes: int, node_rank: int, endpoint: str | None, timeout_s: int | None) -> list[str]:
     """torchrun's options for how the nodes meet: one node stands alone; several meet at node 0's
-    HOST:PORT in a static rendezvous, where node R's ranks are R*nproc .. (R+1)*nproc-1 (the ranks,
-    and so the shards each node reads, do not depend on which node starts first)."""
+    HOST:PORT in torchrun's c10d rendezvous, whose store node 0 hosts there. c10d, not static: a
+    node whose ranks restart (--max-restarts) meets the others again in a new round. The rendezvous
+    gives each node its ranks (by host name and launcher PID, not --node-rank), so which node runs
+    rank 0 is its choice; each rank reads its own shard wherever it runs."""
     from runtime.errors import InputError
 
     if nnodes < 1:
@@ -50,9 +51,11 @@ def rendezvous_options(nnodes: int, node_rank: int, endpoint: str | None, timeou
                          f"got {endpoint or 'none'}")
     if timeout_s is not None and timeout_s < 1:
         raise InputError(f"--rdzv-timeout must be a positive number of seconds, got {timeout_s}")
-    # Always given, so that the timeout the nodes' lines name is the one torchrun applies.
-    return [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-conf=timeout={timeout_s or RDZV_TIMEOUT_S}"]
+    # Always given, so that the timeout the nodes' lines name is the one torchrun applies: to the
+    # join, and to a node's wait for node 0's store (read_timeout; 60 s by default).
+    timeout = timeout_s or RDZV_TIMEOUT_S
+    return [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-conf=join_timeout={timeout},read_timeout={timeout},is_host={int(node_rank == 0)}"]
 
 
 def ranks_per_node(shards: str, nproc_per_node: int | None, nnodes: int) -> int:
@@ -91,33 +94,65 @@ def rank_settings(shards: str, overrides: list[str], *, max_steps: int | None = 
 
 
 def torchrun_command(rendezvous: list[str], nproc: int, config: str | None, summary_json: str | None,
-                     settings: list[str]) -> list[str]:
-    """torchrun's command line: this node's `nproc` ranks of `jobs/train.py`, with the ranks' settings."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}",
+                     settings: list[str], max_restarts: int = 0) -> list[str]:
+    """torchrun's command line: this node's `nproc` ranks of `jobs/train.py`, with the ranks' settings,
+    started again up to `max_restarts` times after a failure (each time from the newest checkpoint)."""
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}", *restarts,
            "-m", "jobs.train"]
     return cmd + (["--config", config] if config else []) + (
         ["--summary-json", summary_json] if summary_json else []) + settings
 
 
-def run_ranks(cmd: list[str], nproc: int, nnodes: int, endpoint: str | None, timeout_s: int | None) -> int:
-    """Run torchrun's `cmd` (this node's `nproc` ranks of a job of `nnodes`, meeting at `endpoint`);
-    the launch's exit status, after its one last line where it failed."""
-    rc, statuses, output, waiting = _run_torchrun(cmd, nnodes, endpoint, timeout_s)
+def run_ranks(cmd: list[str], nproc: int, nnodes: int, endpoint: str | None, timeout_s: int | None,
+              max_restarts: int = 0) -> int:
+    """Run torchrun's `cmd` (this node's `nproc` ranks of a job of `nnodes`, meeting at `endpoint`,
+    restarted up to `max_restarts` times); the launch's exit status, after its one last line where it
+    failed or was stopped."""
+    rc, statuses, output, waiting, stopped = _run_torchrun(cmd, nnodes, endpoint, timeout_s, max_restarts)
     if waiting and waiting.failed(rc, statuses, output):
         return waiting.conclude(rc, output)
-    return conclude_ranks(rc, statuses, output, nproc * nnodes)
+    if stopped is None:
+        return conclude_ranks(rc, statuses, output, nproc * nnodes)
+    code = conclude_stop(stopped, output)
+    _pass_on_stop(stopped)
+    return code
 
 
-def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: int | None):
+def conclude_stop(signum: int, output: RankOutput | None) -> int:
+    """A stop signal reached the launcher (a scheduler's SIGTERM, Ctrl-C): the job was stopped, not
+    failed, whatever the ranks said as they went (a rank whose peer the stop ended first fails in
+    their collective); never restarted (torchrun stops at a signal of its own). 128 + the signal."""
+    from runtime.job_errors import error_line
+
+    error_line("train", f"stopped by {signal.Signals(signum).name}", details=output is not None)
+    return 128 + signum
+
+
+def _pass_on_stop(signum: int) -> None:
+    """A SIGTERM the launcher took from its caller while torchrun ran goes on to the caller's own
+    handler (`freescale pipeline`'s, runtime/stops.py), which ends the caller as stopped too. (Ctrl-C
+    reached the caller's handler itself: the launcher never takes SIGINT.)"""
+    handler = signal.getsignal(signum)
+    if signum == signal.SIGTERM and callable(handler):
+        handler(signum, None)
+
+
+def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: int | None, max_restarts: int):
     """torchrun's status, the ranks' own statuses, its sorted output (None under --verbose: the
-    terminal has it all) and the wait for the other nodes (None for one node)."""
+    terminal has it all), the wait for the other nodes (None for one node) and the stop signal the
+    launcher received (None when none)."""
     from runtime.job_errors import STATUS_DIR_ENV
     from runtime import logs
 
     log = logs.log_file("train").absolute()
     with tempfile.TemporaryDirectory(prefix="freescale-ranks-") as status_dir:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1", logs.LOG_FILE_ENV: str(log), STATUS_DIR_ENV: status_dir}
+               "PYTHONUNBUFFERED": "1", logs.LOG_FILE_ENV: str(log), STATUS_DIR_ENV: status_dir,
+               # A store of the ranks' own for each attempt: the c10d rendezvous would share its agent's
+               # store across attempts, where a restarted rank finds the last attempt's keys (a dead
+               # peer's address: "Gloo connectFullMesh failed ... Connection refused").
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if logs.verbose():
             env[logs.VERBOSE_ENV] = "1"
             output = None
@@ -125,20 +160,20 @@ def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: 
             proc = subprocess.Popen(cmd, env=env)
             if waiting:
                 waiting.start(proc)
-            rc = _wait(proc, waiting.stop if waiting else None)
+            rc, stopped = _wait(proc, waiting.stop if waiting else None)
             if waiting:
                 waiting.finish()
         else:
-            output = RankOutput(log)
+            output = RankOutput(log, status_dir, nnodes, max_restarts)
             waiting = _waiting(nnodes, endpoint, timeout_s, output.say)
-            rc = output.run(cmd, env, waiting)
+            rc, stopped = output.run(cmd, env, waiting)
         statuses = {}
         for path in Path(status_dir).glob("rank-*"):
             try:
                 statuses[int(path.name.split("-", 1)[1])] = int(path.read_text())
             except ValueError:
                 continue
-    return rc, statuses, output, waiting
+    return rc, statuses, output, waiting, stopped
 
 
 def _waiting(nnodes: int, endpoint: str | None, timeout_s: int | None,
@@ -154,23 +189,44 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
-def _wait(proc: subprocess.Popen, on_stop: Callable[[int], None] | None = None) -> int:
-    """torchrun's status. A Ctrl-C reaches torchrun too (one process group); a SIGTERM sent to the
-    launcher alone (a scheduler stopping the job) is passed on to torchrun. Either way torchrun
-    stops its ranks, which end their runs KILLED, and the launcher keeps reading their output
-    until they are gone rather than dying with the pipes. `on_stop(signum)` hears of either
-    first: a node still waiting for the others stops torchrun itself."""
+# How long a SIGTERM the launcher received waits for torchrun to say it got one too (sent to the
+# whole process group) before the launcher passes it on (sent to the launcher alone).
+FORWARD_WAIT_S = 3.0
+
+
+def _wait(proc: subprocess.Popen, on_stop: Callable[[int], None] | None = None,
+          torchrun_stopping: threading.Event | None = None) -> tuple[int, int | None]:
+    """torchrun's status, and the stop signal received meanwhile (None when none). A Ctrl-C reaches
+    torchrun too (one process group); a SIGTERM sent to the launcher alone (a scheduler stopping
+    the job) is passed on to torchrun. Either way torchrun stops its ranks, which end their runs
+    KILLED, and the launcher keeps reading their output until they are gone rather than dying with
+    the pipes. `on_stop(signum)` hears of either first: a node still waiting for the others stops
+    torchrun itself.
+
+    Passed on only where torchrun did not get the signal itself (`torchrun_stopping`, set when it
+    says so, waited for FORWARD_WAIT_S): a second SIGTERM cuts torchrun's stopping of its ranks
+    short (each signal raises in its main thread), leaving ranks that never heard of the stop to
+    fail when their stopped peers are gone."""
+    received: list[int] = []
+
+    def forward() -> None:
+        if torchrun_stopping is None or not torchrun_stopping.wait(FORWARD_WAIT_S):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
     def stop(signum: int) -> None:
+        first = not received
+        received.append(signum)
         if on_stop is not None:
             on_stop(signum)
-        if signum == signal.SIGTERM:
-            proc.send_signal(signal.SIGTERM)
+        if signum == signal.SIGTERM and first:
+            threading.Thread(target=forward, name="forward-sigterm", daemon=True).start()
 
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop(signum))
     try:
         while True:
             try:
-                return proc.wait()
+                return proc.wait(), (received[0] if received else None)
             except KeyboardInterrupt:
                 stop(signal.SIGINT)
                 continue
@@ -201,19 +257,19 @@ class RendezvousWait:
     """This node's wait for the others at node 0's endpoint, told on stderr: one line when it
     starts, one when every node has joined.
 
-    torchrun starts this node's ranks only once every node has joined (the static rendezvous
-    gives out ranks from all nodes' reports), so its first child process is the sign. Past the
-    timeout torchrun gives up by itself on node 0 (a second or two late); on another node its
-    store client tries to connect once more, about twice the timeout in all, so past the timeout
-    and GRACE_S this stops torchrun itself (before the join it has no ranks to leave behind)."""
+    torchrun starts this node's ranks only once every node has joined (the rendezvous gives out
+    ranks from all nodes' reports), so its first child process is the sign. Past the timeout
+    torchrun gives up by itself (seconds late: its imports, the rendezvous's closing); should it
+    not, past the timeout and GRACE_S this stops torchrun itself (before the join it has no ranks
+    to leave behind)."""
 
     POLL_S = 0.5
-    # Counted from torchrun's start, before its imports (seconds on a busy machine): node 0's own
-    # timeout, which counts from its store's, must come first to give its count of the nodes.
+    # Counted from torchrun's start, before its imports (seconds on a busy machine): torchrun's own
+    # timeout, which counts from its rendezvous's start, must come first to say which it was.
     GRACE_S = 20
-    # What torchrun says when it gives up: node 0's store counts the nodes (each node's agent is
-    # one client), another node's store client fails to reach node 0.
-    JOINED = re.compile(r"Timed out after \d+ seconds waiting for clients\. (\d+)/(\d+) clients joined")
+    # What torchrun says when it gives up: the rendezvous did not complete in time (it names no
+    # count), or this node's store client failed to reach node 0's store.
+    INCOMPLETE = re.compile(r"RendezvousTimeoutError")
     UNANSWERED = re.compile(r"failed to connect/validate to host|timed out after \d+ms while trying to connect to")
     # c10d's errors (a port in use, a host that does not resolve): the machine's or the network's.
     DIST_ERROR = re.compile(r"^torch\.distributed\.(Dist\w*Error): (.+)$", re.M)
@@ -258,8 +314,7 @@ class RendezvousWait:
         if self.joined:
             return
         self.stopped_by = signum
-        if signum != signal.SIGTERM:  # _wait passes a SIGTERM on itself
-            self._proc.send_signal(signal.SIGTERM)
+        self._proc.send_signal(signal.SIGTERM)  # at once: no ranks yet whose stopping a second one could cut short
 
     def finish(self) -> None:
         """torchrun has exited: the watch ends, and has said what it had to before the last line."""
@@ -288,19 +343,15 @@ class RendezvousWait:
         return code
 
     def _reason(self, rc: int, said: str) -> tuple[str, int]:
-        """Why the nodes did not meet, from what torchrun said (`said`; a count only where it gave
-        one), and the exit status: 3 where the network or another node is the cause."""
+        """Why the nodes did not meet, from what torchrun said (`said`), and the exit status: 3 where
+        the network or another node is the cause."""
         from runtime.job_errors import EXIT_ENVIRONMENT, EXIT_FAILED
 
         timed_out = f"timed out after {self.timeout_s} s"
-        joined = self.JOINED.search(said)
-        if joined:
-            return f"{timed_out}: {joined.group(1)} of {joined.group(2)} nodes joined", EXIT_ENVIRONMENT
         if self.UNANSWERED.search(said):
             return f"{timed_out}: node 0 did not answer there", EXIT_ENVIRONMENT
-        if self.gave_up:
-            return (f"{timed_out}; torchrun did not say how many of the {self.nnodes} nodes joined",
-                    EXIT_ENVIRONMENT)
+        if self.INCOMPLETE.search(said) or self.gave_up:
+            return f"{timed_out}: not all {self.nnodes} nodes joined", EXIT_ENVIRONMENT
         errors = self.DIST_ERROR.findall(said)
         if errors:
             return f"failed: {errors[-1][0]}: {errors[-1][1].strip()}", EXIT_ENVIRONMENT
@@ -325,16 +376,23 @@ class RankOutput:
     # logging module's default format (`WARNING:torchrec...:...`).
     WARNING = re.compile(r"(\S+:\d+: \w*Warning: |(WARNING|INFO|DEBUG):[\w.]+:)")
     RANK_ERROR = re.compile(r"freescale train \(rank (\d+)\): error:")
+    # torchrun's word that a stop signal reached it (it stops its ranks and ends).
+    STOPPING = re.compile(r"Received \d+ death signal")
+    # torchrun's report of an attempt that failed on this node: its first failed rank (local) and how.
+    ATTEMPT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
     # An entry of torchrun's ChildFailedError report.
     FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
-    def __init__(self, log: Path):
+    def __init__(self, log: Path, status_dir: str | None = None, nnodes: int = 1, max_restarts: int = 0):
         self.log_path = log
+        self.status_dir, self.nnodes, self.restarts_left = status_dir, nnodes, max_restarts
         self.reported: dict[int, str] = {}  # rank -> the message of its error line
+        self.torchrun_stopping = threading.Event()
         self.hidden: collections.deque[str] = collections.deque(maxlen=5000)
         self._lock = threading.Lock()
 
-    def run(self, cmd: list[str], env: dict[str, str], waiting: RendezvousWait | None = None) -> int:
+    def run(self, cmd: list[str], env: dict[str, str],
+            waiting: RendezvousWait | None = None) -> tuple[int, int | None]:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a", encoding="utf-8", errors="replace") as self._log:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -345,12 +403,12 @@ class RankOutput:
                 pump.start()
             if waiting:
                 waiting.start(proc)
-            rc = _wait(proc, waiting.stop if waiting else None)
+            rc, stopped = _wait(proc, waiting.stop if waiting else None, self.torchrun_stopping)
             for pump in pumps:
                 pump.join()
             if waiting:  # its last words reach the log too
                 waiting.finish()
-        return rc
+        return rc, stopped
 
     def say(self, line: str) -> None:
         """A line of the launcher's own, on stderr and in the log, whole between the ranks' lines."""
@@ -382,6 +440,30 @@ class RankOutput:
                     self.hidden.append(line)
                 if reported:
                     self.reported[int(reported.group(1))] = line[reported.end():].strip()
+                if not ours and self.STOPPING.search(line):
+                    self.torchrun_stopping.set()
+                failed = self.ATTEMPT_FAILED.search(line)
+                if failed and not ours:
+                    self._attempt_failed(int(failed.group(2)), int(failed.group(1)))
+
+    def _attempt_failed(self, local_rank: int, code: int) -> None:
+        """An attempt failed: what failed, noted for the next attempt's rank 0 (training/parallel/
+        restarts.py). The ranks' error lines of an attempt torchrun restarts are not the job's last
+        line's."""
+        from training.parallel.restarts import FAILURE_NOTE, write_note
+
+        if self.status_dir is None:
+            return
+        if self.nnodes == 1:  # local ranks are the ranks
+            said = self.reported.get(local_rank)
+            what = f"rank {local_rank}: {said}" if said else f"rank {local_rank} {_describe_exit(code)}"
+        else:  # the ranks' error lines name their global rank, torchrun the local one
+            rank, said = next(iter(self.reported.items()), (None, None))
+            what = f"rank {rank}: {said}" if said else f"local rank {local_rank} of this node {_describe_exit(code)}"
+        write_note(FAILURE_NOTE, what, self.status_dir)
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            self.reported.clear()
 
     def torchrun_failures(self) -> dict[int, int]:
         """rank -> exit code of the ranks torchrun reported as failed."""
