@@ -38,13 +38,13 @@ bench: install
 
 # The wheel and sdist (`freescale` for a machine's venv), and the executors' zip for
 # spark-submit --py-files: the wheel's packages without its metadata (a pure wheel is a zip
-# of them). No build isolation: the venv's setuptools builds it, offline.
+# of them; not its .pth hook, which only an installed wheel runs). No build isolation: the venv's setuptools builds it, offline.
 dist: install
 	rm -rf $(DIST)
 	$(PY) -m build --no-isolation --outdir $(DIST) .
 	$(PY) -c 'import sys, zipfile; wheel = zipfile.ZipFile(sys.argv[1]); \
 	  out = zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED); \
-	  [out.writestr(i, wheel.read(i)) for i in wheel.infolist() if ".dist-info/" not in i.filename and ".data/" not in i.filename]' \
+	  [out.writestr(i, wheel.read(i)) for i in wheel.infolist() if ".dist-info/" not in i.filename and ".data/" not in i.filename and not i.filename.endswith(".pth")]' \
 	  $(DIST)/freescale-*.whl $(DIST)/freescale.zip
 
 clean:

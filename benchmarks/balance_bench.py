@@ -1,4 +1,4 @@
-"""Benchmark of balancing.partition and balancing.plan on heavy-tailed sequence lengths.
+"""Benchmark of freescale.balancing.partition and balancing.plan on heavy-tailed sequence lengths.
 
 Prints markdown tables:
 
@@ -31,7 +31,7 @@ import numpy as np
 
 import ortools
 
-from balancing import STRATEGIES, partition, plan
+from freescale.balancing import STRATEGIES, partition, plan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -34,7 +34,7 @@ VARIANTS = ("contiguous", "balanced", "flops_kk", "control")
 
 
 def main() -> None:
-    from training.config import CommMode  # no torch
+    from freescale.training.config import CommMode  # no torch
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, "out/bubble-bench")

@@ -31,7 +31,7 @@ GPU_MACHINE_LACKS = ("torchrec", "fbgemm_gpu", "pyspark", "mlflow", "ortools", "
 
 def freescale(*args: str) -> list[str]:
     """A `freescale` command line run by this interpreter (no console script needed)."""
-    return [sys.executable, "-m", "jobs.cli", *args]
+    return [sys.executable, "-m", "freescale.jobs.cli", *args]
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -96,7 +96,7 @@ def build_shards(work: Path, args: argparse.Namespace) -> dict[str, Path]:
 def train(shards: Path, steps: int, seed: int, out: Path, args: argparse.Namespace, *extra: str) -> dict:
     """One 2-rank `freescale train` of ``shards`` (``steps`` of them; 0: as the config says), its run
     summary written to ``out`` and returned."""
-    from training.timing.comparison import train_once  # the one `freescale train` child process, as `freescale compare`
+    from freescale.launch.comparison import train_once  # the one `freescale train` child process, as `freescale compare`
 
     steps_args = ["--max-steps", str(steps)] if steps else []
     return train_once(shards, out, ["--nproc-per-node", "2", *steps_args, "--tracking-uri",

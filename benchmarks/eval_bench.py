@@ -1,7 +1,7 @@
 """What one rank's validation pass costs, part by part, and how it scales with users and items.
 
 A run validates every epoch (``evaluation.every_epochs``): each rank scores the validation item
-of every sample of its shard, under both protocols (``training.eval.evaluator``). This times the
+of every sample of its shard, under both protocols (``freescale.training.eval.evaluator``). This times the
 parts of that pass on one rank's shard, in process, with the trainer's functions:
 
 * ``read``: the shard's batches (``build_loader``);
@@ -71,9 +71,9 @@ def timed_parts(model, manifest, rank: int, sampled: int, seed: int) -> tuple[di
     """One validation pass, its parts timed apart (seconds), and the samples it scored."""
     import torch
 
-    from training.eval.evaluator import EVAL_BATCH_SAMPLES, NegativeDraws, joined, score_queries
-    from training.eval.ranking_metrics import retrieval_metrics, sampled_retrieval_metrics
-    from training.data.shard_reader import build_loader
+    from freescale.training.eval.evaluator import EVAL_BATCH_SAMPLES, NegativeDraws, joined, score_queries
+    from freescale.training.eval.ranking_metrics import retrieval_metrics, sampled_retrieval_metrics
+    from freescale.training.data.shard_reader import build_loader
 
     parts = dict.fromkeys(("read", "negatives, first", "negatives, kept", "encode", "rank, full catalog",
                            "rank, sampled"), 0.0)
@@ -108,7 +108,7 @@ def catalog_ranking(queries: int, width: int, catalog: int, repeats: int) -> dic
     evaluator does (``retrieval_metrics``' default) and with one score matrix per batch, alternating."""
     import torch
 
-    from training.eval.ranking_metrics import retrieval_metrics
+    from freescale.training.eval.ranking_metrics import retrieval_metrics
 
     generator = torch.Generator().manual_seed(0)
     table = torch.nn.functional.normalize(torch.randn(catalog + 1, width, generator=generator), dim=-1)
@@ -132,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from shards.manifest import load_manifest
-    from training.config import load_config
-    from training.eval.evaluator import EVAL_BATCH_SAMPLES, NegativeDraws, evaluate
-    from training.model.recommender import build_local_model
+    from freescale.shards.manifest import load_manifest
+    from freescale.training.config import load_config
+    from freescale.training.eval.evaluator import EVAL_BATCH_SAMPLES, NegativeDraws, evaluate
+    from freescale.training.model.recommender import build_local_model
 
     torch.set_num_threads(args.threads)
     overrides = ["--model.encoder", args.encoder] if args.encoder else []

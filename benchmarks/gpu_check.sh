@@ -2,7 +2,7 @@
 # The GPU check, one command on a bare GPU machine (torch, triton, numpy, pytest; no venv), under
 # 10 minutes (each part has its own timeout; the parts most worth having run first):
 #   bash benchmarks/gpu_check.sh            # tables and logs under $OUT (default out/gpu-check)
-# 1. the CUDA graphs' tests (training.model.encoder_graphs against the eager encoder): if they fail, the
+# 1. the CUDA graphs' tests (freescale.training.model.encoder_graphs against the eager encoder): if they fail, the
 #    next two parts run with training.cuda_graphs = "off" and say so;
 # 2. `freescale calibrate --device cuda` on the GPU model (benchmarks/configs/gpu_virtual_ranks.toml,
 #    bf16, CUDA graphs): the cost model the virtual ranks plan with;
@@ -30,7 +30,7 @@ fi
 echo "training.cuda_graphs = $graphs" | tee -a "$out/machine.txt"
 config=benchmarks/configs/gpu_virtual_ranks.toml
 mark "calibrate"
-timeout 60 python -m jobs.cli calibrate --device cuda --config "$config" --output "$out/cost_model.json" \
+timeout 60 python -m freescale.jobs.cli calibrate --device cuda --config "$config" --output "$out/cost_model.json" \
   --overwrite --repeats 3 --warmup 1 --held-out-batches 8 --tracking-uri none --training.cuda_graphs "$graphs" \
   > "$out/calibrate.log" 2>&1 || { status=1; tail -n 20 "$out/calibrate.log"; }
 if [ -f "$out/cost_model.json" ]; then

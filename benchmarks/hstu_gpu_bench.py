@@ -9,7 +9,7 @@ mlflow or ortools; it refuses to report if any of them got loaded), and the repo
 a. Numerics: triton against grouped on one mixed batch -- the attention op's output and its
    q, k, v, position- and time-table gradients -- in fp32 (the kernel's dots in TF32) and bf16.
 b. Cost curve: encoder forward+backward time against L (8 ... 2048), triton and grouped side by
-   side; then ``t = d + sum_i (a L_i^2 + b L_i + c)`` fitted (``pipeline.calibration.fit_form``)
+   side; then ``t = d + sum_i (a L_i^2 + b L_i + c)`` fitted (``freescale.costs.calibration.fit_form``)
    on mixed batches, its held-out error, and the per-sample constant's share at L = 50.
 c. Virtual ranks: moved to benchmarks/virtual_ranks_gpu.py (contiguous, flops_kk and kk at
    realistic work, with the cost model `freescale calibrate --device cuda` writes).
@@ -17,7 +17,7 @@ d. Where a target batch's step goes: the host's time to issue it, the encoder's 
    attention op's forward and backward alone (times the layers), so a missed target says whether
    launches (host), attention or the rest of the layer is what to cut. The op is also replayed as a
    CUDA graph: its GPU time without the host's.
-e. CUDA graphs (``training.cuda_graphs = "encoder"``, ``training.model.encoder_graphs``): the target batches'
+e. CUDA graphs (``training.cuda_graphs = "encoder"``, ``freescale.training.model.encoder_graphs``): the target batches'
    steps replayed per padded bucket against the eager step, alternated in one round robin; the
    launches and host time left.
 f. Where the GPU's time goes: one eager forward+backward of each target batch under torch.profiler,
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import Markdown, commit, loaded_gpu_machine_lacks  # standard library only
-from training.config import ConfigError, Precision, load_config  # the standard library only
-from training.timing.launches import kernel_launches  # torch when called
+from freescale.training.config import ConfigError, Precision, load_config  # the standard library only
+from freescale.training.timing.launches import kernel_launches  # torch when called
 
 LOGNORMAL_MU, LOGNORMAL_SIGMA = 4.2, 0.9  # benchmarks/balance_bench.py's synthetic lengths
 
@@ -72,7 +72,7 @@ class Sizes:
     """Position and time buckets (the model's default; fewer only to keep the interpreter quick)."""
     warmup: bool = True
     graph_buckets: tuple[tuple[str, int], ...] = ()
-    """``training.model.encoder_graphs.ShapeBuckets`` fields over its defaults (the smoke run's small rungs)."""
+    """``freescale.training.model.encoder_graphs.ShapeBuckets`` fields over its defaults (the smoke run's small rungs)."""
 
     def target_label(self, key: str) -> str:
         """``"short"`` / ``"long"``: the target batch's name in every table, e.g. ``128 x U[1, 200]``."""
@@ -148,7 +148,7 @@ class Bench(Markdown):
         self.device = torch.device("cpu" if self.smoke else "cuda")
         self.sizes = SMOKE if self.smoke else GPU
         self.repeats = 1 if self.smoke else args.repeats
-        from training.model.precision import encoder_autocast
+        from freescale.training.model.precision import encoder_autocast
 
         self.precision, self.encoder_autocast = args.precision, encoder_autocast  # imported once, not per step
         torch.backends.cuda.matmul.allow_tf32 = True  # the trainer's fp32 setting on GPUs
@@ -159,7 +159,7 @@ class Bench(Markdown):
     # ------------------------------------------------------------------ plumbing
 
     def config(self, kernel: str):
-        from training.config import HSTUConfig
+        from freescale.training.config import HSTUConfig
 
         s = self.sizes
         return HSTUConfig(num_layers=s.num_layers, num_heads=s.num_heads,
@@ -172,7 +172,7 @@ class Bench(Markdown):
 
     def encoders(self):
         """The same weights under both kernels."""
-        from training.model.hstu import HSTUEncoder
+        from freescale.training.model.hstu import HSTUEncoder
 
         torch = self.torch
         out = {}
@@ -183,7 +183,7 @@ class Bench(Markdown):
 
     def batch(self, lengths, requires_grad: bool = True):
         """Device tensors of one jagged batch (built outside any timed span)."""
-        from training.ops.jagged import offsets_from_lengths
+        from freescale.training.ops.jagged import offsets_from_lengths
 
         torch = self.torch
         lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
@@ -294,8 +294,8 @@ class Bench(Markdown):
     def numerics(self) -> None:
         """Section a: the op's output and five gradients, triton vs grouped."""
         torch = self.torch
-        from training.model.hstu import RelativeAttentionBias, bias_spec
-        from training.ops.attention import hstu_attention
+        from freescale.training.model.hstu import RelativeAttentionBias, bias_spec
+        from freescale.training.ops.attention import hstu_attention
 
         config = self.config("triton")
         heads, width = config.num_heads, config.attention_dim
@@ -388,8 +388,8 @@ class Bench(Markdown):
         """Section d (printed after b): the two target batches' steps taken apart; the attention op's
         forward+backward seconds for one layer of each."""
         torch = self.torch
-        from training.model.hstu import bias_spec
-        from training.ops.attention import hstu_attention
+        from freescale.training.model.hstu import bias_spec
+        from freescale.training.ops.attention import hstu_attention
 
         s = self.sizes
         config = self.config("triton")
@@ -457,7 +457,7 @@ class Bench(Markdown):
                   f"the batch's shape, times {s.num_layers} layers. Rest: the step minus attention forward+backward. "
                   f"One layer: the op's forward+backward issued eagerly, and replayed as one CUDA graph (GPU "
                   f"time alone{'; the smoke run reruns it' if self.smoke else ''}): with the default backward "
-                  f"(two_phase), its forward alone, and with the atomic_dq backward (training.ops.hstu_attention."
+                  f"(two_phase), its forward alone, and with the atomic_dq backward (freescale.training.ops.hstu_attention."
                   f"Backward).")
         self.emit()
         self.table(["batch", "step ms", "host ms to issue", "launches", "host us per launch", "encoder forward ms",
@@ -467,20 +467,20 @@ class Bench(Markdown):
         return attention_s
 
     def replayable(self, run):
-        """``run`` captured as a CUDA graph (``training.model.encoder_graphs``' warm-up and capture), as the
+        """``run`` captured as a CUDA graph (``freescale.training.model.encoder_graphs``' warm-up and capture), as the
         function that replays it; on CPU (smoke), ``run`` itself."""
         if self.device.type != "cuda":
             return run
-        from training.model.encoder_graphs import capture, warm_up
+        from freescale.training.model.encoder_graphs import capture, warm_up
 
         with self.autocast():
             warm_up(run)
             return capture(run).replay
 
     def graphs(self, curve: dict) -> dict[str, float]:
-        """Section e: the target batches' steps through ``training.model.encoder_graphs`` against eager (same
+        """Section e: the target batches' steps through ``freescale.training.model.encoder_graphs`` against eager (same
         weights, alternated), with the launches and host time a graphed step leaves."""
-        from training.model.encoder_graphs import GraphedEncoder, ShapeBuckets
+        from freescale.training.model.encoder_graphs import GraphedEncoder, ShapeBuckets
 
         s = self.sizes
         encoder = self.encoders()["triton"]
@@ -504,7 +504,7 @@ class Bench(Markdown):
                          f"{eager_s / graphed_s:.2f}x", f"{host * 1e3:.2f}", str(launches)])
         self.emit(f"## e. CUDA graphs: training.cuda_graphs = \"encoder\" ({self.elapsed()})")
         self.emit()
-        self.emit(f"The same weights eager and through training.model.encoder_graphs (rows padded to a bucket, "
+        self.emit(f"The same weights eager and through freescale.training.model.encoder_graphs (rows padded to a bucket, "
                   f"{graphed.stats.summary()}), alternated in one round robin. Launches: PyTorch ops the host still "
                   f"issues per graphed step (copies in, the padding's offsets, gradient accumulation), plus two "
                   f"replays{'; the smoke run reruns instead of replaying' if self.smoke else ''}.")
@@ -555,7 +555,7 @@ class Bench(Markdown):
     def fit(self):
         """Section b, second half: the cost model fitted on mixed batches timed with the triton kernel."""
         np = self.np
-        from pipeline.calibration import fit_form, r_squared
+        from freescale.costs.calibration import fit_form, r_squared
 
         s = self.sizes
         mixes = [self.mixed_lengths() for _ in range(s.fit_batches)]

@@ -45,10 +45,10 @@ import time
 import numpy as np
 import torch
 
-from pipeline.cost_model import CostModel, default_cost_model
-from training.config import HSTUConfig, ModelConfig
-from training.model.hstu import HSTUEncoder
-from training.ops.jagged import offsets_from_lengths
+from freescale.costs.cost_model import CostModel, default_cost_model
+from freescale.training.config import HSTUConfig, ModelConfig
+from freescale.training.model.hstu import HSTUEncoder
+from freescale.training.ops.jagged import offsets_from_lengths
 
 WIDTH = ModelConfig().embedding_dim  # the model's default width (model.embedding_dim)
 CALIBRATION: dict[str, list[int]] = {

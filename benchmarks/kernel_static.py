@@ -43,7 +43,7 @@ OPERAND_DTYPES = {"fp32": "*fp32", "bf16": "*bf16"}
 OPERANDS = ("Q", "K", "V", "OUT", "DOUT", "DQ_OUT", "DK_OUT", "DV_OUT")
 KERNELS = {"forward": ("_forward_kernel", {}), "backward": ("_backward_kernel", {"ATOMIC_DQ": False}),
            "backward_atomic_dq": ("_backward_kernel", {"ATOMIC_DQ": True})}
-"""``--kernels`` names -> the kernel and its variant's constants (``training.ops.hstu_attention.Backward``)."""
+"""``--kernels`` names -> the kernel and its variant's constants (``freescale.training.ops.hstu_attention.Backward``)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -203,7 +203,7 @@ def describe(path: list[str], block: int, warps: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
-    from training.ops import hstu_attention as ops
+    from freescale.training.ops import hstu_attention as ops
     import triton
 
     lines, rows = [], []

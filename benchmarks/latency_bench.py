@@ -38,7 +38,7 @@ def command_seconds(argv: list[str], expect_code: int, expect_text: str) -> floa
 
 
 def reachability_seconds() -> float:
-    code = ("import time\nfrom tracking.store import reachable_tracking_uri\n"
+    code = ("import time\nfrom freescale.tracking.store import reachable_tracking_uri\n"
             f"start = time.perf_counter()\nreachable_tracking_uri('balance', {DEAD_URI!r})\n"
             "print(time.perf_counter() - start)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -49,7 +49,7 @@ def reachability_seconds() -> float:
 def kk_solve_seconds() -> float:
     import numpy as np
 
-    from balancing import partition
+    from freescale.balancing import partition
 
     rng = np.random.default_rng(5)
     lengths = np.clip(np.round(rng.lognormal(4.2, 0.9, 64 * 64)), 20, 1024).astype(np.int64)

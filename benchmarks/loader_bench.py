@@ -4,15 +4,15 @@
         [--local-batch-size 32] [--repeats 9] [--prefetch 2] [--output FILE.md] [--smoke]
     python -m benchmarks.loader_bench --shards out/demo/shards-kk [--rank 0]   # a balance job's shards
 
-From the repository root. Every training step, each rank's loader (training/data/shard_reader.py's
+From the repository root. Every training step, each rank's loader (freescale/training/data/shard_reader.py's
 ``build_loader``, as the trainer builds it) reads its next step's rows from its Parquet shard,
 checks them, and collates them into a jagged ``SequenceBatch``; a GPU step that takes less time
 than that waits for its data. This measures the loader alone, on CPU, in history tokens delivered
 per second (tokens = the items of the histories, ``sum(lengths)``), over one rank's shard of long
 histories that it writes itself: log-normal lengths of mean about ``--mean-length`` (sigma 1, as
 the GPU virtual-ranks bench draws them) capped at ``--max-length``, in the shard format
-(shards/schema.py) with a sealed manifest, one file in row groups of about 4 MiB as the balance
-job writes them (shards/spark_balance.py's ROW_GROUP_BYTES), snappy, with page checksums. No Spark.
+(freescale/shards/schema.py) with a sealed manifest, one file in row groups of about 4 MiB as the balance
+job writes them (freescale/shards/spark_balance.py's ROW_GROUP_BYTES), snappy, with page checksums. No Spark.
 ``--shards`` measures a shard set `freescale balance` wrote instead (``--rank``'s shard).
 
 Variants, timed over the whole shard each, ``--repeats`` times, interleaved (a busy machine slows
@@ -44,7 +44,7 @@ from benchmarks.common import Markdown, commit
 
 SIGMA = 1.0
 ROW_GROUP_BYTES = 4 << 20
-"""The balance job's row-group size (shards/spark_balance.py; not imported: it loads Spark's helpers)."""
+"""The balance job's row-group size (freescale/shards/spark_balance.py; not imported: it loads Spark's helpers)."""
 TOKEN_BYTES = 16
 """Per history item in memory: an int32 item, an int64 timestamp, a float32 rating."""
 GPU_TOKENS_PER_S = 8e6
@@ -108,8 +108,8 @@ def shard_table(lengths, local_batch_size: int, rng):
     import numpy as np
     import pyarrow as pa
 
-    from pipeline.cost_model import default_cost_model
-    from shards.schema import arrow_schema
+    from freescale.costs.cost_model import default_cost_model
+    from freescale.shards.schema import arrow_schema
 
     n, total = len(lengths), int(lengths.sum())
     offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
@@ -139,10 +139,10 @@ def write_shard(root: Path, args: argparse.Namespace) -> dict:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from pipeline.cost_model import default_cost_model
-    from shards.file_stats import describe_file
-    from shards.manifest import build_rank_shards, new_manifest
-    from shards.schema import MANIFEST_NAME, rank_dir
+    from freescale.costs.cost_model import default_cost_model
+    from freescale.shards.file_stats import describe_file
+    from freescale.shards.manifest import build_rank_shards, new_manifest
+    from freescale.shards.schema import MANIFEST_NAME, rank_dir
 
     rng = np.random.default_rng(args.seed)
     lengths = history_lengths(args, rng)
@@ -171,7 +171,7 @@ def describe_shard(root: Path, rank: int) -> dict:
     """What ``rank``'s shard of a balance job's set holds, as write_shard says of its own."""
     import pyarrow.parquet as pq
 
-    from shards.manifest import load_manifest
+    from freescale.shards.manifest import load_manifest
 
     manifest = load_manifest(root, None, rank)
     paths = manifest.rank_paths(rank)
@@ -188,7 +188,7 @@ def describe_shard(root: Path, rank: int) -> dict:
 
 def variants(rank: int, prefetch: int) -> dict[str, object]:
     """Variant name -> a function of the manifest giving a fresh iterable over the rank's steps."""
-    from training.data.shard_reader import ShardReader, build_loader
+    from freescale.training.data.shard_reader import ShardReader, build_loader
 
     def read(manifest):
         reader = ShardReader(manifest, rank)
@@ -215,7 +215,7 @@ def one_pass(source) -> tuple[float, int, int]:
 
 def measure(root: Path, rank: int, args: argparse.Namespace) -> list[dict]:
     """Every variant ``--repeats`` times, interleaved; one row per variant."""
-    from shards.manifest import load_manifest
+    from freescale.shards.manifest import load_manifest
 
     manifest = load_manifest(root, None, rank)
     ways = variants(rank, args.prefetch)

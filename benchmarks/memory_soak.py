@@ -78,7 +78,7 @@ def rank_processes(root: int) -> dict[int, int]:
     for pid in descendants(root):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"jobs.train" not in cmdline:
+            if b"freescale.jobs.train" not in cmdline:
                 continue
             environ = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                            if b"=" in item)

@@ -42,10 +42,10 @@ def random_model(prepared: Path, config_file: Path, out: Path) -> None:
 
     import torch
 
-    from pipeline.prepared import read_metadata
-    from training.config import load_config
-    from training.export.exporter import Source, read_vocabulary, write_folder
-    from training.export.exported_model import ITEM_TABLE, USER_TABLE, dense_model
+    from freescale.prepare.prepared import read_metadata
+    from freescale.training.config import load_config
+    from freescale.training.export.exporter import Source, read_vocabulary, write_folder
+    from freescale.training.export.exported_model import ITEM_TABLE, USER_TABLE, dense_model
 
     torch.manual_seed(0)
     config = load_config(str(config_file), [])
@@ -64,8 +64,8 @@ def timed_runs(model: Path, prepared: Path, cores: int, repeats: int, workdir: P
     """Seconds of each repeat's ship-score-write on ``local[cores]`` (a fresh session per core count)."""
     from pyspark.sql import SparkSession
 
-    from runtime.session import build_spark_session
-    from training.export.spark_recommend import recommendations, resolve_model
+    from freescale.runtime.session import build_spark_session
+    from freescale.training.export.spark_recommend import recommendations, resolve_model
 
     active = SparkSession.getActiveSession()
     if active is not None:

@@ -1,11 +1,11 @@
-"""How long a resume on another world size takes to re-plan the rest of an epoch (shards/replan.py).
+"""How long a resume on another world size takes to re-plan the rest of an epoch (freescale/shards/replan.py).
 
     python -m benchmarks.replan_bench [--samples 1000000] [--ranks 1024] [--to-ranks 1016,512]
         [--local-batch-size 16] [--trained 0.5] [--repeats 3] [--output FILE.md] [--smoke]
 
 From the repository root. `freescale train --nproc-per-node K'` on the checkpoint of a K-rank run
 re-plans, in the launcher before any rank starts, every sample the checkpoint's epoch has not trained
-(``shards.replan.replan``): it reads the ``step``, ``cost`` and ``length`` columns of every rank's
+(``freescale.shards.replan.replan``): it reads the ``step``, ``cost`` and ``length`` columns of every rank's
 files, plans the rest for K' ranks with the manifest's strategy, and writes the re-plan. This times
 those three parts on a synthetic shard set of ``--samples`` samples over ``--ranks`` ranks (one file
 per rank, in the shard format's column types, holding only the three columns the re-plan reads:
@@ -34,8 +34,8 @@ def write_plan_columns(root: Path, samples: int, ranks: int, local_batch: int, s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shards.manifest import seal
-    from shards.schema import MANIFEST_FORMAT
+    from freescale.shards.manifest import seal
+    from freescale.shards.schema import MANIFEST_FORMAT
 
     rng = np.random.default_rng(seed)
     lengths = np.minimum(np.ceil(rng.lognormal(np.log(120), 1.0, samples)), 4096).astype(np.int32)
@@ -68,8 +68,8 @@ def write_plan_columns(root: Path, samples: int, ranks: int, local_batch: int, s
 
 def time_replan(shards: Path, to_ranks: int, trained: float, out: Path) -> dict[str, float]:
     """One re-plan of the rest of epoch 0 for ``to_ranks``: seconds to read, plan and write, and its shape."""
-    from shards.manifest import load_manifest
-    from shards.replan import ReplanFiles, replan
+    from freescale.shards.manifest import load_manifest
+    from freescale.shards.replan import ReplanFiles, replan
 
     manifest = load_manifest(shards)
     from_step = int(manifest.num_steps * trained)

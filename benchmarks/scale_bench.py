@@ -38,10 +38,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = textwrap.dedent("""\
     import sys
     from pyspark.sql import functions as F
-    from runtime.session import build_spark_session
+    from freescale.runtime.session import build_spark_session
     spark = build_spark_session(None, "freescale-scale-reference")
     if sys.argv[1] == "generate":
-        from pipeline.synthetic import synthetic_interactions
+        from freescale.prepare.synthetic import synthetic_interactions
         synthetic_interactions(spark, int(sys.argv[3]), int(sys.argv[4]), seed=int(sys.argv[5])) \\
             .write.parquet(sys.argv[2])
     else:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         prepared = work / "prepared"
-        wall, rss = run([py, "-m", "jobs.prepare", "--output", str(prepared), "--synthetic-users", str(args.users),
+        wall, rss = run([py, "-m", "freescale.jobs.prepare", "--output", str(prepared), "--synthetic-users", str(args.users),
                          "--synthetic-items", str(args.items), "--seed", str(args.seed), "--overwrite",
                          "--tracking-uri", "none"], work / "prepare.log")
         meta = json.loads((prepared / "prepare.json").read_text())
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{meta['duplicates_dropped']} duplicates dropped"))
 
         shards = work / "shards"
-        wall, rss = run([py, "-m", "jobs.balance", "--input", str(prepared), "--output", str(shards),
+        wall, rss = run([py, "-m", "freescale.jobs.balance", "--input", str(prepared), "--output", str(shards),
                          "--world-size", str(args.world_size), "--local-batch-size", str(args.local_batch_size),
                          "--window-steps", str(args.window_steps), "--overwrite", "--tracking-uri", "none"],
                         work / "balance.log")

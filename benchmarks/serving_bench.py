@@ -51,7 +51,7 @@ def pyfunc_model(model: Path, workdir: Path) -> Path:
         return model
     import mlflow
 
-    from training.export.exporter import pyfunc_arguments, quiet_mlflow
+    from freescale.training.export.exporter import pyfunc_arguments, quiet_mlflow
 
     target = workdir / "pyfunc"
     shutil.rmtree(target, ignore_errors=True)
@@ -65,7 +65,7 @@ def serve_model(model: Path, log: Path, workers: int = 1) -> Iterator[str]:
     """`mlflow models serve --env-manager local` of the MLflow model folder ``model`` on a free loopback
     port, in its own process group, its output to ``log``; its address once /ping answers."""
     port = free_port()
-    # The project on the path (the model's code imports training.export.exported_model); this environment's
+    # The project on the path (the model's code imports freescale.model); this environment's
     # scripts on PATH (mlflow execs `uvicorn`); one torch thread per worker, as the ranks run.
     bin_dir = str(Path(sys.executable).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),

@@ -38,7 +38,7 @@ STRATEGY = {"control": ["--strategy", "contiguous", "--control", "mirror"], "con
             "balanced": ["--strategy", "kk"]}
 BUBBLE_TOLERANCE, SMALL_BUBBLE, SMALL_BUBBLE_TOLERANCE = 0.25, 0.04, 0.01
 LARGE_K = "256,1024"
-LOGNORMAL = "lognormal:4.2,0.9"  # pipeline/synthetic.py's defaults: median ~67, p99/p50 ~8
+LOGNORMAL = "lognormal:4.2,0.9"  # freescale/prepare/synthetic.py's defaults: median ~67, p99/p50 ~8
 
 
 def build(work: Path) -> tuple[Path, Path, dict[tuple[int, str], Path]]:

@@ -14,7 +14,7 @@ is unmeasured.
       the GPU's copy (DMA) engines (CUDA C Programming Guide, "Asynchronous Concurrent
       Execution" / asyncEngineCount). This is the copy-engine reference.
     * ``d2d-memcpy``: contiguous same-device ``copy_`` = ``cudaMemcpyAsync`` device-to-device,
-      the copy ``comm.cuda``'s copy_engine backend uses to pack/unpack its slots. Whether the
+      the copy ``freescale.comm.cuda``'s copy_engine backend uses to pack/unpack its slots. Whether the
       driver runs it on a copy engine or a kernel is not documented; this row measures it.
     * ``ce-peer`` (only with two GPUs with peer access in this process): ``copy_`` from
       cuda:0 to cuda:1, ``cudaMemcpyAsync`` between peers (copy engines over NVLink/PCIe).
@@ -25,7 +25,7 @@ is unmeasured.
 
 (b) Several GPUs (``torchrun --nproc-per-node N -m benchmarks.sm_free_bench --multi``): the
     embedding all-to-all (rows of ``--dim`` floats, uneven splits around ``--rows-per-peer``)
-    through ``comm.backend.build_backend("nccl" | "copy_engine")``, alone and beside the same
+    through ``freescale.comm.backend.build_backend("nccl" | "copy_engine")``, alone and beside the same
     GEMM on the caller's stream, reporting GEMM slowdown and all-to-all time.
 
 Every number is the median of ``--repeats`` (>= 5) with [min, max]; conditions are
@@ -192,7 +192,7 @@ def split_matrix(world: int, mean: int, seed: int = 0) -> list[list[int]]:
 def multi_gpu(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from comm.backend import BackendUnavailable, build_backend
+    from freescale.comm.backend import BackendUnavailable, build_backend
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank)

@@ -1,6 +1,6 @@
 """Virtual ranks at realistic work on one GPU: contiguous, flops_kk and kk plans, every rank's batch timed.
 
-    python -m jobs.cli calibrate --device cuda --config benchmarks/configs/gpu_virtual_ranks.toml \
+    python -m freescale.jobs.cli calibrate --device cuda --config benchmarks/configs/gpu_virtual_ranks.toml \
         --output $OUT/cost_model.json --tracking-uri none
     python -m benchmarks.virtual_ranks_gpu --cost-model $OUT/cost_model.json --output $OUT/virtual_ranks.md
 
@@ -12,11 +12,11 @@ about 500, capped at 4,096; and MovieLens-100K's history lengths) and planned th
 recsys-examples: Karmarkar-Karp on L^2 + 2.5 d L per global batch, equal counts) and ``kk``
 (FreeScale: the calibrated cost model, the whole window). Each (step, rank) batch is then timed on
 this GPU in turn, the model's dense forward+backward as ``freescale calibrate`` times it
-(training/calibration/calibrate.py: the model of ``--config``, at its training.precision, a plain item table);
+(freescale/training/calibration/calibrate.py: the model of ``--config``, at its training.precision, a plain item table);
 a step takes its slowest rank. Medians of ``--repeats`` round-robin passes.
 
 Beside each measurement: what ``freescale simulate`` predicts from the plan's loads and the same
-cost model (balancing.simulate.simulate; the cost model's per-step constant in every rank's
+cost model (freescale.balancing.simulate.simulate; the cost model's per-step constant in every rank's
 compute, as simulate counts it; no noise: the measurement takes medians).
 
 It needs only torch, triton and numpy (it refuses to report if torchrec, fbgemm, pyspark, mlflow,
@@ -121,8 +121,8 @@ class Bench(Markdown):
         import numpy as np
         import torch
 
-        from pipeline.cost_model import CostModel, default_cost_model
-        from training.config import load_config
+        from freescale.costs.cost_model import CostModel, default_cost_model
+        from freescale.training.config import load_config
 
         self.np, self.torch, self.args = np, torch, args
         Markdown.__init__(self, args.output)
@@ -190,8 +190,8 @@ class Bench(Markdown):
 
     def measure(self, name: str, sampler, k: int) -> dict:
         """Plan K x B x steps lengths three ways; time every (step, rank) batch; measured and predicted."""
-        from balancing import bubble, plan
-        from balancing.simulate import Noise, TimeModel, simulate
+        from freescale.balancing import bubble, plan
+        from freescale.balancing.simulate import Noise, TimeModel, simulate
 
         b, steps = self.sizes.batch_size, self.sizes.steps[k]
         lengths = sampler(k * b * steps)
@@ -226,7 +226,7 @@ class Bench(Markdown):
     def time_batches(self, batches: list) -> "object":
         """Median wall seconds of each batch's dense forward+backward, timed round-robin."""
         np = self.np
-        from training.calibration.calibrate import synthetic_batch, time_dense_step, time_round_robin
+        from freescale.training.calibration.calibrate import synthetic_batch, time_dense_step, time_round_robin
 
         model, table = self.model()
         loss = self.config.loss
@@ -244,7 +244,7 @@ class Bench(Markdown):
         """The timed model and its plain item table, built once: no step changes the weights, and
         every case after the first replays the CUDA graphs already captured for its shapes."""
         if self._model is None:
-            from training.model.recommender import build_dense_model
+            from freescale.training.model.recommender import build_dense_model
 
             self.torch.manual_seed(self.args.seed)
             model, table = build_dense_model(self.args.num_items, self.config.model, device=self.device,

@@ -34,8 +34,8 @@ from tests.scenarios import SCENARIOS  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MOVIELENS_DIR = helpers.MOVIELENS_DIR
 
-# Jobs' Spark progress lines (runtime/progress.py) off: tests count a job's stderr lines, and a
-# loaded machine would make a stage long enough to print one. tests/pipeline/test_progress.py turns it on.
+# Jobs' Spark progress lines (freescale/runtime/progress.py) off: tests count a job's stderr lines, and a
+# loaded machine would make a stage long enough to print one. tests/runtime/test_progress.py turns it on.
 os.environ.setdefault("FREESCALE_PROGRESS", "0")
 # Every Spark driver the suite starts (the session's, the jobs', spark-submit's) runs helpers.TEST_JVM_OPTS.
 os.environ.setdefault("SPARK_SUBMIT_OPTS", helpers.TEST_JVM_OPTS)
@@ -149,8 +149,8 @@ def pytest_terminal_summary(terminalreporter, config):
 def fresh_log(tmp_path, monkeypatch) -> Path:
     """In-process jobs log to tmp_path/logs, nothing verbose: an earlier in-process job of the session
     may have named a log, and its error lines would then end "(details: ...)"."""
-    from runtime import job_errors
-    from runtime import logs
+    from freescale.runtime import job_errors
+    from freescale.runtime import logs
 
     folder = tmp_path / "logs"
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(folder))
@@ -176,7 +176,7 @@ def single_thread():
 @pytest.fixture(scope="session")
 @helpers.spawns
 def spark():
-    from runtime.session import build_spark_session
+    from freescale.runtime.session import build_spark_session
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     session = build_spark_session(master="local[2]", app_name="freescale-tests")
@@ -195,7 +195,7 @@ def movielens_dir() -> Path:
 def movielens_prepared(spark, movielens_dir, tmp_path_factory) -> Path:
     """MovieLens-100K with its user features through the real prepare job (shared by the job
     and trainer tests)."""
-    from jobs import prepare
+    from freescale.jobs import prepare
 
     out = tmp_path_factory.mktemp("ml") / "prepared"
     assert prepare.main(["--input", str(movielens_dir / "ratings.parquet"), "--output", str(out),
@@ -243,7 +243,7 @@ def movielens_shards_1(spark, movielens_prepared, tmp_path_factory) -> Path:
 
 
 def _balanced_shards(prepared: Path, out: Path, world_size: int) -> Path:
-    from jobs import balance
+    from freescale.jobs import balance
 
     assert balance.main(["--input", str(prepared), "--output", str(out), "--world-size", str(world_size),
                          "--local-batch-size", "16", "--leftover", "drop", "--tracking-uri", "none"]) == 0

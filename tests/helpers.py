@@ -98,7 +98,7 @@ class DataJobsRun:
         # Dumping: the JVM writes the archive as it exits, so this process waits for it to exit.
         wait_for_jvm = ("from pyspark import SparkContext\ngateway = SparkContext._gateway\n"
                         "gateway.proc.stdin.close(); gateway.proc.wait()\n") if dump else ""
-        return ("from jobs.cli import main\n"
+        return ("from freescale.jobs.cli import main\n"
                 f"tracking = ['--tracking-uri', 'sqlite:///{db}']\n"
                 f"assert main(['prepare', '--output', '{out}/prepared', '--synthetic-users', '300', "
                 "'--synthetic-items', '100', *tracking]) == 0\n"
@@ -183,8 +183,8 @@ def is_launch(cmd) -> bool:
     argv = [str(a) for a in cmd]
     if "torch.distributed.run" in argv or any(Path(a).name == "torchrun" for a in argv[:1]):
         return True
-    if "jobs.cli" in argv:
-        sub = argv[argv.index("jobs.cli") + 1:argv.index("jobs.cli") + 2]
+    if "freescale.jobs.cli" in argv:
+        sub = argv[argv.index("freescale.jobs.cli") + 1:argv.index("freescale.jobs.cli") + 2]
         return sub in (["train"], ["pipeline"])
     return False
 
@@ -244,7 +244,7 @@ def train_env() -> dict[str, str]:
 
 def freescale_train(shards: Path, *args: str, nproc: int = 2, timeout: int = TIMEOUT_S) -> subprocess.CompletedProcess:
     """`freescale train` in a child process (one launch), run to its end."""
-    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", str(nproc),
+    cmd = [sys.executable, "-m", "freescale.jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", str(nproc),
            *args]
     return subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -252,7 +252,7 @@ def freescale_train(shards: Path, *args: str, nproc: int = 2, timeout: int = TIM
 def start_train(shards: Path, *args: str) -> subprocess.Popen:
     """`freescale train` with 2 ranks in its own process group (a terminal's or a scheduler's job),
     output merged on stdout."""
-    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "2", *args]
+    cmd = [sys.executable, "-m", "freescale.jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "2", *args]
     return subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
@@ -288,7 +288,7 @@ def rank_process(rank: int, marker: str, timeout: float = 120) -> int:
                 environ = (proc / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if "jobs.train" in cmdline and marker in cmdline and f"RANK={rank}".encode() in environ:
+            if "freescale.jobs.train" in cmdline and marker in cmdline and f"RANK={rank}".encode() in environ:
                 return int(proc.name)
         time.sleep(0.2)
     raise AssertionError(f"no rank {rank} worker found")
@@ -345,7 +345,7 @@ def copy_shards(src: Path, dst: Path) -> Path:
 
 def reseal(shards: Path, edit) -> None:
     """A deliberate edit of a shard set's manifest (`edit(dict)`), resealed so only the edit is wrong."""
-    from shards.manifest import seal
+    from freescale.shards.manifest import seal
 
     manifest = json.loads((shards / "manifest.json").read_text())
     edit(manifest)
@@ -356,7 +356,7 @@ def reseal(shards: Path, edit) -> None:
 
 
 def train_in_process(*argv: str) -> int:
-    """One training rank in this process (`jobs.train`'s job without torchrun): a FileStore
+    """One training rank in this process (`freescale.jobs.train`'s job without torchrun): a FileStore
     process group of one, its log in a temporary folder. The environment, signal handlers, thread
     count, log, logger levels, warning filters and process group it sets are undone afterwards. Its stderr carries the rank's lines ("freescale train (rank 0): ...")."""
     import torch
@@ -366,9 +366,9 @@ def train_in_process(*argv: str) -> int:
     import tempfile
     import warnings
 
-    from jobs import train
-    from runtime.job_errors import run_job
-    from runtime import logs
+    from freescale.jobs import train
+    from freescale.runtime.job_errors import run_job
+    from freescale.runtime import logs
 
     handlers = {s: signal.getsignal(s) for s in train.STOP_SIGNALS}
     threads = torch.get_num_threads()
@@ -378,7 +378,7 @@ def train_in_process(*argv: str) -> int:
         os.environ.pop(name, None)
     os.environ[logs.LOG_DIR_ENV] = tempfile.mkdtemp(prefix="freescale-test-logs-")  # not the repo's out/logs
     logs._log_file, logs._verbose = None, False
-    # A rank quiets third-party loggers and warnings for its process (training/parallel/sharding.py): in
+    # A rank quiets third-party loggers and warnings for its process (freescale/training/parallel/sharding.py): in
     # this one, that would hide them from later tests.
     levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
               if isinstance(logger, logging.Logger)}
@@ -418,7 +418,7 @@ def without_torchrun(cmd):
 
 
 class _OneRankSubprocess:
-    """`subprocess` as training.parallel.launcher sees it once ``one_rank_without_torchrun`` is on."""
+    """`subprocess` as freescale.launch.launcher sees it once ``one_rank_without_torchrun`` is on."""
 
     def __getattr__(self, name: str):
         return getattr(subprocess, name)
@@ -432,7 +432,7 @@ def one_rank_without_torchrun(monkeypatch=None) -> None:
     """`freescale train` of one rank starts that rank itself instead of torchrun (the pipeline tests'
     trainings: what they check is the stage engine, and a 1-rank torchrun launch is two processes
     and seconds more for nothing). With `monkeypatch`, undone after the test."""
-    from training.parallel import launcher
+    from freescale.launch import launcher
 
     if monkeypatch is None:
         launcher.subprocess = _OneRankSubprocess()
@@ -637,8 +637,8 @@ def write_shards(root: Path, *, world_size: int = 2, local_batch: int = 4, num_s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shards.manifest import seal
-    from shards.schema import MANIFEST_FORMAT, arrow_schema
+    from freescale.shards.manifest import seal
+    from freescale.shards.schema import MANIFEST_FORMAT, arrow_schema
 
     rng = np.random.default_rng(seed)
     schema = arrow_schema(user_features=bool(user_features))

@@ -40,7 +40,7 @@ def scenario(fixture):
 
 @scenario
 def movielens_comparison(spark, movielens_prepared, mlflow_server, tmp_path_factory):
-    """One real `freescale compare` (jobs.compare.main) on MovieLens-100K: 2 ranks x 16 samples,
+    """One real `freescale compare` (freescale.jobs.compare.main) on MovieLens-100K: 2 ranks x 16 samples,
     one repeat of contiguous / balanced (kk) / mirror control (3 launches; how repeats alternate and
     are summarized is test_compare's in-process check), a few steps of a one-layer model
     (evaluated on 64 samples per rank),
@@ -50,7 +50,7 @@ def movielens_comparison(spark, movielens_prepared, mlflow_server, tmp_path_fact
     import json
     from types import SimpleNamespace
 
-    from jobs import compare
+    from freescale.jobs import compare
 
     root = tmp_path_factory.mktemp("comparison")
     tracking_uri = mlflow_server
@@ -356,7 +356,7 @@ def run_lone_node(folder: Path) -> SimpleNamespace:
     shards = folder / "shards"
     shards.mkdir(parents=True)
     seen = SimpleNamespace(endpoint=f"127.0.0.1:{helpers.free_port()}", marker=uuid.uuid4().hex, logs=folder / "logs")
-    cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "freescale.jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "1",
            "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", seen.endpoint,
            "--rdzv-timeout", str(LONE_NODE_TIMEOUT_S), "--tracking-uri", "none"]
     # The marker is in the environment of the launcher and all it starts.
@@ -415,7 +415,7 @@ def failed_launches(tmp_path_factory, movielens_shards):
            if k not in ("FREESCALE_LOG_FILE", "FREESCALE_VERBOSE", "FREESCALE_DEBUG")}
 
     def freescale_train(shards: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "2",
+        cmd = [sys.executable, "-m", "freescale.jobs.cli", "train", "--shards", str(shards), "--nproc-per-node", "2",
                "--max-steps", "2", "--tracking-uri", "none", *helpers.SMALL_RUN, *extra]
         return subprocess.run(cmd, cwd=helpers.REPO, env={**env, "FREESCALE_LOG_DIR": str(root / name / "logs")},
                               capture_output=True, text=True, timeout=helpers.TIMEOUT_S)

@@ -1,4 +1,4 @@
-"""Tests for balancing.partition: exactness against brute force on small instances, constraints,
+"""Tests for freescale.balancing.partition: exactness against brute force on small instances, constraints,
 infeasibility, determinism and input validation."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from balancing import STRATEGIES, InfeasibleError, Partition, partition
-from balancing.strategies import PER_BATCH
+from freescale.balancing import STRATEGIES, InfeasibleError, Partition, partition
+from freescale.balancing.strategies import PER_BATCH
 
 
 def brute_force_optimum(
@@ -234,10 +234,10 @@ def test_kk_is_close_to_the_lower_bound_on_heavy_tails() -> None:
 
 
 def test_ortools_lns_improves_a_poor_warm_start() -> None:
-    from balancing.contiguous import contiguous_ranks
-    from balancing.ortools import ortools_ranks
-    from balancing.inputs import build_problem
-    from balancing.metrics import makespan
+    from freescale.balancing.contiguous import contiguous_ranks
+    from freescale.balancing.ortools import ortools_ranks
+    from freescale.balancing.inputs import build_problem
+    from freescale.balancing.metrics import makespan
 
     costs, _ = heavy_tailed(128 * 8, seed=2)
     p = build_problem(costs, 128)  # K * buckets is far above the full-model size: LNS

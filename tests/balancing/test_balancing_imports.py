@@ -21,22 +21,22 @@ def heavy_modules_after(code: str) -> list[str]:
 
 @pytest.mark.spawns
 def test_import_pulls_in_only_numpy() -> None:
-    assert heavy_modules_after("import balancing") == []
+    assert heavy_modules_after("from freescale import balancing") == []
 
 
 @pytest.mark.spawns
 def test_strategy_registry_loads_ortools_only_when_that_strategy_runs() -> None:
     # The balance job imports the registry for its --strategy choices before any Spark work.
-    assert heavy_modules_after("from balancing.strategies import STRATEGIES") == []
-    assert heavy_modules_after("from balancing import partition; partition([1.0, 2.0], 2, strategy='kk')") == []
-    ran = "from balancing import partition; partition([1.0, 2.0, 3.0], 2, strategy='ortools', time_limit_s=0.1)"
+    assert heavy_modules_after("from freescale.balancing.strategies import STRATEGIES") == []
+    assert heavy_modules_after("from freescale.balancing import partition; partition([1.0, 2.0], 2, strategy='kk')") == []
+    ran = "from freescale.balancing import partition; partition([1.0, 2.0, 3.0], 2, strategy='ortools', time_limit_s=0.1)"
     assert "ortools" in heavy_modules_after(ran)  # (OR-Tools itself brings pandas and pyarrow)
 
 
 def test_one_list_of_strategies() -> None:
-    import balancing
-    from balancing.strategies import SOLVERS, STRATEGIES
-    from jobs.balance import build_parser
+    from freescale import balancing
+    from freescale.balancing.strategies import SOLVERS, STRATEGIES
+    from freescale.jobs.balance import build_parser
 
     assert STRATEGIES == tuple(SOLVERS) and balancing.STRATEGIES is STRATEGIES
     (option,) = [a for a in build_parser()._actions if a.dest == "strategy"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from balancing import InfeasibleError, Plan, bubble, plan
+from freescale.balancing import InfeasibleError, Plan, bubble, plan
 
 
 def heavy_tailed(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from balancing import partition, plan
-from balancing.flops_kk import flop_costs
-from balancing.simulate import lognormal_lengths
-from pipeline.cost_model import CostModel
+from freescale.balancing import partition, plan
+from freescale.balancing.flops_kk import flop_costs
+from freescale.balancing.simulate import lognormal_lengths
+from freescale.costs.cost_model import CostModel
 
 
 def heavy_lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -64,7 +64,7 @@ def test_what_it_refuses(kwargs, message):
 
 
 def test_simulate_runs_it_with_one_step_windows(capsys, fresh_log):
-    from jobs import simulate
+    from freescale.jobs import simulate
 
     assert simulate.main(["--lengths", "lognormal:4.5,1.0", "--strategy", "flops_kk", "--world-sizes", "4",
                           "--steps", "2", "--tracking-uri", "none"]) == 0

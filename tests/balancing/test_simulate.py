@@ -1,4 +1,4 @@
-"""`freescale simulate` and its model (balancing/simulate.py): the trainer's bubble definitions,
+"""`freescale simulate` and its model (freescale/balancing/simulate.py): the trainer's bubble definitions,
 noise that costs more on more ranks, balancing that pays on heavy tails, the comm term, the fits
 from measured runs, and the command's output and one-line errors."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from balancing.metrics import bubble
-from balancing.simulate import (Noise, TimeModel, fit_comm, fit_seconds_per_cost, lognormal_lengths, plan_loads,
+from freescale.balancing.metrics import bubble
+from freescale.balancing.simulate import (Noise, TimeModel, fit_comm, fit_seconds_per_cost, lognormal_lengths, plan_loads,
                                 rank_noise, simulate)
-from balancing.window import plan
-from pipeline.cost_model import CostModel, default_cost_model
+from freescale.balancing.window import plan
+from freescale.costs.cost_model import CostModel, default_cost_model
 from tests.helpers import sqlite_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,9 +43,9 @@ def test_zero_noise_reproduces_the_plans_bubble():
 
 
 def test_the_fractions_are_the_trainers_on_the_simulated_steps():
-    """With noise and a comm term, the prediction equals training/timing/bubbles.py's bubble_fraction and
+    """With noise and a comm term, the prediction equals freescale/training/timing/bubbles.py's bubble_fraction and
     idle_fraction of the very steps simulated (the same seed draws the same noise)."""
-    from training.timing import bubbles
+    from freescale.training.timing import bubbles
 
     loads = np.random.default_rng(1).uniform(1.0, 3.0, size=(40, 4))
     model = TimeModel(0.01, 0.004, 0.0005, Noise("normal", 0.2))
@@ -106,7 +106,7 @@ def test_the_per_step_constant_is_every_ranks_compute():
     """compute = seconds_per_cost * load + constant on every rank: by hand, contiguous steps take
     max(1, 5) ms + 6 ms and max(4, 2) ms + 6 ms, balanced 3 ms + 6 ms; the same waits over longer
     steps are a smaller bubble, and the speedup shrinks from 4.5 / 3 to 10.5 / 9."""
-    from balancing.time_model import predict, reductions
+    from freescale.balancing.time_model import predict, reductions
 
     plans = {2: {"contiguous": CONTIGUOUS, "balanced": BALANCED}}
     with_constant = TimeModel(0.001, step_constant_s=0.006)
@@ -167,7 +167,7 @@ def mirror_summary(path: Path, steps: int = 60, ranks: int = 2, seed: int = 0,
                    cost_model: dict | None = DEFAULT_MODEL_JSON) -> Path:
     """A `freescale train --summary-json` file of a mirror run (the trainer's field layout), of
     shards costed by `cost_model` (None: a summary from before summaries named it)."""
-    from training.timing.bubbles import FIELD_INDEX, TIMING_FIELDS
+    from freescale.training.timing.bubbles import FIELD_INDEX, TIMING_FIELDS
 
     rng = np.random.default_rng(seed)
     table = np.zeros((steps, ranks, len(TIMING_FIELDS)))
@@ -188,7 +188,7 @@ def mirror_summary(path: Path, steps: int = 60, ranks: int = 2, seed: int = 0,
 def freescale(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "FREESCALE_LOG_DIR": str(tmp_path / "logs")}
     env.pop("FREESCALE_LOG_FILE", None)
-    return subprocess.run([sys.executable, "-m", "jobs.cli", "simulate", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "freescale.jobs.cli", "simulate", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -221,7 +221,7 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path):
     (["--input", "no-such-dir"], "--input no-such-dir does not exist"),
 ])
 def test_bad_input_is_one_line_and_exit_2(fresh_log, tmp_path, capsys, args, message):
-    from jobs import cli
+    from freescale.jobs import cli
 
     assert cli.main(["simulate", *args, "--tracking-uri", "none", "--json", str(tmp_path / "sim.json")]) == 2
     captured = capsys.readouterr()
@@ -230,8 +230,8 @@ def test_bad_input_is_one_line_and_exit_2(fresh_log, tmp_path, capsys, args, mes
 
 
 def test_a_run_that_is_not_a_mirror_control_is_refused_as_noise(fresh_log, tmp_path, capsys):
-    from jobs import cli
-    from training.timing.bubbles import FIELD_INDEX
+    from freescale.jobs import cli
+    from freescale.training.timing.bubbles import FIELD_INDEX
 
     summary = mirror_summary(tmp_path / "balanced.json")
     data = json.loads(summary.read_text())
@@ -249,7 +249,7 @@ def test_a_shard_set_is_simulated_at_its_own_size_and_tracked(movielens_shards, 
     bubble; the MLflow run holds the numbers and the plot."""
     import mlflow
 
-    from jobs import simulate as job
+    from freescale.jobs import simulate as job
 
     uri = sqlite_store(tmp_path / "mlflow.db")
     out = tmp_path / "sim.json"
@@ -272,7 +272,7 @@ def test_a_shard_set_is_simulated_at_its_own_size_and_tracked(movielens_shards, 
 @pytest.mark.spawns
 def test_the_command_loads_nothing_heavy_before_its_work():
     """Argument checks and the model are NumPy only: no torch, torchrec, pyspark or mlflow on import."""
-    probe = ("import sys, jobs.simulate, balancing.simulate; "
+    probe = ("import sys, freescale.jobs.simulate, freescale.balancing.simulate; "
              "print(sorted(m for m in ('torch', 'torchrec', 'pyspark', 'mlflow', 'matplotlib') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
@@ -282,8 +282,8 @@ def test_the_command_loads_nothing_heavy_before_its_work():
 def test_the_runs_cost_model_costs_the_plans_and_another_is_refused(fresh_log, tmp_path, capsys):
     """Seconds per cost unit is fitted on the runs' cost column, so the plans must be costed by
     the same model: the runs' by default; another --cost-model, or runs of two models, are refused."""
-    from jobs import cli
-    from pipeline.cost_model import CostModel
+    from freescale.jobs import cli
+    from freescale.costs.cost_model import CostModel
 
     theirs = CostModel("quadratic", a=1e-6, b=1e-3, c=0.5, unit="seconds", provenance={"source": "theirs.json"})
     runs = mirror_summary(tmp_path / "runs.json", cost_model=theirs.to_json())
@@ -324,7 +324,7 @@ def test_a_k_too_large_for_memory_is_refused_up_front_in_one_line(tmp_path):
                     "--json", str(tmp_path / "sim.json"), tmp_path=tmp_path)
     assert time.perf_counter() - started < 10
     assert run.returncode == 2, run.stderr
-    from balancing.simulate import PLAN_BYTES_PER_SAMPLE, plan_memory_bytes
+    from freescale.balancing.simulate import PLAN_BYTES_PER_SAMPLE, plan_memory_bytes
 
     [line] = run.stderr.splitlines()
     gib = plan_memory_bytes(10_000_000, 16, 16) / 2**30
@@ -335,8 +335,8 @@ def test_a_k_too_large_for_memory_is_refused_up_front_in_one_line(tmp_path):
 
 
 def test_the_memory_bound_is_the_largest_k_against_what_is_available(monkeypatch):
-    from balancing import plan_memory as run
-    from balancing.simulate import plan_memory_bytes
+    from freescale.balancing import plan_memory as run
+    from freescale.balancing.simulate import plan_memory_bytes
 
     monkeypatch.setattr(run, "available_memory_bytes", lambda: plan_memory_bytes(1000, 16, 16))
     run.check_plan_memory([8, 1000], 16, 16)  # exactly fits
@@ -353,7 +353,7 @@ def test_plan_memory_bytes_covers_what_planning_and_simulating_take():
     the larger of a K's two plans) and simulating K x B x steps samples stays under it."""
     import tracemalloc
 
-    from balancing.simulate import plan_memory_bytes
+    from freescale.balancing.simulate import plan_memory_bytes
 
     k, b, steps = 256, 16, 16
     tracemalloc.start()
@@ -370,14 +370,14 @@ def test_plan_memory_bytes_covers_what_planning_and_simulating_take():
 
 
 def simulation_spec(**values):
-    from balancing.simulation_spec import SimulationSpec
-    from runtime import options
+    from freescale.balancing.simulation_spec import SimulationSpec
+    from freescale.runtime import options
 
     return options.from_values(SimulationSpec, {"lengths": "lognormal:4.2,0.9", **values})
 
 
 def test_the_spec_checks_in_the_commands_order_and_gives_the_planned_sizes():
-    from runtime.errors import InputError
+    from freescale.runtime.errors import InputError
 
     spec = simulation_spec(world_sizes="64, 8,8", calibrate_from=["a.json"])
     assert spec.planned_world_sizes == [8, 64] and spec.planned_batch_size == 16
@@ -393,7 +393,7 @@ def test_the_spec_checks_in_the_commands_order_and_gives_the_planned_sizes():
 
 
 def test_built_plans_resample_a_small_dataset_and_say_so(tmp_path):
-    from balancing.simulation_run import built_plans
+    from freescale.balancing.simulation_run import built_plans
 
     spec = simulation_spec(world_sizes="2,8", local_batch_size=4, steps=2, lengths=None, input=str(tmp_path))
     pool = np.arange(20, 60)  # 40 samples: enough for K=2 (16), not for K=8 (64)
@@ -406,7 +406,7 @@ def test_built_plans_resample_a_small_dataset_and_say_so(tmp_path):
 
 
 def test_the_report_prints_the_tables_and_names_the_metrics(capsys):
-    from balancing.simulation_report import plot_title, print_report, reduction_metrics, row_metrics
+    from freescale.balancing.simulation_report import plot_title, print_report, reduction_metrics, row_metrics
 
     what = {"source": "lengths", "lengths": "lognormal:4.2,0.9", "local_batch_size": 16, "cost_model": "analytic"}
     described = {"noise": "none", "seconds_per_cost": 1.0, "comm_latency_s": 0.0, "comm_seconds_per_sample": 0.0,
@@ -437,7 +437,7 @@ def seconds_model(constant: float | None, unit: str = "seconds") -> CostModel:
 def test_a_shard_sets_cost_model_constant_is_in_every_ranks_compute(fresh_log, tmp_path, capsys):
     """--shards with a manifest whose cost model names a constant: the step times, fractions and
     header are the hand computation's; without one, the manifest's plan bubble as before."""
-    from jobs import cli
+    from freescale.jobs import cli
     from tests.helpers import read_all, reseal, write_shards
 
     rows = read_all(write_shards(tmp_path / "shards", world_size=2, local_batch=4, num_steps=7, max_len=6))
@@ -470,7 +470,7 @@ def test_a_shard_sets_cost_model_constant_is_in_every_ranks_compute(fresh_log, t
 def test_the_constant_shrinks_the_speedup_of_built_plans(fresh_log, tmp_path, capsys):
     """--lengths with an H100-like cost model (small per-sample costs): without noise a constant c
     moves every step time by c, so the speedup becomes (contiguous + c) / (balanced + c)."""
-    from jobs import cli
+    from freescale.jobs import cli
 
     steps = {}
     for name, constant in (("with", 0.0092), ("without", None)):
@@ -493,8 +493,8 @@ def test_the_constant_is_converted_with_seconds_per_cost_or_left_out(tmp_path):
     """In cost units: as is for a model in seconds, times --seconds-per-cost; a relative model's has
     no unit to convert with (warned, left out); with --calibrate-from the fit counts it once per
     measured step and rank, so runs made of 0.9 s per cost unit give back 0.9 and 0.9 x the constant."""
-    from balancing.simulation_run import build_time_model, read_measured
-    from training.timing.bubbles import FIELD_INDEX
+    from freescale.balancing.simulation_run import build_time_model, read_measured
+    from freescale.training.timing.bubbles import FIELD_INDEX
 
     warnings: list[str] = []
     for values, model, constant in (({}, seconds_model(0.005), 0.005), ({"seconds_per_cost": 2.0},

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str]:
     work = tmp_path_factory.mktemp("virtual_ranks")
     cost_model, output = work / "cost_model.json", work / "virtual_ranks.md"
-    calibrated = subprocess.run([sys.executable, "-m", "jobs.cli", "calibrate", "--output", str(cost_model),
+    calibrated = subprocess.run([sys.executable, "-m", "freescale.jobs.cli", "calibrate", "--output", str(cost_model),
                                  "--lengths", "4,8,16,24", "--repeats", "3", "--warmup", "1", "--held-out-batches", "0",
                                  "--device", "cpu", "--tracking-uri", "none", "--config", str(DEFAULT_CONFIG),
                                  *SMOKE.overrides], cwd=REPO, capture_output=True, text=True, timeout=300)

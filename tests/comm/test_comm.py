@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-import comm.clock as clock_module
-from comm.backend import BackendUnavailable, build_backend
-from comm.clock import CommClock, overlap_length, union_length
-from comm.dense_sync import BucketedGradSync
-from comm.exchange import EmbeddingExchange, ExchangedFeature, priority_groups
-from comm.routes import LocalLookup, TableRoute
+import freescale.comm.clock as clock_module
+from freescale.comm.backend import BackendUnavailable, build_backend
+from freescale.comm.clock import CommClock, overlap_length, union_length
+from freescale.comm.dense_sync import BucketedGradSync
+from freescale.comm.exchange import EmbeddingExchange, ExchangedFeature, priority_groups
+from freescale.comm.routes import LocalLookup, TableRoute
 from tests.helpers import in_process_args, train_in_process
 
 MODES = ("plain", "overlap", "prioritized")
@@ -185,7 +185,7 @@ class LoopbackBackend(RecordingBackend):
         self.group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
 
     def all_to_all(self, output, input, output_splits, input_splits, group):
-        from comm.base import TorchWork
+        from freescale.comm.base import TorchWork
         import torch.distributed as dist
 
         return TorchWork(self.group.alltoall_base(output, input, output_splits, input_splits,
@@ -305,7 +305,7 @@ def test_overlapped_modes_compute_what_plain_computes(sharding, request):
 
 
 def test_copy_engine_backend_without_a_gpu_is_one_line(movielens_shards_1, capsys):
-    """One rank, in process: an environment problem (exit 3, runtime/job_errors.py) in one line."""
+    """One rank, in process: an environment problem (exit 3, freescale/runtime/job_errors.py) in one line."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert train_in_process(*in_process_args(movielens_shards_1, "--training.max_steps", "2",
@@ -315,7 +315,7 @@ def test_copy_engine_backend_without_a_gpu_is_one_line(movielens_shards_1, capsy
 
 
 def test_idle_and_overlap_fractions_hand_computed():
-    from training.timing.bubbles import idle_fraction, overlap_fraction
+    from freescale.training.timing.bubbles import idle_fraction, overlap_fraction
 
     compute = np.array([[6.0, 8.0], [4.0, 4.0]])   # [steps, ranks]
     step_time = np.array([10.0, 5.0])               # rank-time 2 x 15 = 30, compute 22

@@ -1,7 +1,7 @@
-"""comm.cuda: the nccl and copy_engine backends, and benchmarks/sm_free_bench.py.
+"""freescale.comm.cuda: the nccl and copy_engine backends, and benchmarks/sm_free_bench.py.
 
 The CUDA tests (marked ``needs a CUDA GPU``) skip on a machine without one; they have not
-run yet (UNMEASURED: comm/cuda.py was written without a GPU). The CPU tests check what a
+run yet (UNMEASURED: freescale/comm/cuda.py was written without a GPU). The CPU tests check what a
 CPU machine must see: one line naming what is missing, never a quiet fall back.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from comm import cuda
-from comm.backend import BackendUnavailable, build_backend
+from freescale.comm import cuda
+from freescale.comm.backend import BackendUnavailable, build_backend
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "benchmarks.sm_free_bench"]  # run from the repository root
@@ -35,7 +35,7 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a m
 
 @pytest.mark.spawns
 def test_import_makes_no_cuda_call():
-    code = "import torch, comm.cuda; print(torch.cuda.is_initialized())"
+    code = "import torch, freescale.comm.cuda; print(torch.cuda.is_initialized())"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"

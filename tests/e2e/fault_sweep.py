@@ -38,7 +38,7 @@ FREESCALE = str(Path(sys.executable).parent / "freescale")  # the console script
 
 UNREACHABLE = "http://127.0.0.1:9/"  # the discard port: nothing listens there
 READ_ONLY = "sqlite:////sys/mlflow.db"  # a system folder no process may create files in
-# Spark's progress lines (runtime/progress.py) are not errors: off, as in the test suite, so a
+# Spark's progress lines (freescale/runtime/progress.py) are not errors: off, as in the test suite, so a
 # case's stderr is the lines that matter.
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "FREESCALE_PROGRESS": "0"}
 
@@ -179,7 +179,7 @@ def copy_shards(s: Sweep, name: str, edit: Callable[[dict], None] | None = None,
         manifest = json.loads((dst / "manifest.json").read_text())
         edit(manifest)
         if reseal:
-            from shards.manifest import seal
+            from freescale.shards.manifest import seal
 
             manifest = seal(manifest)
         (dst / "manifest.json").write_text(json.dumps(manifest))
@@ -434,7 +434,7 @@ def within(seconds: float) -> Callable[[Sweep, Outcome], str]:
 
 
 def manifest_ok(s: Sweep, out: Path, world_size: int = 2) -> str:
-    from shards.manifest import ShardError, load_manifest
+    from freescale.shards.manifest import ShardError, load_manifest
 
     try:
         load_manifest(out, world_size)
@@ -544,7 +544,7 @@ def spark_submit(s: Sweep, script: str, *args: str, master: str = "local[2]", ti
     submit = str(Path(sys.executable).parent / "spark-submit")
     env = {**ENV, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     start = time.perf_counter()
-    done = subprocess.run([submit, "--master", master, str(REPO / "jobs" / script), *args, "--tracking-uri",
+    done = subprocess.run([submit, "--master", master, str(REPO / "freescale" / "jobs" / script), *args, "--tracking-uri",
                            s.tracking], cwd=s.work, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in done.stderr.splitlines() + done.stdout.splitlines()
              if line.strip() and not any(marker in line for marker in LAUNCHER_LINES)]
@@ -604,7 +604,7 @@ ISSUE_23_CASES = [
                                "--synthetic-users", "100"),
          output=lambda s: s.path("nomaster-out"),
          check=lambda s, o: within(10)(s, o) or one_line_naming(NO_MASTER)(s, o)),
-    Case("spark-submit --master spark://127.0.0.1:1 jobs/prepare.py (no master there)", "fail",
+    Case("spark-submit --master spark://127.0.0.1:1 freescale/jobs/prepare.py (no master there)", "fail",
          lambda s: spark_submit(s, "prepare.py", "--output", str(s.path("nomaster-submit")), "--synthetic-users",
                                 "100", master=NO_MASTER),
          output=lambda s: s.path("nomaster-submit"),
@@ -617,11 +617,11 @@ ISSUE_23_CASES = [
              "s3a://", "org.apache.hadoop:hadoop-aws:", "spark-submit --packages")) else "scheme, package or flag not named"),
     Case("balance --output on a full disk (tmpfs)", "fail", full_disk_balance,
          output=lambda s: s.path("full-disk/shards"), check=disk_full_named),
-    Case("spark-submit jobs/prepare.py on local Spark, quiet", "ok",
+    Case("spark-submit freescale/jobs/prepare.py on local Spark, quiet", "ok",
          lambda s: spark_submit(s, "prepare.py", "--output", str(s.path("submit-prep")), "--synthetic-users", "400",
                                 "--synthetic-items", "200", "--max-seq-len", "200"),
          output=lambda s: s.path("submit-prep"), check=quiet_spark_submit),
-    Case("spark-submit jobs/balance.py on local Spark, quiet", "ok",
+    Case("spark-submit freescale/jobs/balance.py on local Spark, quiet", "ok",
          lambda s: spark_submit(s, "balance.py", "--input", str(s.path("prepared")), "--output",
                                 str(s.path("submit-shards")), "--world-size", "2", "--local-batch-size", "8"),
          output=lambda s: s.path("submit-shards"),
@@ -767,7 +767,7 @@ CASES = [
            output=lambda s, f=file: s.path(f"{f}-out"), check=within(5))
       for what, file in (("an empty", "empty.csv"), ("a header-only", "header-only.csv"),
                          ("a wrong-columns", "wrong-columns.csv"))],
-    # 15. fixed by others for issue 17 (jobs/launch.py; training/checkpoint/resume.py, training/checkpoint/checkpointer.py)
+    # 15. fixed by others for issue 17 (freescale/jobs/launch.py; freescale/training/checkpoint/resume.py, freescale/training/checkpoint/checkpointer.py)
     Case("train --shards /nonexistent", "fail", lambda s: s.freescale("train", "--shards", "/nonexistent"),
          check=within(1)),
     Case("train resumed beside a half-written checkpoint folder", "ok", half_written_checkpoint_resume,

@@ -41,13 +41,13 @@ def executor_python(tmp_path_factory) -> Path:
 
 def submit(cluster, executor_python: Path, dist, script: str, *args: str, conf: tuple[str, ...] = ()
            ) -> subprocess.Popen:
-    """spark-submit of jobs/`script` to the cluster, the project shipped as the executors' zip."""
+    """spark-submit of freescale/jobs/`script` to the cluster, the project shipped as the executors' zip."""
     env = {**os.environ, "PYSPARK_PYTHON": str(executor_python), "PYSPARK_DRIVER_PYTHON": sys.executable,
            "SPARK_LOCAL_IP": "127.0.0.1"}
     settings = [arg for setting in ("spark.ui.enabled=false", f"spark.executor.extraJavaOptions={helpers.TEST_JVM_OPTS}",
                                     *conf) for arg in ("--conf", setting)]
     cmd = [str(Path(sys.executable).parent / "spark-submit"), "--master", cluster.url, *settings,
-           "--py-files", str(dist.zip), str(REPO / "jobs" / script), *args, "--tracking-uri", "none"]
+           "--py-files", str(dist.zip), str(REPO / "freescale" / "jobs" / script), *args, "--tracking-uri", "none"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -129,7 +129,7 @@ def test_balance_on_the_cluster_writes_the_local_shards_though_a_worker_is_kille
     the zip only; a worker killed mid-job: Spark runs its tasks again and the shards are still the
     local ones, row for row. (One run for both: a clean cluster run would only repeat its first
     half.) With spark.checkpoint.dir set, balance keeps its intermediate tables there
-    (runtime.session's checkpoint) rather than in the executors' block stores (localCheckpoint),
+    (freescale.runtime.session's checkpoint) rather than in the executors' block stores (localCheckpoint),
     where the lost worker's blocks could not be recomputed (CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND).
     Runs last in this module: the killed worker is not replaced."""
     starts = Path(f"{executor_python}.starts")

@@ -1,4 +1,4 @@
-"""`freescale demo`'s last line: the trained model's HR@10 and NDCG@10 against most-popular (jobs/cli.py), and that
+"""`freescale demo`'s last line: the trained model's HR@10 and NDCG@10 against most-popular (freescale/jobs/cli.py), and that
 the demo's data and model config make it beat most-popular."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 
 def test_the_line_says_by_how_much_the_model_beats_or_trails_most_popular(tmp_path):
-    from jobs.cli import quality_line
+    from freescale.jobs.cli import quality_line
 
     summary = tmp_path / "train_summary.json"
     summary.write_text(json.dumps({"summary": {"hr_at_10": 0.4, "popular_hr_at_10": 0.32, "ndcg_at_10": 0.2,
@@ -29,9 +29,9 @@ def test_the_demos_data_and_model_beat_most_popular(spark, tmp_path, monkeypatch
     HR@10 and NDCG@10 beat most-popular's by a wide margin. Calibrate, compare and export are off: the
     quality is the training's (balance then uses the built-in cost model: other shards, the same data).
     Without the groups the model trails (README, issue #42): this fails if the demo's data loses them."""
-    from jobs import cli
-    from jobs.workflow import run as workflow
-    from runtime import logs
+    from freescale.jobs import cli
+    from freescale.jobs.workflow import run as workflow
+    from freescale.runtime import logs
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
     real_run, seen = workflow.run, []

@@ -1,5 +1,5 @@
 """Every job fails the same way: one line last (naming the log when it holds a trace), no trace on
-the terminal unless --verbose, and one exit status per kind of failure (runtime/job_errors.py)."""
+the terminal unless --verbose, and one exit status per kind of failure (freescale/runtime/job_errors.py)."""
 from __future__ import annotations
 
 import os
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime import job_errors
-from runtime.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED
-from runtime import logs
+from freescale.runtime import job_errors
+from freescale.runtime.job_errors import EXIT_BAD_INPUT, EXIT_ENVIRONMENT, EXIT_FAILED
+from freescale.runtime import logs
 
 REPO = Path(__file__).resolve().parents[2]
 DETAILS = re.compile(r" \(details: (.+\.log)\)$")
@@ -23,7 +23,7 @@ TRACE_MARKERS = ("Traceback", "ChildFailedError", "\tat ", "File \"", "Exception
 def freescale(*args: str, logs_dir: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in (logs.LOG_FILE_ENV, logs.VERBOSE_ENV, logs.DEBUG_ENV)}
     env.update({logs.LOG_DIR_ENV: str(logs_dir), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "freescale.jobs.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -45,12 +45,12 @@ def logged(line: str, logs_dir: Path) -> str:
 
 
 def test_exit_codes_by_kind():
-    from balancing.types import InfeasibleError
-    from comm.errors import BackendUnavailable
-    from runtime.errors import InputError
+    from freescale.balancing.types import InfeasibleError
+    from freescale.comm.errors import BackendUnavailable
+    from freescale.runtime.errors import InputError
     from pyspark.errors import AnalysisException, PySparkRuntimeError
-    from shards.manifest import ShardError
-    from training.config import ConfigError
+    from freescale.shards.manifest import ShardError
+    from freescale.training.config import ConfigError
 
     for bad in (InputError("x"), ConfigError("x"), ShardError("x"), InfeasibleError("x"),
                 FileNotFoundError("x"), FileExistsError("x"), AnalysisException("x")):
@@ -63,10 +63,10 @@ def test_exit_codes_by_kind():
 
 
 def test_bad_input_errors_share_one_base_that_the_exit_code_reads():
-    from balancing.types import InfeasibleError
-    from runtime.errors import InputError
-    from shards.manifest import ShardError
-    from training.config import ConfigError
+    from freescale.balancing.types import InfeasibleError
+    from freescale.runtime.errors import InputError
+    from freescale.shards.manifest import ShardError
+    from freescale.training.config import ConfigError
 
     assert all(issubclass(error, InputError) for error in (InfeasibleError, ShardError, ConfigError))
     assert job_errors.exit_code(ConfigError("training.precision: 'fp8' is not one of ...")) == EXIT_BAD_INPUT
@@ -120,7 +120,7 @@ def test_verbose_puts_the_traceback_on_the_terminal_and_the_line_last(fresh_log,
 
 
 def test_debug_reraises_expected_errors(fresh_log, monkeypatch):
-    from runtime.errors import InputError
+    from freescale.runtime.errors import InputError
 
     monkeypatch.setenv(logs.DEBUG_ENV, "1")
 
@@ -132,7 +132,7 @@ def test_debug_reraises_expected_errors(fresh_log, monkeypatch):
 
 
 def test_an_expected_error_without_details_names_no_log(fresh_log, capsys):
-    from jobs import cli
+    from freescale.jobs import cli
 
     # --verbose is every subcommand's flag: cli takes it off before the job's parser.
     rc = cli.main(["balance", "--input", "in", "--output", "out", "--world-size", "0", "--local-batch-size", "4"])
@@ -149,7 +149,7 @@ def test_an_expected_error_without_details_names_no_log(fresh_log, capsys):
 
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_max_steps_must_be_positive_before_torchrun_starts(fresh_log, tmp_path, capsys, value):
-    from jobs.launch import launch
+    from freescale.jobs.launch import launch
 
     assert launch(["--shards", str(tmp_path), "--nproc-per-node", "2", "--max-steps", value]) == EXIT_BAD_INPUT
     captured = capsys.readouterr()
@@ -160,8 +160,8 @@ def test_max_steps_must_be_positive_before_torchrun_starts(fresh_log, tmp_path, 
 
 
 def test_config_max_steps_must_not_be_negative(fresh_log, tmp_path, capsys):
-    from jobs.launch import launch
-    from training.config import ConfigError, load_config
+    from freescale.jobs.launch import launch
+    from freescale.training.config import ConfigError, load_config
 
     assert load_config(None, ["--training.max_steps", "0"]).training.max_steps == 0  # 0 = one pass
     with pytest.raises(ConfigError, match=r"^command line: training: max_steps must be >= 0 .*got -3$"):

@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs import balance, prepare
-from runtime.paths import overlap, to_uri
+from freescale.jobs import balance, prepare
+from freescale.runtime.paths import overlap, to_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NO_TRACKING = ["--tracking-uri", "none"]
@@ -114,7 +114,7 @@ def test_balance_refuses_output_over_input(tmp_path, capsys, flag):
 
 @pytest.mark.parametrize("name", ["with space", "ä", "100%", "a%20b"])
 def test_to_uri_quotes_and_pyarrow_reads_it_back(tmp_path, name):
-    from shards.file_stats import describe_file
+    from freescale.shards.file_stats import describe_file
 
     folder = tmp_path / name / "rank=0"
     folder.mkdir(parents=True)
@@ -139,8 +139,8 @@ def test_to_uri_forms():
 def test_prepare_and_balance_on_odd_paths_end_to_end(odd_prepared, tmp_path):
     """A space, 'ä' and '%' in the input and output paths: prepare and balance run, the
     manifest names the files, and the trainer's loader reads every rank."""
-    from shards.manifest import load_manifest
-    from training.data.shard_reader import build_loader
+    from freescale.shards.manifest import load_manifest
+    from freescale.training.data.shard_reader import build_loader
 
     meta = json.loads((odd_prepared / "prepare.json").read_text())
     assert meta["users"] == 300
@@ -394,7 +394,7 @@ def test_balance_killed_then_rerun_cleans_up(odd_prepared, tmp_path, capsys):
 def test_a_stopped_job_removes_its_staging_even_when_the_jvm_is_gone(tmp_path):
     """A stop signal sent to the job's process group takes Spark's JVM with it, and Hadoop's
     delete then fails: the local staging folder is removed all the same, and the stop goes on."""
-    from runtime.atomic_output import atomic_output
+    from freescale.runtime.atomic_output import atomic_output
 
     class DeadJvm:
         def exists(self, path: str) -> bool:

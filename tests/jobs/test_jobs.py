@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs import balance, prepare
+from freescale.jobs import balance, prepare
 from tests import helpers
 from tests.helpers import load_manifest, read_all, read_rank, sqlite_store
 
@@ -76,7 +76,7 @@ def test_balance_movielens_every_sample_once(prepared_ml, tmp_path):
     assert rows["user_id"].is_unique
     assert manifest["num_steps"] == 943 // 64 and manifest["num_items"] == 1682
     # what the trainer loads: sealed, typed, totals consistent with the files
-    from shards.manifest import load_manifest as load_checked
+    from freescale.shards.manifest import load_manifest as load_checked
     checked = load_checked(out, 4)
     assert checked.num_rows == len(rows) and checked.strategy == "kk" and len(checked.user_features) == 4
     # each step holds exactly one global batch, and knows its targets over all ranks
@@ -238,7 +238,7 @@ def test_balance_refuses_existing_output_without_overwrite(prepared_ml, tmp_path
 
 def test_an_existing_local_output_is_refused_before_spark_starts(prepared_ml, tmp_path, capsys, monkeypatch):
     """A scheduler's accidental rerun learns it in a second, not after Spark's ~10 s start."""
-    from runtime import session
+    from freescale.runtime import session
 
     monkeypatch.setattr(session, "build_spark_session", lambda *a, **k: pytest.fail("Spark was started"))
     out = tmp_path / "out"
@@ -340,7 +340,7 @@ def test_balance_argument_error_is_one_line_before_any_heavy_import():
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == ["freescale balance: error: --world-size must be a positive "
                                                "integer, got 0"]
-    loaded, stderr = _loaded_after("from jobs import balance\n"
+    loaded, stderr = _loaded_after("from freescale.jobs import balance\n"
                                    "balance.main(['--input', 'x', '--output', 'y', '--world-size', '0', "
                                    "'--local-batch-size', '4'])")
     assert loaded == [], stderr
@@ -348,7 +348,7 @@ def test_balance_argument_error_is_one_line_before_any_heavy_import():
 
 @pytest.mark.spawns
 def test_prepare_argument_error_loads_nothing_heavy():
-    loaded, stderr = _loaded_after("from jobs import prepare\n"
+    loaded, stderr = _loaded_after("from freescale.jobs import prepare\n"
                                    "assert prepare.main(['--output', 'y', '--max-seq-len', '0']) == 2")
     assert loaded == [] and stderr.strip() == "freescale prepare: error: --max-seq-len must be a positive integer, got 0"
 

@@ -25,14 +25,20 @@ def project_modules() -> set[str]:
 def test_dist_holds_every_module_once(dist):
     wheel = zipfile.ZipFile(dist.wheel).namelist()
     modules = project_modules()
-    assert {"jobs/cli.py", "pipeline/ingest.py", "training/ops/hstu_attention.py"} <= modules
+    assert {"freescale/jobs/cli.py", "freescale/prepare/ingest.py", "freescale/training/ops/hstu_attention.py"} <= modules
     metadata = {name for name in wheel if ".dist-info/" in name or ".data/" in name}
-    assert set(wheel) - metadata == modules  # no tests or benchmarks; no module left out
+    hooks = {name for name in wheel if name.endswith(".pth")}
+    assert hooks == {"freescale-exported-models.pth"}  # models exported before the one package (freescale/__init__.py)
+    assert set(wheel) - metadata - hooks == modules  # no tests or benchmarks; no module left out
+    # One top-level import name: every module under freescale/, and setuptools' own record says so.
+    assert {name.split("/")[0] for name in modules} == {"freescale"}
+    top_level = next(n for n in metadata if n.endswith("top_level.txt"))
+    assert zipfile.ZipFile(dist.wheel).read(top_level).decode().split() == ["freescale"]
     shipped = {name.rsplit("/", 1)[1] for name in metadata if "/data/share/freescale/configs/" in name}
     assert shipped == {path.name for path in (REPO / "configs").glob("*.toml")}  # as data files, beside the code
     entry_points = zipfile.ZipFile(dist.wheel).read(next(n for n in metadata if n.endswith("entry_points.txt")))
-    assert "freescale = jobs.cli:main" in entry_points.decode()
-    assert sorted(zipfile.ZipFile(dist.zip).namelist()) == sorted(set(wheel) - metadata)
+    assert "freescale = freescale.jobs.cli:main" in entry_points.decode()
+    assert sorted(zipfile.ZipFile(dist.zip).namelist()) == sorted(set(wheel) - metadata - hooks)
     with tarfile.open(dist.sdist) as sdist:
         root = dist.sdist.name.removesuffix(".tar.gz")
         names = {name.removeprefix(root + "/") for name in sdist.getnames()}
@@ -58,11 +64,17 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(dist, tmp_path):
     def run(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(argv, cwd=tmp_path, env=fresh, capture_output=True, text=True, timeout=120)
 
-    where = run(str(python), "-c", "import jobs.cli, pipeline, training.ops; print(jobs.cli.__file__)")
+    where = run(str(python), "-c", "import freescale.jobs.cli, freescale.prepare, freescale.training.ops; "
+                "print(freescale.jobs.cli.__file__)")
     assert where.returncode == 0, where.stderr[-2000:]
-    assert Path(where.stdout.strip()) == site / "jobs" / "cli.py"
+    assert Path(where.stdout.strip()) == site / "freescale" / "jobs" / "cli.py"
+    # A model exported before the one package imports the old names; the .pth hook maps them at start.
+    old = run(str(python), "-c", "from runtime.errors import InputError; "
+              "from training.export.exported_model import ExportedModel; import freescale.model as m; "
+              "print(ExportedModel is m.ExportedModel and InputError is m.InputError)")
+    assert old.returncode == 0 and old.stdout.split() == ["True"], old.stderr[-2000:]
     # `freescale demo` finds its configs in the installed copy, not in a checkout.
-    configs = run(str(python), "-c", "from jobs.cli import shipped_configs; print(shipped_configs())")
+    configs = run(str(python), "-c", "from freescale.jobs.cli import shipped_configs; print(shipped_configs())")
     assert configs.returncode == 0, configs.stderr[-2000:]
     assert (Path(configs.stdout.strip()) / "demo_pipeline.toml").read_text() == \
         (REPO / "configs" / "demo_pipeline.toml").read_text()

@@ -1,4 +1,4 @@
-"""`freescale recommend` (jobs/recommend.py, training/export/spark_recommend.py): an exported model and a prepare
+"""`freescale recommend` (freescale/jobs/recommend.py, freescale/training/export/spark_recommend.py): an exported model and a prepare
 output -> every user's top k as Parquet, on the suite's Spark session and on its standalone cluster.
 
 The model is an export folder of a random one-layer HSTU with MovieLens-100K's vocabulary and user
@@ -21,7 +21,7 @@ SAMPLE = 40  # users whose recommendations are compared with the pyfunc model's 
 
 
 def recommend(*argv: str) -> int:
-    from jobs import cli
+    from freescale.jobs import cli
 
     return cli.main(["recommend", *argv])
 
@@ -30,10 +30,10 @@ def random_model(prepared: Path, out: Path) -> Path:
     """An export folder of a random one-layer HSTU over ``prepared``'s items and user features."""
     import torch
 
-    from pipeline.prepared import read_metadata
-    from training.config import TrainConfig
-    from training.export.exporter import Source, read_vocabulary, write_folder
-    from training.export.exported_model import ITEM_TABLE, USER_TABLE, dense_model
+    from freescale.prepare.prepared import read_metadata
+    from freescale.training.config import TrainConfig
+    from freescale.training.export.exporter import Source, read_vocabulary, write_folder
+    from freescale.training.export.exported_model import ITEM_TABLE, USER_TABLE, dense_model
 
     torch.manual_seed(0)
     config = TrainConfig()
@@ -56,7 +56,7 @@ def model(movielens_prepared, tmp_path_factory):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from training.export.exporter import log_model, pyfunc_arguments
+    from freescale.training.export.exporter import log_model, pyfunc_arguments
 
     root = tmp_path_factory.mktemp("recommend-model")
     folder = random_model(movielens_prepared, root / "model")

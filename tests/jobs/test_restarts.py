@@ -72,7 +72,7 @@ def test_a_sigterm_just_after_the_summary_line_is_a_stop_not_a_failure(restarted
 
 
 def test_max_restarts_is_passed_to_torchrun_only_when_asked():
-    from training.parallel.launcher import torchrun_command
+    from freescale.launch.launcher import torchrun_command
 
     assert "--max-restarts=2" in torchrun_command(["--standalone"], 2, None, None, [], max_restarts=2)
     assert not any(arg.startswith("--max-restarts") for arg in torchrun_command(["--standalone"], 2, None, None, []))
@@ -81,8 +81,8 @@ def test_max_restarts_is_passed_to_torchrun_only_when_asked():
 def test_a_failed_attempt_is_noted_for_the_next_and_its_errors_are_not_the_jobs(tmp_path):
     """torchrun's report of an attempt's failure (its first failed rank): what the restarted rank 0
     names. The failed attempt's error lines do not reach the job's last line once torchrun restarts."""
-    from training.parallel.launcher import RankOutput
-    from training.parallel.restarts import FAILURE_NOTE
+    from freescale.launch.launcher import RankOutput
+    from freescale.launch.restarts import FAILURE_NOTE
 
     output = RankOutput(tmp_path / "train.log", str(tmp_path), nnodes=1, max_restarts=1)
     output._log = open(output.log_path, "w")
@@ -107,8 +107,8 @@ def test_a_failed_attempt_is_noted_for_the_next_and_its_errors_are_not_the_jobs(
 
 
 def test_rank_0_says_which_restart_after_what_and_from_where(tmp_path, monkeypatch):
-    from runtime.job_errors import STATUS_DIR_ENV
-    from training.parallel import restarts
+    from freescale.runtime.job_errors import STATUS_DIR_ENV
+    from freescale.launch import restarts
 
     monkeypatch.setenv(STATUS_DIR_ENV, str(tmp_path))
     monkeypatch.delenv(restarts.RESTART_COUNT_ENV, raising=False)
@@ -149,8 +149,8 @@ def test_torchrun_gets_one_sigterm_whether_sent_to_the_group_or_to_the_launcher(
     it does."""
     import time
 
-    from runtime import logs
-    from training.parallel import launcher
+    from freescale.runtime import logs
+    from freescale.launch import launcher
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(launcher, "FORWARD_WAIT_S", 1.0)
@@ -183,12 +183,12 @@ def test_torchrun_gets_one_sigterm_whether_sent_to_the_group_or_to_the_launcher(
 
 @pytest.mark.spawns
 def test_a_sigterm_the_launcher_takes_in_a_pipeline_stops_the_pipeline(tmp_path, monkeypatch, capsys):
-    """`freescale pipeline` runs the launcher in its own process, whose SIGTERM handler (runtime/stops.py)
+    """`freescale pipeline` runs the launcher in its own process, whose SIGTERM handler (freescale/runtime/stops.py)
     ends the pipeline as stopped. The launcher takes SIGTERM while torchrun runs (to pass it on);
     after torchrun, the stop goes on to the pipeline's handler, whatever the ranks said."""
-    from runtime import logs
-    from runtime.stops import Stopped, stop_signal, stops_on_signals
-    from training.parallel import launcher
+    from freescale.runtime import logs
+    from freescale.runtime.stops import Stopped, stop_signal, stops_on_signals
+    from freescale.launch import launcher
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(launcher, "FORWARD_WAIT_S", 0.5)
@@ -208,7 +208,7 @@ def test_a_sigterm_the_launcher_takes_in_a_pipeline_stops_the_pipeline(tmp_path,
 
 @pytest.mark.spawns
 def test_a_sigterm_to_the_launcher_is_passed_on_and_ends_the_job_stopped(capsys):
-    from training.parallel import launcher
+    from freescale.launch import launcher
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -18,7 +18,7 @@ def spark_submit(script: str, *args: str) -> subprocess.CompletedProcess:
     submit = Path(sys.executable).parent / "spark-submit"
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     return subprocess.run([str(submit), "--master", "local[2]", "--conf", "spark.ui.enabled=false",
-                           str(REPO / "jobs" / script), *args, "--tracking-uri", "none"],
+                           str(REPO / "freescale" / "jobs" / script), *args, "--tracking-uri", "none"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
@@ -36,7 +36,7 @@ def test_movielens_balance_via_spark_submit(movielens_prepared, tmp_path):
     assert manifest["strategy"] == "ortools" and manifest["world_size"] == 8
     assert manifest["stats"]["bubble"] < manifest["stats"]["bubble_contiguous"]
     # Quiet as under `freescale`: Spark logs at ERROR from its SparkContext's start (spark.log.level;
-    # runtime/session.py), so its stream (the JVM's stderr; the job's own lines are on stdout)
+    # freescale/runtime/session.py), so its stream (the JVM's stderr; the job's own lines are on stdout)
     # ends with its note of that setting.
     spark = run.stderr.splitlines()
     assert spark and spark[-1] == 'Setting Spark log level to "ERROR".', spark[-5:]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.workflow import run as workflow
-from runtime import logs
+from freescale.jobs.workflow import run as workflow
+from freescale.runtime import logs
 from tests.helpers import one_rank_without_torchrun, sqlite_store
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def write_config(folder: Path, workdir: Path, extra: str = "") -> Path:
 
 
 def run(config: Path, *extra: str) -> int:
-    from jobs import cli
+    from freescale.jobs import cli
 
     return cli.main(["pipeline", "--config", str(config), *extra])
 
@@ -222,7 +222,7 @@ PIPELINE_ONE_RANK = """
 import sys
 from tests.helpers import one_rank_without_torchrun
 one_rank_without_torchrun()
-from jobs.cli import main
+from freescale.jobs.cli import main
 sys.exit(main(["pipeline", *sys.argv[1:]]))
 """
 
@@ -292,12 +292,12 @@ def test_a_failing_stage_stops_the_pipeline_with_its_own_status_and_line(failing
 def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     """What the pipeline hands each job is the job's own: its values make the job's spec; compare and
     calibrate are too slow to run here."""
-    from jobs import compare
-    from jobs.launch import LaunchSpec
-    from runtime import options
-    from pipeline.prepare_spec import PrepareSpec
-    from shards.balance_spec import BalanceSpec
-    from training.calibration.calibrate_spec import CalibrateSpec
+    from freescale.jobs import compare
+    from freescale.jobs.launch import LaunchSpec
+    from freescale.runtime import options
+    from freescale.prepare.prepare_spec import PrepareSpec
+    from freescale.shards.balance_spec import BalanceSpec
+    from freescale.training.calibration.calibrate_spec import CalibrateSpec
 
     config = write_config(tmp_path, tmp_path / "work", extra='[train.overrides]\n"model.hstu.num_layers" = 1\n'
                                                               '"training.precision" = "bf16"\n"training.seed" = 3\n')
@@ -324,7 +324,7 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     compared = options.from_values(compare.CompareSpec, workflow.compare_values(loaded, work))
     assert compared.control and compared.input == str(work.prepared) and compared.repeats == 1
     assert compared.cost_model == cal.output and compared.balanced == {"strategy": "kk", "window_steps": 4}
-    from training.export.spec import ExportSpec
+    from freescale.training.export.spec import ExportSpec
 
     exported = options.from_values(ExportSpec, workflow.export_values(loaded, work))
     assert (exported.checkpoint, exported.output, exported.register) == (str(work.checkpoints), str(work.model), "m")
@@ -333,8 +333,8 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
 def test_taste_groups_reach_prepare_and_its_fingerprint(tmp_path):
     """[prepare] synthetic_groups and synthetic_group_share reach the prepare job and its fingerprint (a
     change reruns prepare); with groups off, the fingerprint's values are those from before groups existed."""
-    from runtime import options
-    from pipeline.prepare_spec import PrepareSpec
+    from freescale.runtime import options
+    from freescale.prepare.prepare_spec import PrepareSpec
 
     config = write_config(tmp_path, tmp_path / "work")
     off = workflow.load_workflow_config(str(config), [])
@@ -354,7 +354,7 @@ def test_taste_groups_reach_prepare_and_its_fingerprint(tmp_path):
 def _fake_prepare(uri: str, then) -> object:
     """A prepare job that opens its MLflow run, as the job does, then calls ``then()`` (no Spark)."""
     def run(spec_of, tracking) -> int:
-        from tracking.runs import job_run
+        from freescale.tracking.runs import job_run
 
         with job_run("prepare", tracking_uri=uri, experiment="pipeline-test"):
             then()
@@ -375,7 +375,7 @@ def test_a_stop_signal_ends_the_stage_killed_and_releases_the_lock(tmp_path, mon
     (and staging, which the jobs' own handling removes once the stop is an exception: see
     test_job_io). Now the stage's run ends KILLED, tagged with the workdir, the record says
     killed, the lock is gone, and the pipeline ends with one line and 128 + 15."""
-    from jobs import prepare
+    from freescale.jobs import prepare
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
     uri = sqlite_store(tmp_path / "mlflow.db")
@@ -415,8 +415,8 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
     """The job (in run_job, as every job is) sees a KeyError, not the stop: it must still end as the
     stop (no error line of its own, its trace in the log), its run KILLED, the stage's record killed,
     the pipeline's one line and 128 + 15."""
-    from jobs import prepare
-    from runtime.job_errors import run_job
+    from freescale.jobs import prepare
+    from freescale.runtime.job_errors import run_job
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
     monkeypatch.setattr(logs, "_log_file", None)
@@ -433,7 +433,7 @@ def test_a_stop_that_a_cleanup_error_replaced_still_ends_the_stage_killed(tmp_pa
     assert [r.info.status for r in _runs(uri)] == ["KILLED"]
     assert "KeyError: 'c'" in logs.log_file("prepare").read_text()
     assert not (work / workflow.LOCK).exists()
-    from runtime.stops import stop_signal
+    from freescale.runtime.stops import stop_signal
 
     assert stop_signal() is None  # the stop is the pipeline's: forgotten when it ends
 
@@ -445,7 +445,7 @@ def test_a_rerun_ends_the_runs_a_killed_run_left_running_failed(tmp_path, monkey
     are left alone."""
     from mlflow.tracking import MlflowClient
 
-    from jobs import prepare
+    from freescale.jobs import prepare
 
     monkeypatch.setenv(logs.LOG_DIR_ENV, str(tmp_path / "logs"))
     uri = sqlite_store(tmp_path / "mlflow.db")
@@ -476,7 +476,7 @@ def test_a_stage_continues_its_last_run_when_its_record_says_it_started(tmp_path
     """A stage whose run a stop signal ended (record ``killed``, as run_stage writes it) continues from
     its checkpoints like one a kill -9 left ``running``; a stale record (an upstream stage reran)
     and a changed fingerprint start over."""
-    from jobs.workflow import stages
+    from freescale.jobs.workflow import stages
 
     summary = tmp_path / "summary.json"
     seen: list[bool] = []
@@ -502,7 +502,7 @@ def test_a_stage_continues_its_last_run_when_its_record_says_it_started(tmp_path
 def test_demo_runs_the_shipped_pipeline_with_its_sizes(tmp_path, monkeypatch):
     """`freescale demo` is the pipeline of configs/demo_pipeline.toml (and configs/demo.toml), its sizes and
     workdir from its own options: the config it hands the pipeline, with the run stubbed out."""
-    from jobs import cli
+    from freescale.jobs import cli
 
     seen = []
     monkeypatch.setattr(workflow, "run", lambda config, fresh=False: seen.append((config, fresh)) or 7)

@@ -7,12 +7,14 @@ only closes when a function runs is still a circle a reader has to hold in their
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The installed packages (pyproject.toml's packages.find), bottom of the data flow first.
-LIBRARY = ("runtime", "pipeline", "balancing", "shards", "comm", "training", "tracking", "jobs")
+# The installed package (pyproject.toml's packages.find) and its rooms, bottom of the data flow first.
+PACKAGE = "freescale"
+LIBRARY = ("runtime", "tracking", "prepare", "costs", "balancing", "shards", "comm", "training", "launch", "jobs")
 MAX_FUNCTION_LINES = 60
 
 
@@ -24,7 +26,7 @@ def module_name(path: Path) -> str:
 
 
 def library_files() -> dict[str, Path]:
-    return {module_name(p): p for package in LIBRARY for p in sorted((REPO_ROOT / package).rglob("*.py"))}
+    return {module_name(p): p for p in sorted((REPO_ROOT / PACKAGE).rglob("*.py"))}
 
 
 def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
@@ -111,6 +113,38 @@ def reachable(graph: dict[str, set[str]], start: list[str]) -> set[str]:
             parts = v.split(".")
             todo.extend(".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in graph)
     return seen
+
+
+def room(module: str) -> str:
+    """``freescale.training.ops.jagged`` -> ``training``; the package's own modules (``freescale.model``)
+    are rooms of their own."""
+    return (module.split(".") + [""])[1] or module
+
+
+def is_docstring(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    parent = parents.get(node)
+    owner = parents.get(parent) if isinstance(parent, ast.Expr) else None
+    return owner is not None and isinstance(owner, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+        and bool(owner.body) and owner.body[0] is parent
+
+
+JOBS_MODULE = re.compile(r"(?<![\w])(?:freescale\.)?jobs\.[a-z_]")
+
+
+def jobs_module_strings(package: str = "training") -> list[str]:
+    """String constants (docstrings aside) in ``package``'s modules that name a jobs module: a rank starts
+    nothing by name; the launch room does."""
+    found = []
+    for module, path in library_files().items():
+        if room(module) != package:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and JOBS_MODULE.search(node.value) \
+                    and not is_docstring(node, parents):
+                found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {node.value[:60]!r}")
+    return found
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Balance's options are declared once (shards/balance_spec.py) and derived everywhere: its command line,
-the pipeline's [balance] section and compare's balanced variant (runtime/options.py)."""
+"""Balance's options are declared once (freescale/shards/balance_spec.py) and derived everywhere: its command line,
+the pipeline's [balance] section and compare's balanced variant (freescale/runtime/options.py)."""
 from __future__ import annotations
 
 import json
@@ -9,23 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from runtime import options
-from runtime.errors import InputError
-from shards.balance_spec import BalanceSpec
+from freescale.runtime import options
+from freescale.runtime.errors import InputError
+from freescale.shards.balance_spec import BalanceSpec
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = {"input": "in", "output": "out", "world_size": 2, "local_batch_size": 4}
 
 # A fresh interpreter, where a new option is one field added to BalanceSpec before any job is imported:
-# what adding the field to shards/balance_spec.py does. It must reach balance's command line, a
+# what adding the field to freescale/shards/balance_spec.py does. It must reach balance's command line, a
 # pipeline TOML and compare's balanced variant, with its default where nobody sets it.
 NEW_OPTION = r'''
 import json, sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import shards.balance_spec as balance_spec
-from runtime.options import option
+import freescale.shards.balance_spec as balance_spec
+from freescale.runtime.options import option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,9 +34,9 @@ class WithNewOption(balance_spec.BalanceSpec):
 
 
 balance_spec.BalanceSpec = WithNewOption
-from jobs import balance, compare  # noqa: E402
-from jobs.workflow import run as workflow  # noqa: E402
-from runtime import options  # noqa: E402
+from freescale.jobs import balance, compare  # noqa: E402
+from freescale.jobs.workflow import run as workflow  # noqa: E402
+from freescale.runtime import options  # noqa: E402
 
 tmp, seen = Path(sys.argv[1]), {}
 required = ["--input", "in", "--output", "out", "--world-size", "2", "--local-batch-size", "4"]
@@ -93,7 +93,7 @@ def test_a_new_option_reaches_the_cli_the_pipeline_and_compare_from_its_declarat
 
 
 def test_the_cli_states_each_default_once_from_the_spec():
-    from jobs import balance, compare
+    from freescale.jobs import balance, compare
 
     helps = {a.dest: a for a in balance.build_parser()._actions}
     assert helps["strategy"].default == "kk" and helps["strategy"].help == "partition strategy (default kk)"
@@ -107,7 +107,7 @@ def test_the_cli_states_each_default_once_from_the_spec():
 
 
 def test_the_pipeline_section_takes_zero_for_none():
-    from jobs.workflow.config import BalanceSection, CompareSection
+    from freescale.jobs.workflow.config import BalanceSection, CompareSection
 
     section = BalanceSection()
     assert (section.strategy, section.token_cap, section.time_limit) == ("kk", 0, 0.0)

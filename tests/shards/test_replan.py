@@ -1,4 +1,4 @@
-"""The re-plan of an interrupted epoch for another world size (shards/replan.py)."""
+"""The re-plan of an interrupted epoch for another world size (freescale/shards/replan.py)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from runtime.errors import InputError
-from shards.manifest import load_manifest
-from shards.replan import replan
-from shards.step_order import epoch_order
+from freescale.runtime.errors import InputError
+from freescale.shards.manifest import load_manifest
+from freescale.shards.replan import replan
+from freescale.shards.step_order import epoch_order
 from tests.helpers import write_shards
 
 STEPS = 7
@@ -74,7 +74,7 @@ def test_replan_balances_each_step(shards: Path) -> None:
 def test_replan_refuses_a_control(shards: Path) -> None:
     raw = json.loads((shards / "manifest.json").read_text())
     raw["control"] = "mirror"
-    from shards.manifest import seal
+    from freescale.shards.manifest import seal
 
     (shards / "manifest.json").write_text(json.dumps(seal({k: v for k, v in raw.items() if k != "content_sha256"})))
     with pytest.raises(InputError, match="control"):

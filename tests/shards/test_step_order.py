@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shards.step_order import epoch_order
+from freescale.shards.step_order import epoch_order
 
 
 @pytest.mark.parametrize("num_steps", [0, 1, 7, 30])

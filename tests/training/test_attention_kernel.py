@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import triton  # noqa: F401 -- imported under conftest.py's TRITON_INTERPRET, before a test here unsets it
 
-from runtime.errors import InputError
-from training.model import attention_kernel
-from training.model.attention_kernel import attention_kernel_for, check_attention_kernel, rank_device_type
-from training.config import ConfigError, load_config
-from training.ops import kernel_limits
-from training.ops.kernel_limits import INT32_MAX, POSITION_TABLE_LIMIT
+from freescale.runtime.errors import InputError
+from freescale.training.model import attention_kernel
+from freescale.training.model.attention_kernel import attention_kernel_for, check_attention_kernel, rank_device_type
+from freescale.training.config import ConfigError, load_config
+from freescale.training.ops import kernel_limits
+from freescale.training.ops.kernel_limits import INT32_MAX, POSITION_TABLE_LIMIT
 
 REPO = Path(__file__).resolve().parents[2]
 WIDE_GAP = ["--model.hstu.max_time_gap_seconds", "3e9"]  # 95 years: past the kernel's 32-bit gaps
@@ -40,7 +40,7 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     (64, 1e9, INT32_MAX - 1), (64, 3e9, INT32_MAX - 1), (1, 3e9, INT32_MAX - 1),
 ])
 def test_the_limits_agree_with_the_thresholds_the_kernel_builds(num_buckets, distance, fits):
-    from training.ops.relative_buckets import last_finite_threshold
+    from freescale.training.ops.relative_buckets import last_finite_threshold
 
     exact = last_finite_threshold(num_buckets, distance) > fits
     assert kernel_limits._last_threshold_past(num_buckets, distance, fits) == exact
@@ -48,7 +48,7 @@ def test_the_limits_agree_with_the_thresholds_the_kernel_builds(num_buckets, dis
 
 @pytest.mark.spawns
 def test_the_limits_need_no_torch_far_from_them():
-    code = ("import sys; from training.ops.kernel_limits import time_gaps_too_wide, position_table_too_long; "
+    code = ("import sys; from freescale.training.ops.kernel_limits import time_gaps_too_wide, position_table_too_long; "
             "assert time_gaps_too_wide(64, 3e9) and not time_gaps_too_wide(64, 1.3e8); "
             "assert position_table_too_long(64, 2**21) and not position_table_too_long(64, 1024); "
             "print('torch' in sys.modules)")
@@ -87,8 +87,8 @@ def test_the_launch_check_refuses_what_the_ranks_would(no_gpu, overrides, refusa
 def test_triton_refuses_values_past_its_limits_naming_the_key(monkeypatch, overrides, key):
     """Under the interpreter triton runs on the CPU, so the limits are what stops it; the encoder
     (the ranks' model build) and calibrate's device check refuse the same way."""
-    from jobs.calibrate import calibration_device
-    from training.model.hstu import HSTUEncoder
+    from freescale.jobs.calibrate import calibration_device
+    from freescale.training.model.hstu import HSTUEncoder
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     config = load_config(None, ["--model.hstu.attention_kernel", "triton", *overrides])
@@ -103,8 +103,8 @@ def test_triton_refuses_values_past_its_limits_naming_the_key(monkeypatch, overr
 
 def test_the_kernel_itself_still_refuses_past_its_limits():
     """For callers of the kernel module that no config check saw."""
-    from training.ops import hstu_attention as ops
-    from training.ops.attention import BiasSpec
+    from freescale.training.ops import hstu_attention as ops
+    from freescale.training.ops.attention import BiasSpec
 
     with pytest.raises(ValueError, match="2\\^31"):
         ops.kernel_tables(BiasSpec(8, 64, 8, 3e9, normalizer=0), "cpu")
@@ -123,7 +123,7 @@ def test_freescale_train_refuses_triton_on_a_cpu_machine_before_torchrun(tmp_pat
     code = ("import subprocess, sys\n"
             "def torchrun(*args, **kwargs): raise AssertionError('torchrun started')\n"
             "subprocess.Popen = subprocess.run = torchrun\n"
-            "from jobs.launch import launch\n"
+            "from freescale.jobs.launch import launch\n"
             f"status = launch(['--shards', {str(tmp_path)!r}, '--tracking-uri', 'none',\n"
             "                 '--model.hstu.attention_kernel', 'triton'])\n"
             "print('torch' in sys.modules)\n"
@@ -141,7 +141,7 @@ def test_freescale_train_refuses_triton_on_a_cpu_machine_before_torchrun(tmp_pat
 
 
 def test_a_pipeline_config_is_checked_before_its_first_stage(no_gpu, tmp_path):
-    from jobs.workflow.config import load_workflow_config
+    from freescale.jobs.workflow.config import load_workflow_config
 
     path = tmp_path / "pipeline.toml"
     path.write_text('[train.overrides]\n"model.hstu.attention_kernel" = "triton"\n')

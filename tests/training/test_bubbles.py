@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from balancing.metrics import bubble, bubble_of_totals
-from training.timing import bubbles
-from training.timing.bubbles import FIELD_INDEX, TIMING_FIELDS
+from freescale.balancing.metrics import bubble, bubble_of_totals
+from freescale.training.timing import bubbles
+from freescale.training.timing.bubbles import FIELD_INDEX, TIMING_FIELDS
 
 
 def table(**columns: list[list[float]]) -> np.ndarray:
@@ -61,7 +61,7 @@ def test_warm_up_steps_are_left_out():
 def test_predicted_and_measured_bubbles_are_one_formula():
     """The balancer's bubble of loads [steps, ranks] is the measured compute bubble when the
     loads are the compute times, and the balance job's per-step table gives the same number."""
-    from shards.spark_plan import bubble_of
+    from freescale.shards.spark_plan import bubble_of
 
     exact = pytest.approx(2 / 10, rel=1e-12)  # 1 - 4/5 and 2/10 round differently
     assert bubble([[3, 1], [2, 2]]) == exact and bubbles.summarize(HAND)["compute_bubble_fraction"] == exact

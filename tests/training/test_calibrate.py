@@ -5,7 +5,7 @@ they are deterministic. The end-to-end tests time a tiny model for real and only
 hold the results to loose bounds (the machine is shared and noisy). The import
 tests hold the layering: the fits and the rank-speeds file are read without torch,
 and a bad argument is reported before torch is loaded. The job's options are
-``training.calibration.calibrate_spec.CalibrateSpec``'s; `freescale pipeline` calls ``jobs.calibrate.run`` with one.
+``freescale.training.calibration.calibrate_spec.CalibrateSpec``'s; `freescale pipeline` calls ``freescale.jobs.calibrate.run`` with one.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from benchmarks.common import GPU_MACHINE_LACKS  # what the GPU benchmarks refuse to have loaded
-from jobs import calibrate, cli
-from pipeline import rank_speeds
-from pipeline.calibration import (
+from freescale.jobs import calibrate, cli
+from freescale.costs import rank_speeds
+from freescale.costs.calibration import (
     compare_forms,
     fit_form,
     hat_weights,
@@ -31,10 +31,10 @@ from pipeline.calibration import (
     prediction_quality,
     quadratic_features,
 )
-from pipeline.cost_model import CostModel
-from runtime.errors import InputError
-from pipeline.rank_speeds import estimate_rank_speeds
-from training.calibration.calibrate import calibration_batches, probe_lengths
+from freescale.costs.cost_model import CostModel
+from freescale.runtime.errors import InputError
+from freescale.costs.rank_speeds import estimate_rank_speeds
+from freescale.training.calibration.calibrate import calibration_batches, probe_lengths
 from tests.helpers import sqlite_store
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -218,7 +218,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 def test_fits_and_rank_speeds_reader_load_no_torch(tmp_path) -> None:
     """The pure half is usable where the cost model is: balance reads rank speeds without torch."""
     path = write_speeds(tmp_path / "speeds.json", [1.05, 0.95])
-    code = ("import sys; import pipeline.calibration; from pipeline.rank_speeds import read_rank_speeds; "
+    code = ("import sys; import freescale.costs.calibration; from freescale.costs.rank_speeds import read_rank_speeds; "
             f"print(read_rank_speeds({str(path)!r}), sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
     run = run_python(code)
     assert run.stdout.strip() == "(1.05, 0.95) []", (run.stdout, run.stderr)
@@ -226,7 +226,7 @@ def test_fits_and_rank_speeds_reader_load_no_torch(tmp_path) -> None:
 
 def parse_capacities(text: str, world_size: int) -> tuple[float, ...]:
     """balance's --capacities, as its spec parses it."""
-    from shards.balance_spec import parse_capacities as parse
+    from freescale.shards.balance_spec import parse_capacities as parse
 
     return parse(text, {"world_size": world_size})
 
@@ -268,7 +268,7 @@ def test_balance_rejects_bad_rank_speeds_file_naming_it(tmp_path, content, words
 def test_bad_argument_is_reported_before_torch_is_loaded(tmp_path, extra, message) -> None:
     """Checked before the imports that load torch (seconds), as for balance."""
     argv = ["calibrate", "--output", str(tmp_path / "cm.json"), "--tracking-uri", "none", *extra]
-    code = (f"import sys; from jobs import cli; rc = cli.main({argv!r}); "
+    code = (f"import sys; from freescale.jobs import cli; rc = cli.main({argv!r}); "
             f"print(rc, sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
     run = run_python(code)
     assert run.stdout.split("\n")[0] == "2 []", (run.stdout, run.stderr)
@@ -293,9 +293,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, extra, words) -> None:
 def test_the_options_are_the_specs_and_its_typed_entry_checks_them(tmp_path, capsys, fresh_log) -> None:
     """The command line is derived from CalibrateSpec (plus the tracking options); the pipeline's entry,
     ``run`` with a spec built from values, reports a bad value as the command line does: one line, exit 2."""
-    from runtime import options
-    from training.calibration.calibrate_spec import CalibrateSpec
-    from tracking.store import Tracking
+    from freescale.runtime import options
+    from freescale.training.calibration.calibrate_spec import CalibrateSpec
+    from freescale.tracking.store import Tracking
 
     flags = {a.dest for a in calibrate.build_parser()._actions} - {"help", "tracking_uri", "experiment"}
     assert flags == {f.name for f in dataclasses.fields(CalibrateSpec)}
@@ -358,17 +358,17 @@ def test_quick_calibration_end_to_end(tmp_path, capsys) -> None:
 @pytest.mark.spawns  # in process, but its provenance runs uname -p (platform.processor)
 def test_calibration_times_the_configs_precision(tmp_path, capsys, monkeypatch) -> None:
     """``training.precision`` reaches the timed model and is recorded (about a second)."""
-    import training.calibration.calibrate
+    import freescale.training.calibration.calibrate
 
     built = []
-    build = training.calibration.calibrate.build_dense_model
+    build = freescale.training.calibration.calibrate.build_dense_model
 
     def spy(*args, **kwargs):
         model, table = build(*args, **kwargs)
         built.append(model)
         return model, table
 
-    monkeypatch.setattr(training.calibration.calibrate, "build_dense_model", spy)
+    monkeypatch.setattr(freescale.training.calibration.calibrate, "build_dense_model", spy)
     out = tmp_path / "cost_model.json"
     # Lengths up to 1024 and 3 rounds: with 4-16 and one round, the fit sometimes put every cost into the
     # step constant (exit 2: a model of zero costs), and on a loaded machine 16,64,256 did too for bf16.
@@ -386,12 +386,12 @@ def test_calibration_times_the_configs_precision(tmp_path, capsys, monkeypatch) 
 @pytest.mark.spawns  # in process, but its provenance runs uname -p (platform.processor)
 def test_failed_rank_speeds_keep_the_cost_model_and_exit_1(tmp_path, capsys, monkeypatch) -> None:
     """Ranks that fail end the job with its error line and exit 1 after the cost model was written."""
-    from training.calibration import rank_speed_ranks
+    from freescale.launch import rank_speed_launch
 
     def fail(spec, overrides):
-        raise rank_speed_ranks.RankSpeedsFailed("rank-speed ranks failed (exit 1):\nboom")
+        raise rank_speed_launch.RankSpeedsFailed("rank-speed ranks failed (exit 1):\nboom")
 
-    monkeypatch.setattr(rank_speed_ranks, "measure_rank_speeds", fail)
+    monkeypatch.setattr(rank_speed_launch, "measure_rank_speeds", fail)
     out, speeds = tmp_path / "cost_model.json", tmp_path / "rank_speeds.json"
     rc = calibrate.main(["--output", str(out), "--lengths", "16,64,256", "--repeats", "3", "--warmup", "1",
                          "--replicates", "1", "--held-out-batches", "0", "--device", "cpu", "--tracking-uri", "none",
@@ -431,7 +431,7 @@ def test_calibrate_times_the_model_with_torch_alone(tmp_path):
     """`freescale calibrate` on a machine with only torch, triton and numpy: the timing path (model
     without TorchRec tables, a plain item table) imports none of GPU_MACHINE_LACKS, which are made
     unimportable here, and a missing mlflow is one warning. On CPU: the CUDA path differs only in
-    its clock (training/calibration/calibrate.py, _time_cuda_step), which needs a GPU to run."""
+    its clock (freescale/training/calibration/calibrate.py, _time_cuda_step), which needs a GPU to run."""
     probe = (
         "import importlib.abc, json, sys\n"
         f"lacks = {GPU_MACHINE_LACKS!r}\n"
@@ -440,7 +440,7 @@ def test_calibrate_times_the_model_with_torch_alone(tmp_path):
         "        if name.split('.')[0] in lacks:\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}')\n"
         "sys.meta_path.insert(0, Absent())\n"
-        "from jobs.cli import main\n"
+        "from freescale.jobs.cli import main\n"
         f"rc = main(['calibrate', '--output', {str(tmp_path / 'cost.json')!r}, '--lengths', '16,64,256',\n"
         "            '--repeats', '1', '--held-out-batches', '0', '--device', 'cpu',\n"
         "            '--model.hstu.num_layers', '1'])\n"

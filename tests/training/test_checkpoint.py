@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from training.checkpoint.checkpointer import CONFIG, LOCK, Checkpointer
-from training.config import ConfigError, TrainConfig, shape_keys, to_flat_dict
+from freescale.training.checkpoint.checkpointer import CONFIG, LOCK, Checkpointer
+from freescale.training.config import ConfigError, TrainConfig, shape_keys, to_flat_dict
 from tests.helpers import in_process_args, train_in_process
 
 
@@ -127,7 +127,7 @@ def test_changed_hyperparameters_are_named_and_other_keys_ignored(tmp_path):
 
 
 def test_a_half_written_checkpoint_is_named_when_skipped(tmp_path, capsys):
-    from training.checkpoint.resume import resume_latest
+    from freescale.training.checkpoint.resume import resume_latest
 
     checkpointer = Checkpointer(str(tmp_path), rank=0)
     for step in (2, 4):
@@ -240,7 +240,7 @@ def test_prune_keeps_the_newest_complete_and_what_is_newer_than_the_save(tmp_pat
 def test_a_prune_cut_short_leaves_no_checkpoint_behind(tmp_path):
     """A folder being deleted is renamed first: a kill mid-delete leaves no step_<n> folder that looks
     complete, and the next prune removes the rest."""
-    from training.checkpoint.checkpointer import PRUNED_PREFIX
+    from freescale.training.checkpoint.checkpointer import PRUNED_PREFIX
 
     checkpointer = fake_checkpoints(tmp_path, complete=[1, 2, 3], half_written=[])
     leftover = tmp_path / f"{PRUNED_PREFIX}0"
@@ -253,7 +253,7 @@ def test_a_prune_cut_short_leaves_no_checkpoint_behind(tmp_path):
 SAVER = """
 import sys, time
 import torch, torch.distributed as dist
-from training.checkpoint.checkpointer import Checkpointer
+from freescale.training.checkpoint.checkpointer import Checkpointer
 
 folder, store, steps, block_at = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")], int(sys.argv[4])
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -288,7 +288,7 @@ def run_saver(tmp_path: Path, folder: Path, steps: str, block_at: int = -1) -> s
 
 @pytest.mark.spawns
 def test_a_kill_during_a_save_keeps_every_older_complete_checkpoint(tmp_path, capsys):
-    from training.checkpoint.resume import resume_latest
+    from freescale.training.checkpoint.resume import resume_latest
 
     folder = tmp_path / "ckpt"
     proc = run_saver(tmp_path, folder, "1,2,3,4", block_at=4)

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from training.config import ConfigError, OneOf, TrainConfig, load_config, to_flat_dict
+from freescale.training.config import ConfigError, OneOf, TrainConfig, load_config, to_flat_dict
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_shipped_configs_load():
     ``[pipeline]`` table) whose training config and overrides load too."""
     import tomllib
 
-    from jobs.workflow.config import load_workflow_config
+    from freescale.jobs.workflow.config import load_workflow_config
 
     kinds = set()
     for path in sorted((REPO / "configs").glob("*.toml")):
@@ -88,7 +88,7 @@ def test_bad_override():
 @pytest.mark.spawns  # a fresh interpreter
 def test_config_module_loads_no_torch():
     # Jobs read the config (and report its errors) before any rank starts: that must stay cheap.
-    code = ("import sys, training.config; "
+    code = ("import sys, freescale.training.config; "
             "print(','.join(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torchrec', 'numpy'})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == ""
@@ -172,7 +172,7 @@ def test_loaded_encoder_shape_is_checked_like_a_constructed_one(tmp_path):
 
 
 def test_precision_defaults_to_fp32_and_a_constructed_one_is_checked():
-    from training.config import TrainingConfig
+    from freescale.training.config import TrainingConfig
 
     assert TrainConfig().training.precision == "fp32"
     with pytest.raises(ValueError, match=r"precision must be one of \('fp32', 'bf16'\), got 'fp16'"):
@@ -180,7 +180,7 @@ def test_precision_defaults_to_fp32_and_a_constructed_one_is_checked():
 
 
 def test_implementations_are_keyed_by_the_choices():
-    from training.config import ShardingName, keyed_by
+    from freescale.training.config import ShardingName, keyed_by
 
     assert keyed_by(ShardingName, {"row_wise": 1, "table_wise": 2}) == {"row_wise": 1, "table_wise": 2}
     with pytest.raises(TypeError, match="do not match"):

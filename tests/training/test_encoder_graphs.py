@@ -1,4 +1,4 @@
-"""``training.model.encoder_graphs`` on CPU: the bucket ladder, and a graphed encoder replayed by rerunning its
+"""``freescale.training.model.encoder_graphs`` on CPU: the bucket ladder, and a graphed encoder replayed by rerunning its
 captured functions (``replay="rerun"``) against the eager encoder. Everything but the capture runs here:
 padding, the fixed tensors a graph reads and writes across batches, the gradients' way back. The CUDA
 capture itself is tests/training/test_encoder_graphs_cuda.py's (skips without a GPU)."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from training.config import HSTUConfig
-from training.model.encoder_graphs import GraphedEncoder, ShapeBuckets
-from training.model.hstu import HSTUEncoder
-from training.ops.jagged import offsets_from_lengths
+from freescale.training.config import HSTUConfig
+from freescale.training.model.encoder_graphs import GraphedEncoder, ShapeBuckets
+from freescale.training.model.hstu import HSTUEncoder
+from freescale.training.ops.jagged import offsets_from_lengths
 
 WIDTH = 32
 CONFIG = HSTUConfig(num_layers=2, num_heads=2, attention_dim=16, linear_dim=16, dropout=0.0, max_seq_len=64,
@@ -156,9 +156,9 @@ def test_bf16_autocast_is_part_of_the_bucket_and_matches_eager_within_bf16() -> 
 def test_the_models_training_step_through_graphs_gives_the_eager_loss_and_gradients() -> None:
     """``SequentialRecommender`` with a graphed encoder (as ``training.cuda_graphs = "encoder"`` builds on
     CUDA; rerun here): the same loss and dense gradients as the eager model, step after step."""
-    from training.calibration.calibrate import synthetic_batch
-    from training.config import ModelConfig
-    from training.model.recommender import build_dense_model
+    from freescale.training.calibration.calibrate import synthetic_batch
+    from freescale.training.config import ModelConfig
+    from freescale.training.model.recommender import build_dense_model
 
     config = ModelConfig(embedding_dim=WIDTH, hstu=CONFIG)
     models = []
@@ -183,8 +183,8 @@ def test_the_models_training_step_through_graphs_gives_the_eager_loss_and_gradie
 
 
 def test_only_an_encoder_that_reads_nothing_on_the_host_is_capturable() -> None:
-    from training.config import ModelConfig
-    from training.model.registry import build_encoder
+    from freescale.training.config import ModelConfig
+    from freescale.training.model.registry import build_encoder
 
     hstu = HSTUEncoder(HSTUConfig(attention_kernel="grouped"), WIDTH)
     assert "grouped attention kernel reads the batch's lengths" in hstu.not_capturable("cpu")
@@ -221,9 +221,9 @@ def test_after_the_encoder_the_training_step_issues_nothing_that_waits_for_the_g
     reads it only before the encoder (the in-batch negatives' unique ids, with the default loss)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from training.calibration.calibrate import synthetic_batch
-    from training.config import ModelConfig
-    from training.model.recommender import build_dense_model
+    from freescale.training.calibration.calibrate import synthetic_batch
+    from freescale.training.config import ModelConfig
+    from freescale.training.model.recommender import build_dense_model
 
     torch.manual_seed(0)
     model, table = build_dense_model(50, ModelConfig(embedding_dim=WIDTH, hstu=CONFIG))

@@ -1,4 +1,4 @@
-"""``training.model.encoder_graphs`` captured as CUDA graphs, against the eager encoder on the same GPU with the
+"""``freescale.training.model.encoder_graphs`` captured as CUDA graphs, against the eager encoder on the same GPU with the
 Triton kernel (skips without a GPU). Run on the GPU machine with only torch, triton, numpy and pytest:
 ``python -m pytest -q tests/training/test_encoder_graphs_cuda.py``. The same plumbing without the capture
 is tests/training/test_encoder_graphs.py's, on CPU."""
@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from training.config import HSTUConfig
-from training.model.encoder_graphs import GraphedEncoder, ShapeBuckets
-from training.model.hstu import HSTUEncoder
+from freescale.training.config import HSTUConfig
+from freescale.training.model.encoder_graphs import GraphedEncoder, ShapeBuckets
+from freescale.training.model.hstu import HSTUEncoder
 from tests.training import test_encoder_graphs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -64,7 +64,7 @@ def test_replayed_graphs_give_the_eager_encoders_numbers(dtype) -> None:
 
 
 def test_a_graphed_step_launches_a_handful_of_ops_not_the_layers() -> None:
-    from training.timing.launches import kernel_launches
+    from freescale.training.timing.launches import kernel_launches
 
     torch.manual_seed(0)
     graphed = GraphedEncoder(HSTUEncoder(CONFIG, WIDTH).cuda())

@@ -1,5 +1,5 @@
-"""A third encoder from this file alone: nothing under training/ names it (checked below). It is
-registered (``training.model.registry.register_encoder``), loads from a config and its overrides like HSTU's
+"""A third encoder from this file alone: nothing under freescale/training/ names it (checked below). It is
+registered (``freescale.training.model.registry.register_encoder``), loads from a config and its overrides like HSTU's
 and SASRec's sections, and trains on 2 ranks, checkpoints and resumes to the uninterrupted run's
 losses, its shape key refusing a resume into another shape. What docs/extending.md promises."""
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import ConfigError, ModelConfig, load_config, shape, shape_keys, to_flat_dict
-from training.model.registry import ENCODERS, EncoderSpec, register_encoder, unregister_encoder
-from training.model.encoders import Encoder
-from training.ops.jagged import GroupedPlan, offsets_from_lengths
+from freescale.training.config import ConfigError, ModelConfig, load_config, shape, shape_keys, to_flat_dict
+from freescale.training.model.registry import ENCODERS, EncoderSpec, register_encoder, unregister_encoder
+from freescale.training.model.encoders import Encoder
+from freescale.training.ops.jagged import GroupedPlan, offsets_from_lengths
 from tests.helpers import free_port, write_shards
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def registered():
 
 
 def test_nothing_under_training_names_the_encoder():
-    assert not [path for path in (REPO / "training").rglob("*.py") if NAME in path.read_text()]
+    assert not [path for path in (REPO / "freescale" / "training").rglob("*.py") if NAME in path.read_text()]
 
 
 def test_the_registered_encoder_is_a_choice_with_its_own_section(registered, tmp_path):
@@ -101,8 +101,8 @@ def test_an_unregistered_encoder_is_no_choice():
 
 
 def test_the_model_trains_it_and_its_outputs_are_causal(registered):
-    from training.data.batch import SequenceBatch
-    from training.model.recommender import build_local_model
+    from freescale.training.data.batch import SequenceBatch
+    from freescale.training.model.recommender import build_local_model
 
     torch.manual_seed(0)
     model = build_local_model(40, load_config(None, ["--model.encoder", NAME, "--model.embedding_dim", "16"]).model)
@@ -129,15 +129,15 @@ def test_the_model_trains_it_and_its_outputs_are_causal(registered):
 
 
 def _rank(rank: int, port: int, argv: list[str], logs: str) -> None:
-    """One of 2 training ranks, as torchrun would start ``jobs.train``, in a process that imported
+    """One of 2 training ranks, as torchrun would start ``freescale.jobs.train``, in a process that imported
     this file: the encoder is registered here, not in any module the trainer knows."""
-    from runtime.logs import LOG_DIR_ENV
+    from freescale.runtime.logs import LOG_DIR_ENV
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                        LOG_DIR_ENV: logs})
     register()
-    from jobs import train
+    from freescale.jobs import train
 
     assert train.train(argv) == 0
 
@@ -167,7 +167,7 @@ def test_it_trains_on_two_ranks_checkpoints_and_resumes_exactly(tmp_path):
     assert resumed["steps"] == [2, 3]
     assert resumed["losses"] == reference["losses"][2:]  # to the bit
     # Its marked field is a shape key: the checkpoint refuses a resume into two layers.
-    from training.checkpoint.checkpointer import Checkpointer
+    from freescale.training.checkpoint.checkpointer import Checkpointer
 
     register()
     try:

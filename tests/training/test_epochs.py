@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shards.step_order import epoch_order
+from freescale.shards.step_order import epoch_order
 from tests.scenarios import EPOCH_STEPS
 
 pytestmark = pytest.mark.slow

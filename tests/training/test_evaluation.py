@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from shards.manifest import load_manifest
-from training.data.batch import SequenceBatch
-from training.config import ConfigError, EvaluationConfig, HSTUConfig, ModelConfig
-from training.eval import evaluator
-from training.eval.evaluator import NegativeDraws, batch_negatives, check_protocol, evaluate
-from training.eval.ranking_metrics import most_popular_baseline, sampled_retrieval_metrics, unseen_negatives
-from training.model.recommender import build_local_model
+from freescale.shards.manifest import load_manifest
+from freescale.training.data.batch import SequenceBatch
+from freescale.training.config import ConfigError, EvaluationConfig, HSTUConfig, ModelConfig
+from freescale.training.eval import evaluator
+from freescale.training.eval.evaluator import NegativeDraws, batch_negatives, check_protocol, evaluate
+from freescale.training.eval.ranking_metrics import most_popular_baseline, sampled_retrieval_metrics, unseen_negatives
+from freescale.training.model.recommender import build_local_model
 
 METRICS = ("hr_at_10", "ndcg_at_10", "mrr")
 pytestmark = pytest.mark.usefixtures("single_thread")  # one intra-op thread, as in the model tests

@@ -1,10 +1,10 @@
-"""`freescale export` (jobs/export.py, training/export/exporter.py, training/export/exported_model.py): a training
+"""`freescale export` (freescale/jobs/export.py, freescale/training/export/exporter.py, freescale/training/export/exported_model.py): a training
 checkpoint -> one model folder and an MLflow pyfunc model.
 
 The end-to-end tests share one short 2-rank training with checkpoints, recorded on the session's
 mlflow server, and one export of it. A fresh process loads the MLflow model and predicts every
 test user's top 10 with no TorchRec imported: they are the trainer's own evaluation ranking (its
-model rebuilt here with TorchRec tables from the same checkpoint, scored by training.eval.evaluator), and
+model rebuilt here with TorchRec tables from the same checkpoint, scored by freescale.training.eval.evaluator), and
 HR@10 and NDCG@10 computed from them are the run's summary. The fast tests build a model folder from
 a random dense model: the unknown-id policy, the input forms, the registry and bad-input refusals.
 """
@@ -28,7 +28,7 @@ STEPS = 8
 
 
 def export(*argv: str) -> int:
-    from jobs import cli
+    from freescale.jobs import cli
 
     return cli.main(["export", *argv])
 
@@ -46,10 +46,10 @@ def small_folder(root: Path, num_items: int = 30, counts: list[int] | None = Non
     ``counts``: each item's interaction count, index 0 padding)."""
     import torch
 
-    from training.config import TrainConfig
-    from training.export.exporter import Source, Vocabulary, write_folder
-    from training.export.exported_model import ITEM_TABLE
-    from training.model.recommender import build_dense_model
+    from freescale.training.config import TrainConfig
+    from freescale.training.export.exporter import Source, Vocabulary, write_folder
+    from freescale.training.export.exported_model import ITEM_TABLE
+    from freescale.training.model.recommender import build_dense_model
 
     torch.manual_seed(0)
     config = TrainConfig()
@@ -66,7 +66,7 @@ def small_folder(root: Path, num_items: int = 30, counts: list[int] | None = Non
 def test_unknown_items_are_skipped_and_counted(tmp_path):
     import pandas as pd
 
-    from training.export.exported_model import ExportedModel
+    from freescale.training.export.exported_model import ExportedModel
 
     folder, raw = small_folder(tmp_path)
     model = ExportedModel(folder)
@@ -81,7 +81,7 @@ def test_unknown_items_are_skipped_and_counted(tmp_path):
 
 
 def test_the_history_is_excluded_unless_asked_and_ids_may_be_integers(tmp_path):
-    from training.export.exported_model import ExportedModel
+    from freescale.training.export.exported_model import ExportedModel
 
     folder, raw = small_folder(tmp_path)
     model = ExportedModel(folder)
@@ -92,15 +92,15 @@ def test_the_history_is_excluded_unless_asked_and_ids_may_be_integers(tmp_path):
     assert sorted(everything, key=lambda r: int(r[1:])) == raw[1:]
     assert [r for r in everything if r not in history] == excluded  # the same order, the seen ones removed
     # prepare's string form of an integer id is its digits: 7 and 7.0 look up "7"
-    from training.export.exported_model import raw_key
+    from freescale.training.export.exported_model import raw_key
     assert raw_key(7) == raw_key(7.0) == raw_key("7") == "7"
 
 
 def test_only_the_most_recent_history_counts_and_bad_rows_are_one_line(tmp_path):
     import pandas as pd
 
-    from runtime.errors import InputError
-    from training.export.exported_model import ExportedModel
+    from freescale.runtime.errors import InputError
+    from freescale.training.export.exported_model import ExportedModel
 
     folder, _ = small_folder(tmp_path)
     model = ExportedModel(folder)  # max_history 8
@@ -124,9 +124,9 @@ def test_the_best_validations_weights_are_exported_when_the_run_restored_them(tm
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from training.config import TrainConfig
-    from training.export.exporter import ITEM_KEY, Source, load_weights
-    from training.checkpoint.safe_load import read_dcp_metadata
+    from freescale.training.config import TrainConfig
+    from freescale.training.export.exporter import ITEM_KEY, Source, load_weights
+    from freescale.training.checkpoint.safe_load import read_dcp_metadata
 
     last = {"model." + ITEM_KEY: torch.zeros(4, 2), "model.encoder.w": torch.zeros(3)}
     best = {key.replace("model.", "best_weights.", 1): torch.ones_like(value) for key, value in last.items()}
@@ -153,7 +153,7 @@ def test_register_without_a_registry_is_refused_before_anything_is_written(fresh
 
 
 def test_the_registry_check_accepts_databases_and_servers():
-    from training.export.spec import check_registry
+    from freescale.training.export.spec import check_registry
 
     for uri in ("sqlite:///mlflow.db", "http://127.0.0.1:5000", "postgresql://db/mlflow"):
         check_registry(uri)
@@ -225,14 +225,14 @@ def reference(trained, prepared: Path, users_table: Path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from shards.manifest import load_manifest
-    from training.eval.evaluator import evaluate_batch, history_of, score_queries
-    from training.export.exporter import saved_config
-    from training.ops.jagged import jagged_concat_last
-    from training.model.recommender import build_local_model
-    from training.eval.ranking_metrics import RetrievalMetrics
-    from training.checkpoint.safe_load import SafePlanner, SafeReader
-    from training.data.shard_reader import build_loader
+    from freescale.shards.manifest import load_manifest
+    from freescale.training.eval.evaluator import evaluate_batch, history_of, score_queries
+    from freescale.training.export.exporter import saved_config
+    from freescale.training.ops.jagged import jagged_concat_last
+    from freescale.training.model.recommender import build_local_model
+    from freescale.training.eval.ranking_metrics import RetrievalMetrics
+    from freescale.training.checkpoint.safe_load import SafePlanner, SafeReader
+    from freescale.training.data.shard_reader import build_loader
 
     step = trained.checkpoint / f"step_{STEPS}"
     config = saved_config(step)

@@ -1,5 +1,5 @@
 """The Triton HSTU attention kernel against its PyTorch reference (the grouped path), on CPU under
-TRITON_INTERPRET=1, both through the one entry ``training.ops.attention.hstu_attention``.
+TRITON_INTERPRET=1, both through the one entry ``freescale.training.ops.attention.hstu_attention``.
 
 The interpreter runs program instances one by one in NumPy, so shapes stay tiny
 (16-row tiles, two heads of 16) and every case below runs in about a second.
@@ -14,13 +14,13 @@ import os
 import pytest
 import torch
 
-from runtime.errors import InputError
-from training.model.attention_kernel import resolve_attention_kernel
-from training.config import HSTUConfig
-from training.model.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias, bias_spec
-from training.ops.jagged import offsets_from_lengths
-from training.ops.attention import hstu_attention
-from training.ops.relative_buckets import bucket_by_thresholds, log_bucket
+from freescale.runtime.errors import InputError
+from freescale.training.model.attention_kernel import resolve_attention_kernel
+from freescale.training.config import HSTUConfig
+from freescale.training.model.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias, bias_spec
+from freescale.training.ops.jagged import offsets_from_lengths
+from freescale.training.ops.attention import hstu_attention
+from freescale.training.ops.relative_buckets import bucket_by_thresholds, log_bucket
 
 if torch.cuda.is_available():
     # One process holds one copy of the kernel module: interpreted here, it would shadow the
@@ -31,7 +31,7 @@ if torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") != "1":  # an error, not a skip: CI must not lose these tests quietly
     raise RuntimeError("TRITON_INTERPRET=1 must be set before triton is first imported "
                        "(tests/conftest.py sets it; torchrec imports triton)")
-from training.ops import hstu_attention as ops  # noqa: E402  (the kernel's internals: tuner, work list, buckets)
+from freescale.training.ops import hstu_attention as ops  # noqa: E402  (the kernel's internals: tuner, work list, buckets)
 
 
 @pytest.fixture(autouse=True)
@@ -322,7 +322,7 @@ def test_triton_where_it_cannot_run_is_one_line_never_a_fall_back(monkeypatch: p
 
 
 def test_calibrate_refuses_triton_on_cpu_before_writing(tmp_path, monkeypatch, capsys) -> None:
-    from jobs import calibrate
+    from freescale.jobs import calibrate
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     output = tmp_path / "cost_model.json"

@@ -1,5 +1,5 @@
 """The compiled Triton HSTU kernel on a CUDA GPU against its PyTorch reference, the grouped path, both
-through ``training.ops.attention.hstu_attention`` (skips without a GPU).
+through ``freescale.training.ops.attention.hstu_attention`` (skips without a GPU).
 
 Shapes are the GPU check's model (4 heads of 64) and lengths around the 64-row tiles and up
 to 1024. Run on the GPU machine with only torch, triton, numpy and pytest:
@@ -13,14 +13,14 @@ import os
 import pytest
 import torch
 
-from training.config import HSTUConfig
-from training.model.hstu import HSTUEncoder, RelativeAttentionBias, bias_spec
-from training.ops.jagged import offsets_from_lengths
-from training.ops.attention import hstu_attention
+from freescale.training.config import HSTUConfig
+from freescale.training.model.hstu import HSTUEncoder, RelativeAttentionBias, bias_spec
+from freescale.training.ops.jagged import offsets_from_lengths
+from freescale.training.ops.attention import hstu_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    from training.ops import hstu_attention as ops  # the kernel module, for its kernel_dtype
+    from freescale.training.ops import hstu_attention as ops  # the kernel module, for its kernel_dtype
 
 WIDTH = 256  # the encoder's width, the model's embedding_dim
 CONFIG = HSTUConfig(num_layers=2, num_heads=4, attention_dim=64, linear_dim=64, dropout=0.0,
@@ -104,7 +104,7 @@ def test_encoder_under_bf16_autocast_runs_the_kernel_in_bf16(monkeypatch: pytest
     dots). Not yet run on a GPU: the bounds come from this encoder and batch through the grouped
     path under CPU bf16 autocast against fp32 (relative L2: output 1.8e-3, parameter gradients at
     most 5.3e-2, the attention LayerNorms'; tests/training/test_precision.py checks that path on CPU)."""
-    from training.model.precision import encoder_autocast
+    from freescale.training.model.precision import encoder_autocast
 
     dtypes = []
     kernel_dtype = ops.kernel_dtype

@@ -1,9 +1,9 @@
-"""training/loop/mlflow_sink.py's resume: a resumed training continues its run with every point once."""
+"""freescale/training/loop/mlflow_sink.py's resume: a resumed training continues its run with every point once."""
 from __future__ import annotations
 
 import pytest
 
-from training.loop.mlflow_sink import MLflowSink
+from freescale.training.loop.mlflow_sink import MLflowSink
 from tests.helpers import sqlite_store
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.config import HSTUConfig, ModelConfig
-from training.model.hstu import GroupedAttentionPlan, HSTUEncoder, HSTULayer, log_bucket
-from training.ops.jagged import (
+from freescale.training.config import HSTUConfig, ModelConfig
+from freescale.training.model.hstu import GroupedAttentionPlan, HSTUEncoder, HSTULayer, log_bucket
+from freescale.training.ops.jagged import (
     GroupedPlan,
     check_jagged,
     group_by_length,
@@ -22,9 +22,9 @@ from training.ops.jagged import (
     next_item_positions,
     offsets_from_lengths,
 )
-from training.eval.evaluator import evaluate_batch, history_of, score_queries
-from training.model.losses import sampled_softmax_loss
-from training.eval.ranking_metrics import (
+from freescale.training.eval.evaluator import evaluate_batch, history_of, score_queries
+from freescale.training.model.losses import sampled_softmax_loss
+from freescale.training.eval.ranking_metrics import (
     RetrievalMetrics,
     full_and_unseen_metrics,
     metrics_from_ranks,
@@ -33,7 +33,7 @@ from training.eval.ranking_metrics import (
     retrieval_metrics,
     target_ranks,
 )
-from training.model.recommender import (
+from freescale.training.model.recommender import (
     FEATURE_KEYS,
     ITEM_TABLE,
     SequenceBatch,
@@ -606,10 +606,10 @@ def _sharded_check(rank: int, world_size: int, store_path: str, sharding_type: s
     compare with an unsharded copy."""
     import torch.distributed as dist
 
-    from training.config import OptimizerConfig, ParallelConfig
-    from training.parallel.distributed import DistEnv
-    from training.model.recommender import USER_TABLE
-    from training.parallel.sharding import shard_model
+    from freescale.training.config import OptimizerConfig, ParallelConfig
+    from freescale.training.parallel.distributed import DistEnv
+    from freescale.training.model.recommender import USER_TABLE
+    from freescale.training.parallel.sharding import shard_model
 
     from datetime import timedelta
 
@@ -678,7 +678,7 @@ def _sharded_worker(rank: int, world_size: int, folder: str) -> None:
     import traceback
     from pathlib import Path
 
-    from training.parallel.distributed import exit_without_finalization
+    from freescale.training.parallel.distributed import exit_without_finalization
 
     for sharding_type in SHARDINGS:
         try:
@@ -743,7 +743,7 @@ def test_dense_span_ends_before_any_table_backward() -> None:
     """The probe's end (last gradient at the lookups' outputs) comes before either
     table's backward, which under DMP is a blocking collective: otherwise the wait for
     the slowest rank would be measured as this rank's dense compute."""
-    from training.timing.bubbles import DenseSpanProbe
+    from freescale.training.timing.bubbles import DenseSpanProbe
 
     torch.manual_seed(0)
     model = build_local_model(NUM_ITEMS, ModelConfig(embedding_dim=WIDTH, hstu=SMALL), user_features=USER_FEATURES)

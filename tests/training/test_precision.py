@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from tests import helpers
-from training.config import HSTUConfig, ModelConfig, SASRecConfig
-from training.model.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias
-from training.ops.jagged import offsets_from_lengths
-from training.model.recommender import SequenceBatch, build_local_model
-from training.model.precision import encoder_autocast
-from training.model.sasrec import SASRecEncoder
+from freescale.training.config import HSTUConfig, ModelConfig, SASRecConfig
+from freescale.training.model.hstu import GroupedAttentionPlan, HSTUEncoder, RelativeAttentionBias
+from freescale.training.ops.jagged import offsets_from_lengths
+from freescale.training.model.recommender import SequenceBatch, build_local_model
+from freescale.training.model.precision import encoder_autocast
+from freescale.training.model.sasrec import SASRecEncoder
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-op thread
 

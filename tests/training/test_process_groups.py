@@ -46,9 +46,9 @@ def _serve_objects_beside(side, rerouted: list[str]) -> None:
 
 def _train(argv: list[str], out: Path) -> None:
     """The real trainer on this rank; its losses and scores (the summary less its timings) written to ``out``."""
-    from training.config import load_config
-    from training.loop.trainer import Trainer
-    from training.timing.step_report import run_summary
+    from freescale.training.config import load_config
+    from freescale.training.loop.trainer import Trainer
+    from freescale.training.timing.step_report import run_summary
 
     trainer = Trainer(load_config(None, argv))
     try:
@@ -68,7 +68,7 @@ def _rank(rank: int, folder: str, runs: dict[str, list[str]]) -> None:
     import torch
     import torch.distributed as dist
 
-    from training.parallel.distributed import exit_without_finalization
+    from freescale.training.parallel.distributed import exit_without_finalization
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
                        "OMP_NUM_THREADS": "1"})

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.job_errors import EXIT_BAD_INPUT
-from training.config import CUDA_ONLY_SPARSE_OPTIMIZERS, ConfigError, OptimizerConfig, ParallelConfig, load_config
-from training.parallel.rank_checks import check_ranks_can_run
+from freescale.runtime.job_errors import EXIT_BAD_INPUT
+from freescale.training.config import CUDA_ONLY_SPARSE_OPTIMIZERS, ConfigError, OptimizerConfig, ParallelConfig, load_config
+from freescale.training.parallel.rank_checks import check_ranks_can_run
 
 ADAM = ["--optimizer.sparse_optimizer", "adam"]
 
@@ -37,7 +37,7 @@ def test_the_launch_check_follows_the_ranks_device(backend, refused):
 
 
 def test_freescale_train_refuses_sparse_adam_on_the_cpu_before_torchrun(fresh_log, tmp_path, capsys):
-    from jobs.launch import launch
+    from freescale.jobs.launch import launch
 
     assert launch(["--shards", str(tmp_path), "--tracking-uri", "none", "--parallel.backend", "gloo", *ADAM]) \
         == EXIT_BAD_INPUT
@@ -50,8 +50,8 @@ def test_freescale_train_refuses_sparse_adam_on_the_cpu_before_torchrun(fresh_lo
 
 def test_a_rank_refuses_it_before_sharding():
     """What a rank sees when no launcher checked first (a rank started by hand, or by torchrun directly)."""
-    from training.parallel.distributed import DistEnv
-    from training.parallel.sharding import shard_model
+    from freescale.training.parallel.distributed import DistEnv
+    from freescale.training.parallel.sharding import shard_model
 
     env = DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo")
     with pytest.raises(ConfigError, match="^optimizer.sparse_optimizer = 'adam' needs CUDA"):
@@ -71,8 +71,8 @@ def test_cuda_graphs_need_cuda_ranks(backend, refused):
 
 
 def test_the_model_refuses_cuda_graphs_off_cuda():
-    from training.config import ModelConfig
-    from training.model.recommender import build_dense_model
+    from freescale.training.config import ModelConfig
+    from freescale.training.model.recommender import build_dense_model
 
     with pytest.raises(ConfigError, match="training.cuda_graphs = 'encoder' needs a CUDA device; this model is on cpu"):
         build_dense_model(10, ModelConfig(), cuda_graphs="encoder")

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tests import helpers
-from training.config import ConfigError, OptimizerConfig, load_config
-from training.loop.schedule import LearningRateSchedule
-from training.loop.trainer import planned_steps
-from training.eval.validation import ValidationRecord
+from freescale.training.config import ConfigError, OptimizerConfig, load_config
+from freescale.training.loop.schedule import LearningRateSchedule
+from freescale.training.loop.trainer import planned_steps
+from freescale.training.eval.validation import ValidationRecord
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -153,7 +153,7 @@ def test_kill_9_mid_epoch_resumes_to_the_same_stop(early_stopped, movielens_shar
     after the best validation (12 steps past it; the stop comes a whole epoch later); the rerun
     resumes, restores the best weights from the checkpoint, and ends as the uninterrupted run did."""
     folder, out = tmp_path / "ckpt", tmp_path / "resumed.json"
-    cmd = [sys.executable, "-m", "jobs.train", *helpers.in_process_args(movielens_shards_1, *RECIPE),
+    cmd = [sys.executable, "-m", "freescale.jobs.train", *helpers.in_process_args(movielens_shards_1, *RECIPE),
            "--checkpoint.folder", str(folder), "--checkpoint.every_steps", "5"]
     env = {k: v for k, v in helpers.train_env().items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

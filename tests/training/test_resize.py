@@ -1,5 +1,5 @@
-"""A resume on another world size: the re-plan's reader (training/data/replanned_reader.py), the
-launcher's choice of a re-plan (training/parallel/resize.py), where a re-planned run ends, and one
+"""A resume on another world size: the re-plan's reader (freescale/training/data/replanned_reader.py), the
+launcher's choice of a re-plan (freescale/launch/resize.py), where a re-planned run ends, and one
 real resize (2 ranks, then 3, on one checkpoint folder)."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import InputError
-from shards.manifest import ShardError, load_manifest
-from shards.replan import ReplanFiles, replan
-from shards.step_order import epoch_order
+from freescale.runtime.errors import InputError
+from freescale.shards.manifest import ShardError, load_manifest
+from freescale.shards.replan import ReplanFiles, replan
+from freescale.shards.step_order import epoch_order
 from tests.helpers import write_shards
 
 STEPS = 7
@@ -24,8 +24,8 @@ def shards(tmp_path: Path) -> Path:
 
 
 def test_replanned_reader_yields_the_source_rows(shards: Path, tmp_path: Path) -> None:
-    from training.data.replanned_reader import ReplannedReader
-    from training.data.shard_reader import ShardReader
+    from freescale.training.data.replanned_reader import ReplannedReader
+    from freescale.training.data.shard_reader import ShardReader
 
     manifest = load_manifest(shards)
     meta, rows = replan(manifest, 3, 3, order_seed=0)
@@ -79,7 +79,7 @@ def fake_checkpoint(folder: Path, step: int, world_size: int, sha: str, config: 
 
 
 def test_launch_on_the_plans_world_size_adds_nothing(shards: Path, tmp_path: Path) -> None:
-    from training.parallel.resize import replan_settings
+    from freescale.launch.resize import replan_settings
 
     assert replan_settings(str(shards), 2, "", True) == []
     fake_checkpoint(tmp_path / "ckpt", 3, 2, load_manifest(shards).sha256)
@@ -87,7 +87,7 @@ def test_launch_on_the_plans_world_size_adds_nothing(shards: Path, tmp_path: Pat
 
 
 def test_launch_on_another_world_size_replans_once(shards: Path, tmp_path: Path, capsys) -> None:
-    from training.parallel.resize import replan_settings
+    from freescale.launch.resize import replan_settings
 
     fake_checkpoint(tmp_path / "ckpt", 3, 2, load_manifest(shards).sha256)
     settings = replan_settings(str(shards), 3, str(tmp_path / "ckpt"), True)
@@ -98,7 +98,7 @@ def test_launch_on_another_world_size_replans_once(shards: Path, tmp_path: Path,
 
 
 def test_launch_refusals(shards: Path, tmp_path: Path) -> None:
-    from training.parallel.resize import replan_settings
+    from freescale.launch.resize import replan_settings
 
     with pytest.raises(InputError, match="balanced for 2 ranks, this launch has 3"):
         replan_settings(str(shards), 3, "", True)
@@ -116,8 +116,8 @@ def test_launch_refusals(shards: Path, tmp_path: Path) -> None:
 
 
 def test_replanned_end() -> None:
-    from shards.replan import Replan
-    from training.loop.trainer import replanned_end
+    from freescale.shards.replan import Replan
+    from freescale.training.loop.trainer import replanned_end
 
     meta = Replan(world_size=3, local_batch_size=3, num_steps=3, num_samples=30, from_world_size=2, from_step=10,
                   epoch=1, position=3, strategy="kk", shards_sha256="", read_seconds=0.0, plan_seconds=0.0, bubble=0.0)
@@ -146,7 +146,7 @@ def test_resize_trains_every_sample_of_the_epoch_once(resized_run, movielens_sha
 def test_resized_run_resumes_on_its_own_size_only(resized_run, movielens_shards) -> None:
     """Its checkpoint ends the re-planned epoch: on 3 ranks nothing is left; on 5 a new re-plan would be of the next
     epoch, which `freescale train` makes before any rank starts."""
-    from training.parallel.resize import replan_settings
+    from freescale.launch.resize import replan_settings
 
     settings = replan_settings(str(movielens_shards), 5, str(resized_run.folder), True)
     assert settings[0] == "--data.replan" and ReplanFiles(settings[1]).read().epoch == 1

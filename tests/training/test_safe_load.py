@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from runtime.errors import InputError
-from training.checkpoint.checkpointer import Checkpointer
-from training.checkpoint.safe_load import check_plain, read_own_state
+from freescale.runtime.errors import InputError
+from freescale.training.checkpoint.checkpointer import Checkpointer
+from freescale.training.checkpoint.safe_load import check_plain, read_own_state
 
 
 class Payload:

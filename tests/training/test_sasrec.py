@@ -13,16 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jobs import calibrate
-from training.data.batch import SequenceBatch
-from training.config import ConfigError, LossConfig, ModelConfig, SASRecConfig, load_config
-from training.model.hstu import HSTUEncoder
-from training.ops.jagged import next_item_positions, offsets_from_lengths
-from training.model.losses import binary_cross_entropy_loss
-from training.model.recommender import build_local_model
-from training.ops.jagged import jagged_positions
-from training.model.sasrec import SASRecEncoder
-from training.loop.seeding import StepNegatives
+from freescale.jobs import calibrate
+from freescale.training.data.batch import SequenceBatch
+from freescale.training.config import ConfigError, LossConfig, ModelConfig, SASRecConfig, load_config
+from freescale.training.model.hstu import HSTUEncoder
+from freescale.training.ops.jagged import next_item_positions, offsets_from_lengths
+from freescale.training.model.losses import binary_cross_entropy_loss
+from freescale.training.model.recommender import build_local_model
+from freescale.training.ops.jagged import jagged_positions
+from freescale.training.model.sasrec import SASRecEncoder
+from freescale.training.loop.seeding import StepNegatives
 from tests.helpers import sqlite_store
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one intra-op thread

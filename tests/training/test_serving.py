@@ -1,4 +1,4 @@
-"""Serving an exported model (training/export/exported_model.py, training/export/signature.py, training/export/model_pyfunc.py):
+"""Serving an exported model (freescale/training/export/exported_model.py, freescale/training/export/signature.py, freescale/model_pyfunc.py):
 a cold start gets the most popular items, marked; the MLflow model carries a signature and an input
 example, so MLflow checks each request; a bad request is a 400 whose message names the column. The
 last tests go over real HTTP, to `mlflow models serve --env-manager local` on a free loopback port
@@ -26,7 +26,7 @@ def saved_model(root: Path) -> Path:
     """The small folder (with COUNTS) saved as the MLflow pyfunc model `freescale export` logs."""
     import mlflow
 
-    from training.export.exporter import pyfunc_arguments, quiet_mlflow
+    from freescale.training.export.exporter import pyfunc_arguments, quiet_mlflow
 
     folder, _ = small_folder(root, NUM_ITEMS, counts=COUNTS)
     with quiet_mlflow():
@@ -35,7 +35,7 @@ def saved_model(root: Path) -> Path:
 
 
 def test_a_cold_start_gets_the_most_popular_items_by_count_marked_as_fallback(tmp_path):
-    from training.export.exported_model import ExportedModel
+    from freescale.training.export.exported_model import ExportedModel
 
     folder, _ = small_folder(tmp_path, NUM_ITEMS, counts=COUNTS)
     model = ExportedModel(folder)
@@ -148,3 +148,43 @@ def test_over_http_concurrent_clients_get_every_answer(served):
     assert load.errors == [] and len(load.latencies) >= 4
     row = load.row()
     assert row["p50_ms"] <= row["p99_ms"] and row["requests"] == len(load.latencies)
+
+
+# ------------------------------------------------------------------ models exported before the one package
+
+
+@pytest.mark.spawns  # in process, but saving an MLflow model runs uname -p (platform.processor)
+def test_a_model_exported_before_the_one_package_still_loads(tmp_path):
+    """Its loader (model_pyfunc.py as it was copied into each model before the move) imports
+    runtime.errors and training.export.exported_model; freescale/__init__.py maps those names (and the
+    older training.exported_model) to their homes: the same module objects, the same predictions."""
+    import sys
+
+    import mlflow
+    import pandas as pd
+
+    import freescale.model
+    from freescale.training.export.exporter import pyfunc_arguments, quiet_mlflow
+
+    folder, _ = small_folder(tmp_path, NUM_ITEMS, counts=COUNTS)
+    arguments = pyfunc_arguments(folder)
+    loader = Path(arguments["python_model"]).read_text()
+    stable = "from freescale.model import ARTIFACT, DEFAULT_K, ExportedModel, InputError\n"
+    assert stable in loader  # what a model exported from now on imports: one stable name
+    old_loader = tmp_path / "model_pyfunc.py"
+    old_loader.write_text(loader.replace(stable, "from runtime.errors import InputError\n"
+                                         "from training.export.exported_model import ARTIFACT, DEFAULT_K, ExportedModel\n"))
+    with quiet_mlflow():
+        mlflow.pyfunc.save_model(str(tmp_path / "old"), **{**arguments, "python_model": str(old_loader)})
+    model = mlflow.pyfunc.load_model(str(tmp_path / "old"))
+    histories = pd.DataFrame({"items": [["i3", "i5"], ["nope"], ["i7", "unknown"]]})
+    got = model.predict(histories, params={"k": 3}).to_dict("list")
+    assert got == freescale.model.ExportedModel(folder).predict(histories, k=3).to_dict("list")
+    assert got["fallback"] == [False, True, False]
+    home = sys.modules["freescale.training.export.exported_model"]
+    import runtime.errors
+    import training.export.exported_model
+    import training.exported_model
+
+    assert training.exported_model is training.export.exported_model is home
+    assert runtime.errors.InputError is freescale.model.InputError

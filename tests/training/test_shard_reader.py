@@ -21,12 +21,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shards.manifest import ShardError, load_manifest, parse_manifest, seal, verify_checksums
-from shards.schema import COLUMNS, MANIFEST_FORMAT, READ_COLUMNS, arrow_schema
+from freescale.shards.manifest import ShardError, load_manifest, parse_manifest, seal, verify_checksums
+from freescale.shards.schema import COLUMNS, MANIFEST_FORMAT, READ_COLUMNS, arrow_schema
 from tests.helpers import Row, write_shards
-from training.data.batch import SequenceBatch
-from shards.step_order import epoch_order
-from training.data.shard_reader import (
+from freescale.training.data.batch import SequenceBatch
+from freescale.shards.step_order import epoch_order
+from freescale.training.data.shard_reader import (
     EPOCH_KEY,
     NEXT_STEP_KEY,
     POSITION_KEY,
@@ -410,7 +410,7 @@ def test_a_checkpoints_plan_order_loader_state_resumes_through_the_trainers_load
     the reader's file position; the run had trained 7 + 3 steps (epoch 1, position 3)."""
     from types import SimpleNamespace
 
-    from training.checkpoint.resume import LoaderPosition
+    from freescale.training.checkpoint.resume import LoaderPosition
 
     manifest = load_manifest(shards, 2, rank=0)
     old = build_loader(manifest, 0, prefetch=prefetch)

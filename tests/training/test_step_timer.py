@@ -13,9 +13,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tests.helpers import in_process_args, train_in_process, write_shards
-from training.timing import step_timer
-from training.timing.bubbles import StepTiming
-from training.timing.step_timer import StepTimer
+from freescale.training.timing import step_timer
+from freescale.training.timing.bubbles import StepTiming
+from freescale.training.timing.step_timer import StepTimer
 
 STEPS = 3
 PASSES = ("forward", "backward")

@@ -4,17 +4,17 @@ pinned in one place: an upgrade that renames or drops one fails here, naming the
 TorchRec's:
 * ``ShardedEmbeddingCollection._lookups`` / ``ShardedEmbeddingBagCollection._lookups``, and
   each lookup's ``grouped_configs[*].embedding_tables[*].feature_names``: the local kernels the
-  exchange calls (comm/routes.py ``local_lookup``).
+  exchange calls (freescale/comm/routes.py ``local_lookup``).
 * ``module_sharding_plan[table].sharding_spec.shards[*]`` with ``shard_offsets`` and
-  ``placement.rank()``: where a row lives (comm/routes.py ``table_route``).
+  ``placement.rank()``: where a row lives (freescale/comm/routes.py ``table_route``).
 * ``Parameter._in_backward_optimizers``: set on the tables' parameters by
-  ``apply_optimizer_in_backward``; what tells dense from sparse (training/parallel/sharding.py
+  ``apply_optimizer_in_backward``; what tells dense from sparse (freescale/training/parallel/sharding.py
   ``dense_parameters``).
 * ``torchrec.distributed.comm_ops.get_gradient_division``: the gradient scaling the
-  exchange copies (training/parallel/comm_layer.py).
-* ``fused_optimizer`` of a sharded collection: checkpointed (training/checkpoint/resume.py).
+  exchange copies (freescale/training/parallel/comm_layer.py).
+* ``fused_optimizer`` of a sharded collection: checkpointed (freescale/training/checkpoint/resume.py).
 
-torchdata's: ``Prefetcher._it._shutdown()`` (training/data/shard_reader.py ``stop_prefetch``).
+torchdata's: ``Prefetcher._it._shutdown()`` (freescale/training/data/shard_reader.py ``stop_prefetch``).
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ import torch.distributed as dist
 @pytest.fixture
 def sharded(tmp_path):
     """The trainer's sharding of a small model with user features, on a process group of one."""
-    from training.config import ModelConfig, OptimizerConfig, ParallelConfig
-    from training.parallel.distributed import DistEnv
-    from training.model.recommender import build_model
-    from training.parallel.sharding import shard_model
+    from freescale.training.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from freescale.training.parallel.distributed import DistEnv
+    from freescale.training.model.recommender import build_model
+    from freescale.training.parallel.sharding import shard_model
 
     if dist.is_initialized():
         pytest.skip("a process group is already running in this process")
@@ -51,11 +51,11 @@ def sharded(tmp_path):
 
 
 def test_sharded_collections_expose_their_local_lookups(sharded):
-    from comm.routes import local_lookup
+    from freescale.comm.routes import local_lookup
 
     for module, pooled in ((sharded.module.embedding_collection, False),
                            (sharded.module.user_embedding_collection, True)):
-        assert hasattr(module, "_lookups"), f"{type(module).__name__}._lookups is gone: comm/routes.py local_lookup"
+        assert hasattr(module, "_lookups"), f"{type(module).__name__}._lookups is gone: freescale/comm/routes.py local_lookup"
         [kernel] = list(module._lookups)
         features = [name for config in kernel.grouped_configs for table in config.embedding_tables
                     for name in table.feature_names]
@@ -64,8 +64,8 @@ def test_sharded_collections_expose_their_local_lookups(sharded):
 
 
 def test_sharding_plans_name_each_rows_rank(sharded):
-    from comm.routes import table_route
-    from training.model.recommender import ITEM_TABLE, USER_TABLE
+    from freescale.comm.routes import table_route
+    from freescale.training.model.recommender import ITEM_TABLE, USER_TABLE
 
     for module, table in ((sharded.module.embedding_collection, ITEM_TABLE),
                           (sharded.module.user_embedding_collection, USER_TABLE.format(index=0))):
@@ -76,12 +76,12 @@ def test_sharding_plans_name_each_rows_rank(sharded):
 
 
 def test_fused_tables_are_marked_and_dense_parameters_are_not(sharded):
-    from training.parallel.sharding import dense_parameters
+    from freescale.training.parallel.sharding import dense_parameters
 
     tables = list(sharded.module.embedding_collection.parameters())
     tables += list(sharded.module.user_embedding_collection.parameters())
     assert tables and all(getattr(p, "_in_backward_optimizers", None) is not None for p in tables), \
-        "Parameter._in_backward_optimizers is gone: training/parallel/sharding.py dense_parameters"
+        "Parameter._in_backward_optimizers is gone: freescale/training/parallel/sharding.py dense_parameters"
     dense = dense_parameters(sharded)
     assert dense and not {id(p) for p in dense} & {id(p) for p in tables}
     assert {id(p) for p in dense} == {id(p) for p in sharded.module.encoder.parameters()} | \
@@ -100,11 +100,11 @@ def test_gradient_division_and_fused_optimizers(sharded):
 def test_prefetcher_thread_can_be_stopped():
     from torchdata.nodes import IterableWrapper, Loader, Prefetcher
 
-    from training.data.shard_reader import stop_prefetch
+    from freescale.training.data.shard_reader import stop_prefetch
 
     loader = Loader(Prefetcher(IterableWrapper(range(100)), prefetch_factor=2))
     assert next(iter(loader)) == 0
     running = getattr(loader.root, "_it", None)
     assert running is not None and callable(getattr(running, "_shutdown", None)), \
-        "torchdata Prefetcher._it._shutdown is gone: training/data/shard_reader.py stop_prefetch"
+        "torchdata Prefetcher._it._shutdown is gone: freescale/training/data/shard_reader.py stop_prefetch"
     stop_prefetch(loader)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shards.manifest import load_manifest
+from freescale.shards.manifest import load_manifest
 from tests.helpers import copy_shards, error_lines, in_process_args, reseal, train_in_process, without_details
 
 
@@ -55,7 +55,7 @@ def test_world_size_mismatch_names_both_numbers(movielens_shards, capsys):
 def test_missing_manifest_is_one_line_on_every_rank(failed_launches):
     """Under --verbose each rank says it, then the launch's last line counts them."""
     run = failed_launches.no_manifest
-    assert run.returncode == 2  # bad input (runtime/job_errors.py)
+    assert run.returncode == 2  # bad input (freescale/runtime/job_errors.py)
     lines = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("freescale train")]
     for rank in (0, 1):
         [own] = [line for line in lines if line.startswith(f"freescale train (rank {rank}): error:")]
@@ -118,7 +118,7 @@ def test_two_rank_run_logs_to_mlflow_server(row_run, movielens_shards):
     # The summary's bubble is the per-step timings' (warm-up steps left out), and MLflow has it.
     import numpy as np
 
-    from training.timing.bubbles import bubble_fraction
+    from freescale.training.timing.bubbles import bubble_fraction
     table = np.array(log["timings"]["steps_ranks_fields"])[2:]
     fields = log["timings"]["fields"]
     expected = bubble_fraction(table[..., fields.index("dense_compute_s")],

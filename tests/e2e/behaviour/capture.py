@@ -6,7 +6,7 @@
         [--export-to MODEL_DIR] [--model MODEL_DIR] [--parts help,data,losses,export] [--reuse-data DIR]
 
 Everything the tree runs, runs in a child process with PYTHONPATH=TREE, cwd=TREE and this
-interpreter, through the project's public entry points (``python -m jobs.cli ...``,
+interpreter, through the project's public entry points (``python -m freescale.jobs.cli ...``,
 ``python -m jobs.<module> --help``, ``mlflow.pyfunc.load_model``). Scratch work (Spark outputs,
 checkpoints, the MLflow store and its artifacts, the job logs) goes to DIR/work, never into the
 tree. Written under DIR:
@@ -94,6 +94,7 @@ import mlflow
 import pandas as pd
 
 path, out = sys.argv[1], sys.argv[2]
+import freescale  # a checkout runs no .pth hook: an older model's old names resolve once the project is imported
 model = mlflow.pyfunc.load_model(path)
 vocab_file = sorted(Path(path).rglob("item_vocab.json"))[0]
 raw = [r for r in json.loads(vocab_file.read_text())["raw_items"][1:] if r is not None]
@@ -130,7 +131,7 @@ odd = [histories[5] + ["no-such-item"], ["no-such-item"], [int(x) if str(x).isdi
 q["frame_odd_k5"] = rows(model.predict(pd.DataFrame({"items": odd}), params={"k": 5}))
 import os
 tree = os.path.realpath(os.environ["PYTHONPATH"].split(os.pathsep)[0])
-project = ("balancing", "comm", "jobs", "pipeline", "runtime", "shards", "tracking", "training")
+project = ("freescale",)
 result["project_modules_outside_tree"] = sorted(
     name for name, module in list(sys.modules.items())
     if name.split(".")[0] in project and getattr(module, "__file__", None)
@@ -233,7 +234,7 @@ class Capture:
         return proc
 
     def cli(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-        return self.run(["-m", "jobs.cli", *args], timeout=timeout)
+        return self.run(["-m", "freescale.jobs.cli", *args], timeout=timeout)
 
     def code(self, source: str, *args: str, timeout: float = 600) -> str:
         return self.run(["-c", source, *args], timeout=timeout).stdout.decode()
@@ -281,15 +282,15 @@ class Capture:
 
     def capture_help(self) -> None:
         started = time.perf_counter()
-        listing = self.code("import json, jobs.cli as c; print(json.dumps(list(getattr(c, 'SUBCOMMANDS', ()))))")
+        listing = self.code("import json, freescale.jobs.cli as c; print(json.dumps(list(getattr(c, 'SUBCOMMANDS', ()))))")
         subcommands = list(dict.fromkeys([*BASE_SUBCOMMANDS, *json.loads(listing.strip().splitlines()[-1])]))
-        found = sorted(p.stem for p in (self.tree / "jobs").glob("*.py")
+        found = sorted(p.stem for p in (self.tree / "freescale" / "jobs").glob("*.py")
                        if p.stem not in ("__init__", "cli") and re.search(r"^if __name__ == ['\"]__main__['\"]",
                                                                           p.read_text(), re.M))
         modules = list(dict.fromkeys([*BASE_MODULES, *found]))
-        targets = {"freescale": ["-m", "jobs.cli", "--help"]}
-        targets.update({f"freescale_{sub}": ["-m", "jobs.cli", sub, "--help"] for sub in subcommands})
-        targets.update({f"jobs.{mod}": ["-m", f"jobs.{mod}", "--help"] for mod in modules})
+        targets = {"freescale": ["-m", "freescale.jobs.cli", "--help"]}
+        targets.update({f"freescale_{sub}": ["-m", "freescale.jobs.cli", sub, "--help"] for sub in subcommands})
+        targets.update({f"jobs.{mod}": ["-m", f"freescale.jobs.{mod}", "--help"] for mod in modules})
         status = {}
         for name, args in targets.items():
             proc = self.run(args, timeout=300, check=False)

@@ -1,0 +1,140 @@
+"""The prepare job's Spark work over a ``PrepareSpec``: raw interactions (or the seeded generator)
+and an optional user table -> the prepared-data format (freescale/prepare/prepared.py). freescale/jobs/prepare.py
+checks, opens the run, calls :func:`read_inputs` and, inside its atomic output, :func:`write_prepared`,
+and reports. pyspark is imported inside the functions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from freescale.runtime.errors import InputError
+from freescale.prepare.prepare_spec import PrepareSpec
+from freescale.prepare.prepared import METADATA_NAME, PREPARE_FORMAT, SEQUENCES_DIR, metadata_text
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+
+def check_local_inputs(spec: PrepareSpec) -> None:
+    """Local inputs before Spark starts (remote ones are Spark's to check): they exist, their Parquet
+    footers are readable and have the needed columns."""
+    from freescale.prepare import preflight
+
+    if spec.input is not None:
+        preflight.check_interactions(spec.input, spec.format, user_col=spec.user_col, item_col=spec.item_col,
+                                     time_col=spec.time_col, rating_col=spec.rating_col)
+    if spec.user_features is not None:
+        preflight.check_user_table(spec.user_features, spec.feature_columns)
+
+
+@dataclass
+class Inputs:
+    """The job's inputs, read once (checkpointed)."""
+
+    source: dict[str, Any]
+    """Where the interactions came from, as prepare.json records it."""
+    interactions: DataFrame
+    counts: dict[str, int]
+    users: DataFrame | None = None
+    feature_names: list[str] = field(default_factory=list)
+
+
+def read_inputs(spark, fs, spec: PrepareSpec) -> Inputs:
+    """The interactions (read, or generated), the user table when given, and the input's counts."""
+    from pyspark.sql import functions as F
+
+    from freescale.prepare.ingest import read_interactions
+    from freescale.runtime.session import checkpoint
+    from freescale.prepare.synthetic import synthetic_interactions
+    from freescale.prepare.user_features import read_user_table
+
+    if spec.input is None:
+        source = spec.synthetic_source
+        interactions = synthetic_interactions(spark, spec.synthetic_users, spec.synthetic_items, seed=spec.seed,
+                                              taste_groups=spec.synthetic_groups,
+                                              taste_share=spec.synthetic_group_share)
+    else:
+        source = {"kind": "file", "uri": fs.qualify(spec.input), "format": spec.format}
+        interactions = read_interactions(spark, spec.input, fmt=spec.format, user_col=spec.user_col,
+                                         item_col=spec.item_col, time_col=spec.time_col, rating_col=spec.rating_col)
+    interactions = checkpoint(interactions)  # read the raw input once
+    users, feature_names = None, []
+    if spec.user_features is not None:
+        # The user table's user column is recognised by name (user_id, userId, ...):
+        # --user-col names the interaction log's, which may differ.
+        users, feature_names = read_user_table(spark, spec.user_features, feature_cols=spec.feature_columns)
+        users = checkpoint(users)
+        source["user_features"] = fs.qualify(spec.user_features)
+    counts = interactions.agg(F.count(F.lit(1)).alias("interactions"),
+                              F.countDistinct("user_id").alias("users")).first().asDict()
+    return Inputs(source, interactions, counts, users, feature_names)
+
+
+@dataclass
+class Prepared:
+    """What was written: prepare.json's content, its statistics, and the duplicates found."""
+
+    meta: dict[str, Any]
+    stats: dict[str, Any]
+    repeated: int
+    """Repeated (user, item, timestamp) rows in the input."""
+    duplicates: int
+    """Of those, the ones dropped (none with --keep-duplicates)."""
+
+
+def write_prepared(spark, fs, staging: str, spec: PrepareSpec, inputs: Inputs) -> Prepared:
+    """The vocabularies, the sequences and prepare.json under ``staging``."""
+    from pyspark.sql import Observation
+
+    from freescale.prepare.ingest import drop_duplicate_interactions
+    from freescale.prepare.sequences import sequence_stats
+    from freescale.runtime.session import checkpoint
+    from freescale.prepare.user_features import build_user_feature_vocab, count_users_without_features, feature_cardinalities
+
+    feature_vocab = None
+    if inputs.users is not None:
+        build_user_feature_vocab(inputs.users, inputs.feature_names).write.parquet(f"{staging}/user_feature_vocab")
+        feature_vocab = spark.read.parquet(f"{staging}/user_feature_vocab")
+
+    # Duplicates are counted inside the per-user aggregation of the sequences' write
+    # (no pass of their own). A clean input (the usual case) is done; otherwise the
+    # vocabulary counts and the sequences are rebuilt from the deduplicated rows.
+    interactions = inputs.interactions
+    observed = Observation("repeated interactions")
+    vocab, sequences = _write_sequences(spark, staging, spec, inputs, feature_vocab, interactions, observed)
+    repeated = observed.get["repeated"]
+    duplicates = 0 if spec.keep_duplicates else repeated
+    if duplicates:
+        interactions = checkpoint(drop_duplicate_interactions(interactions))
+        vocab, sequences = _write_sequences(spark, staging, spec, inputs, feature_vocab, interactions,
+                                            mode="overwrite")
+    feature_stats, feature_meta = {}, {}
+    if inputs.users is not None:
+        feature_stats = {"users_without_features": count_users_without_features(sequences, inputs.users)}
+        feature_meta = {"user_features": feature_cardinalities(feature_vocab, inputs.feature_names)}
+    stats = {"input_interactions": inputs.counts["interactions"], "input_users": inputs.counts["users"],
+             "duplicates_dropped": duplicates,
+             "num_items": vocab.count(), **sequence_stats(sequences, interactions), **feature_stats}
+    if stats["users"] == 0:
+        raise InputError(f"input {inputs.source.get('uri', 'synthetic')}: no user has the 3 interactions "
+                         "a leave-one-out split needs")
+    meta = {"format": PREPARE_FORMAT, "source": inputs.source, "max_seq_len": spec.max_seq_len, **stats, **feature_meta}
+    fs.write_text(f"{staging}/{METADATA_NAME}", metadata_text(meta))
+    return Prepared(meta, stats, repeated, duplicates)
+
+
+def _write_sequences(spark, staging: str, spec: PrepareSpec, inputs: Inputs, feature_vocab, interactions,
+                     repeated=None, mode: str = "errorifexists") -> tuple[DataFrame, DataFrame]:
+    """The item vocabulary and the sequences of ``interactions``, written and read back."""
+    from freescale.prepare.sequences import apply_item_vocab, build_item_vocab, build_sequences
+    from freescale.prepare.user_features import encode_user_features
+
+    vocab = build_item_vocab(interactions)
+    vocab.write.mode(mode).parquet(f"{staging}/item_vocab")
+    vocab = spark.read.parquet(f"{staging}/item_vocab")
+    sequences = build_sequences(apply_item_vocab(interactions, vocab), spec.max_seq_len, repeated)
+    if inputs.users is not None:
+        sequences = encode_user_features(sequences, inputs.users, feature_vocab, inputs.feature_names)
+    sequences.write.mode(mode).parquet(f"{staging}/{SEQUENCES_DIR}")
+    return vocab, spark.read.parquet(f"{staging}/{SEQUENCES_DIR}")
