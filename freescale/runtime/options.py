@@ -12,19 +12,21 @@
 
 A *surface* is a name for one place the option is offered (``"cli"``: the job's own command line;
 a job may declare others, e.g. balance's ``"pipeline"`` and ``"compare"``); an option is on every
-surface its spec lists unless it names its own. Standard library only: every job builds its parser
-from here before anything heavy loads.
+surface its spec lists unless it names its own. A value's type is read, and a command line's number
+coerced, by the typed-config engine (``freescale.runtime.typed_config``) that loads the config files and
+the pipeline's sections. Standard library only: every job builds its parser from here before anything
+heavy loads.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from freescale.runtime.errors import InputError
+from freescale.runtime.typed_config import base_type, text_type
 
 ALL = "all"
 """``surfaces=ALL`` (the default): every surface the spec's ``SURFACES`` lists."""
@@ -83,14 +85,6 @@ def _hints(spec: type) -> dict[str, Any]:
     return typing.get_type_hints(spec)
 
 
-def _base(hint: Any) -> tuple[Any, bool]:
-    """The field's type without None, and whether None is allowed."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return (args[0] if len(args) == 1 else str), True
-    return hint, False
-
-
 def add_arguments(parser: argparse.ArgumentParser, spec: type, surface: str = "cli", choices: bool = True,
                   only: tuple[str, ...] | None = None, skip: tuple[str, ...] = ()) -> None:
     """One ``--flag`` per option on ``surface`` (``only`` those, none of ``skip``): required when the
@@ -107,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser, spec: type, surface: str = "c
         if opt.exclusive is not None:
             parser = exclusive.get(opt.exclusive) or exclusive.setdefault(
                 opt.exclusive, parser.add_mutually_exclusive_group())
-        base, _ = _base(hints[field.name])
+        base, _ = base_type(hints[field.name])
         text = opt.helps.get(surface, opt.help)
         required = field.default is dataclasses.MISSING
         if (opt.show_default and not required and field.default is not None and field.default is not False
@@ -120,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser, spec: type, surface: str = "c
         if typing.get_origin(base) is Literal:
             kwargs["choices"] = typing.get_args(base) if choices else None
         elif opt.parse is None and base in (int, float):
-            kwargs["type"] = base
+            kwargs["type"] = text_type(base)
         parser.add_argument(flag(field.name), required=required,
                             **({} if required else {"default": field.default}), **kwargs)
 
@@ -157,7 +151,7 @@ def section(spec: type, surface: str = "pipeline", name: str | None = None,
     hints = _hints(spec)
     fields = []
     for field in on_surface(spec, surface):
-        base, optional = _base(hints[field.name])
+        base, optional = base_type(hints[field.name])
         default = field.default
         if optional and default is None:
             if typing.get_origin(base) is Literal:  # "" stands for none among the choices
@@ -179,7 +173,7 @@ def section_values(section_obj: Any) -> dict[str, Any]:
         if field.name not in hints:
             continue
         value = getattr(section_obj, field.name)
-        if _base(hints[field.name])[1] and not value:
+        if base_type(hints[field.name])[1] and not value:
             value = None
         values[field.name] = value
     return values

@@ -1,8 +1,8 @@
 """The typed config of `freescale pipeline` (freescale/jobs/workflow/run.py): one dataclass per TOML section, every
-choice a ``Literal``, loaded with the training config's checks (``freescale.training.config.apply_table``: a
-bad key or value is one line naming it). No torch, no Spark. [prepare], [balance] and [train] are
-derived from their jobs' specs (``freescale.runtime.options.section``: PrepareSpec, BalanceSpec, LaunchSpec),
-whose options say what each key means; the others are declared here, a docstring per field.
+choice a ``Literal``, loaded by the typed-config engine the training config and every job's command line
+use (``freescale.runtime.typed_config``: a bad key or value is one line naming it). No torch, no Spark.
+[prepare], [balance] and [train] are derived from their jobs' specs (``freescale.runtime.options.section``:
+PrepareSpec, BalanceSpec, LaunchSpec), whose options say what each key means; the others are declared here, a docstring per field.
 
     [pipeline]  workdir, tracking_uri, world_size, local_batch_size
     [prepare]   the input (or the synthetic generator)       [calibrate]  the cost model (optional)
@@ -18,11 +18,12 @@ from typing import Any
 from freescale.jobs.launch import LaunchSpec  # no torch
 from freescale.runtime import options
 from freescale.runtime.errors import InputError
+from freescale.runtime.typed_config import ConfigError, apply_table, flatten, nested, parse_overrides, read_toml
 from freescale.prepare.prepare_spec import PrepareSpec  # standard library only
 from freescale.shards.balance_spec import BalanceSpec, StrategyName  # the balancing registry's names only: numpy
 from freescale.training.parallel.rank_checks import check_ranks_can_run
 from freescale.tracking.store import DEFAULT_EXPERIMENT
-from freescale.training.config import ConfigError, apply_table, load_config, parse_overrides  # no torch
+from freescale.training.config import load_config  # no torch
 from freescale.training.export.spec import ExportSpec  # standard library only
 from freescale.training.export.recommend_spec import RecommendSpec  # standard library only
 
@@ -146,36 +147,11 @@ class WorkflowConfig:
     """``[recommend]``: every user's top k from the exported model (optional stage)."""
 
 
-def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def load_workflow_config(path: str, overrides: list[str]) -> WorkflowConfig:
     """Defaults, the TOML file, then `--section.key VALUE` overrides; a bad key or value is one
     ConfigError line naming it. The training config and its overrides are checked too."""
-    import tomllib
-
-    try:
-        with open(path, "rb") as handle:
-            tables = [(path, tomllib.load(handle))]
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    for key, value in parse_overrides(overrides):
-        table: dict[str, Any] = {}
-        cursor = table
-        *parents, leaf = key.split(".")
-        for part in parents:
-            cursor = cursor.setdefault(part, {})
-        cursor[leaf] = value
-        tables.append(("command line", table))
+    tables = [(path, read_toml(path))]
+    tables += [("command line", nested(key, value)) for key, value in parse_overrides(overrides)]
     config = WorkflowConfig()
     for source, table in tables:
         train = table.get("train")
@@ -184,7 +160,7 @@ def load_workflow_config(path: str, overrides: list[str]) -> WorkflowConfig:
             extra = train.pop("overrides")
             if not isinstance(extra, dict):
                 raise ConfigError(f"{source}: train.overrides must be a table")
-            config.train.overrides.update(_flatten(extra))
+            config.train.overrides.update(flatten(extra))
             table = {**table, "train": train}
         apply_table(config, table, source)
     fixed = [key for key in ("checkpoint.folder", "data.shards") if key in config.train.overrides]

@@ -42,7 +42,7 @@ from freescale.training.checkpoint.layout import (COMPLETE, CONFIG, LOCK, SHARDS
 
 # Config keys the saved tensors' shapes depend on (a checkpoint cannot be loaded into a model or
 # optimizer built with other values, so a resume with any of them changed is refused) are the
-# fields marked ``shape`` in freescale/training/config.py: freescale.training.config.shape_keys().
+# fields marked ``shape`` in freescale/training/config/: freescale.training.config.shape_keys().
 # Keys (prefixes) that change what the saved numbers mean without changing their shapes:
 # a resume with any of them changed continues, with a warning naming them. Everything
 # else (steps, logging, comm mode, tracking, paths) may change freely.
