@@ -139,11 +139,34 @@ class Markdown:
 
 def commit() -> str:
     """The short commit of the repository (``FREESCALE_COMMIT`` first: a copied working tree may
-    carry stale git metadata)."""
+    carry stale git metadata). Read from the git directory's files, not by running git: a
+    benchmark's smoke run in the fast test tier starts no process."""
     if os.environ.get("FREESCALE_COMMIT"):
         return os.environ["FREESCALE_COMMIT"]
+    sha = head_commit(REPO / ".git")
+    return sha[:7] if sha else "unknown (no git here; set FREESCALE_COMMIT)"
+
+
+def head_commit(dot_git: Path) -> str | None:
+    """The full hash HEAD names in ``dot_git`` (a directory, or a worktree's ``gitdir:`` file): a
+    detached hash, or its branch's loose or packed ref; None when there is none to read."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git here; set FREESCALE_COMMIT)"
+        if dot_git.is_file():
+            dot_git = (dot_git.parent / dot_git.read_text().split("gitdir:", 1)[1].strip()).resolve()
+        head = (dot_git / "HEAD").read_text().strip()
+        if not head.startswith("ref:"):
+            return head or None
+        ref = head[4:].strip()
+        common = dot_git / "commondir"  # a worktree's branches live in the main repository's git directory
+        roots = [dot_git, (dot_git / common.read_text().strip()).resolve()] if common.is_file() else [dot_git]
+        for root in roots:
+            if (root / ref).is_file():
+                return (root / ref).read_text().strip()
+        for root in roots:
+            packed = root / "packed-refs"
+            for line in packed.read_text().splitlines() if packed.is_file() else ():
+                if line.endswith(f" {ref}"):
+                    return line.split()[0]
+    except (OSError, IndexError):
+        return None
+    return None

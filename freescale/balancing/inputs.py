@@ -11,10 +11,8 @@ from numbers import Integral, Real
 
 import numpy as np
 
+from freescale.balancing.plan_options import DEFAULT_FLOP_WIDTH, PlanOptions
 from freescale.balancing.types import InfeasibleError
-
-DEFAULT_FLOP_WIDTH = 64
-"""The d of strategy flops_kk's FLOP formula when none is given: the default HSTU ``embedding_dim``."""
 
 
 @dataclass(frozen=True)
@@ -119,20 +117,21 @@ def check_seed(seed: object) -> int:
 def build_problem(
     costs: object,
     world_size: object,
+    options: PlanOptions | None = None,
     *,
     lengths: object = None,
-    token_cap: object = None,
-    equal_counts: bool = False,
-    capacities: object = None,
-    flop_width: object = DEFAULT_FLOP_WIDTH,
 ) -> Problem:
-    """Validate inputs (ValueError) and reject provably infeasible token caps (InfeasibleError)."""
+    """Validate inputs (ValueError) and reject provably infeasible token caps (InfeasibleError);
+    of ``options`` (default: its defaults) the problem takes token_cap, equal_counts, capacities
+    and flop_width."""
+    options = options if options is not None else PlanOptions()
+    token_cap, equal_counts = options.token_cap, options.equal_counts
     c = check_costs(costs)
     k = check_positive_int(world_size, "world_size")
-    width = check_positive_int(flop_width, "flop_width")
+    width = check_positive_int(options.flop_width, "flop_width")
     n = c.shape[0]
     lens = None if lengths is None else check_lengths(lengths, n)
-    cap = check_capacities(capacities, k)
+    cap = check_capacities(options.capacities, k)
 
     tcap: int | None = None
     if token_cap is not None:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from freescale.balancing.inputs import DEFAULT_FLOP_WIDTH, build_problem, check_seed, check_time_limit
+from freescale.balancing.inputs import build_problem, check_seed, check_time_limit
 from freescale.balancing.metrics import check_assignment, summarise
+from freescale.balancing.plan_options import PlanOptions
 from freescale.balancing.strategies import SOLVERS, check_strategy
 from freescale.balancing.types import Partition
 
@@ -12,43 +14,33 @@ from freescale.balancing.types import Partition
 def partition(
     costs: object,
     world_size: int,
+    options: PlanOptions | None = None,
     *,
-    strategy: str = "kk",
     lengths: object = None,
-    token_cap: float | None = None,
-    equal_counts: bool = False,
-    capacities: object = None,
-    seed: int = 0,
-    time_limit_s: float | None = None,
-    flop_width: int = DEFAULT_FLOP_WIDTH,
+    **overrides: Any,
 ) -> Partition:
     """Assign every sample to a rank so that max_k load_k / cap_k is small.
 
     Args:
         costs: per-sample cost (1-D, finite, >= 0), e.g. a*L^2 + b*L + c for history length L.
         world_size: number of ranks K >= 1.
-        strategy: a name in ``STRATEGIES`` (``freescale.balancing.strategies`` describes each); default "kk"
-            (Karmarkar-Karp + local search); "ortools" is never worse than kk.
-        lengths: per-sample token counts; needed for token_cap, and reported per rank.
-        token_cap: per-rank limit on the sum of lengths; never exceeded (InfeasibleError instead).
-        equal_counts: every rank gets floor(N/K) or ceil(N/K) samples.
-        capacities: relative rank speeds (> 0), normalised to mean 1.
-        seed: makes "ortools" reproducible (the other strategies are deterministic anyway).
-        time_limit_s: CP-SAT budget in deterministic seconds (default 2).
-        flop_width: the model width d in the FLOP formula L^2 + 2.5*d*L of "flops_kk" (needs lengths).
+        options: the planner's options (``PlanOptions``; default kk, no cap, equal capacities), with
+            ``overrides`` (the same names as keywords) replacing its fields; its window_steps must be 1.
+        lengths: per-sample token counts; needed for token_cap and flops_kk, and reported per rank.
 
     Raises:
         ValueError: malformed input, naming the argument and value.
         InfeasibleError: the token cap (with equal_counts) cannot be met, or the strategy found no
             assignment meeting it.
     """
-    strategy = check_strategy(strategy)
-    seed = check_seed(seed)
-    time_limit_s = check_time_limit(time_limit_s)
-    p = build_problem(
-        costs, world_size, lengths=lengths, token_cap=token_cap, equal_counts=equal_counts, capacities=capacities,
-        flop_width=flop_width,
-    )
+    opts = PlanOptions.of(options, **overrides)
+    if opts.window_steps != 1:
+        raise ValueError(f"partition balances one global batch: window_steps must be 1 (plan takes windows), "
+                         f"got {opts.window_steps!r}")
+    strategy = check_strategy(opts.strategy)
+    seed = check_seed(opts.seed)
+    time_limit_s = check_time_limit(opts.time_limit_s)
+    p = build_problem(costs, world_size, opts, lengths=lengths)
     start = time.perf_counter()
     rank = SOLVERS[strategy](p, seed, time_limit_s)
     elapsed = time.perf_counter() - start

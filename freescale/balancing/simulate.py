@@ -40,8 +40,6 @@ from typing import Literal, get_args
 import numpy as np
 
 from freescale.balancing.metrics import bubble_of_totals
-from freescale.balancing.inputs import DEFAULT_FLOP_WIDTH
-from freescale.balancing.window import plan
 
 NoiseDist = Literal["empirical", "normal"]
 NOISE_DISTS: tuple[str, ...] = get_args(NoiseDist)
@@ -285,12 +283,3 @@ def lognormal_lengths(mu: float, sigma: float, n: int, seed: int, min_len: int, 
     """``round(exp(mu + sigma z))`` clipped to [min_len, max_len], as freescale/prepare/synthetic.py draws."""
     z = np.random.default_rng(seed).standard_normal(n)
     return np.clip(np.round(np.exp(mu + sigma * z)), min_len, max_len).astype(np.int64)
-
-
-def plan_loads(costs: np.ndarray, world_size: int, local_batch_size: int, strategy: str,
-               window_steps: int, seed: int, lengths: np.ndarray | None = None,
-               flop_width: int = DEFAULT_FLOP_WIDTH) -> np.ndarray:
-    """[steps, K] loads of the real planner's plan (``freescale.balancing.window.plan``); flops_kk needs the
-    lengths."""
-    return plan(costs, world_size, local_batch_size, window_steps=window_steps, strategy=strategy,
-                lengths=lengths, seed=seed, flop_width=flop_width).loads

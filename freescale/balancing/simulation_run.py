@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from freescale.balancing.simulate import Noise, TimeModel, lognormal_lengths, plan_loads, sample_lengths
+from freescale.balancing.plan_options import PlanOptions
+from freescale.balancing.simulate import Noise, TimeModel, lognormal_lengths, sample_lengths
 from freescale.balancing.simulation_spec import parse_lengths
 from freescale.balancing.time_model import (RunTimings, check_same_cost_model, describe_cost_model, fit_time_model,
                                   mirror_noise, read_run, runs_cost_model)
+from freescale.balancing.window import plan
 
 if TYPE_CHECKING:
     from freescale.balancing.simulation_spec import SimulationSpec
@@ -145,8 +147,8 @@ def built_plans(spec: SimulationSpec, model: CostModel, pool: np.ndarray | None)
             mu, sigma = parse_lengths(spec.lengths)
             lengths = lognormal_lengths(mu, sigma, n, spec.seed, spec.min_seq_len, spec.max_seq_len)
         costs = model.predict(lengths)
-        plans[k] = {"contiguous": plan_loads(costs, k, b, "contiguous", 1, spec.seed),
-                    "balanced": plan_loads(costs, k, b, spec.strategy, window, spec.seed, lengths, spec.flop_width)}
+        plans[k] = {"contiguous": plan(costs, k, b, PlanOptions(strategy="contiguous", seed=spec.seed)).loads,
+                    "balanced": plan(costs, k, b, spec.plan_options(), lengths=lengths).loads}
     what = {"source": "input" if spec.input else "lengths", "lengths": spec.input or spec.lengths,
             "local_batch_size": b, "steps": spec.steps, "balanced": f"{spec.strategy}, window {window} steps",
             "cost_model": describe_cost_model(model)}

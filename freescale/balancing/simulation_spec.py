@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from freescale.balancing.inputs import DEFAULT_FLOP_WIDTH
+from freescale.balancing.plan_options import DEFAULT_FLOP_WIDTH, PlanOptions
 from freescale.balancing.simulate import NoiseDist
 from freescale.balancing.strategies import PER_BATCH, STRATEGIES, per_batch_conflict
 from freescale.runtime import options
@@ -117,6 +117,11 @@ class SimulationSpec:
     def planned_window_steps(self) -> int:
         """The balanced plan's window: --window-steps, else 1 for a per-batch strategy, else --steps."""
         return self.window_steps or (1 if self.strategy in PER_BATCH else self.steps)
+
+    def plan_options(self) -> PlanOptions:
+        """What the balanced plan of every K is planned with."""
+        return PlanOptions(window_steps=self.planned_window_steps, strategy=self.strategy, seed=self.seed,
+                           flop_width=self.flop_width)
 
     def check(self) -> None:
         """Every value, and how they combine, before anything is read or planned (one line each)."""

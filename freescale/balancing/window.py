@@ -8,12 +8,12 @@ light samples. Moves are 1-for-1 swaps, so every step keeps its sample count.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from freescale.balancing.inputs import (
-    DEFAULT_FLOP_WIDTH,
     check_capacities,
     check_costs,
     check_lengths,
@@ -23,6 +23,7 @@ from freescale.balancing.inputs import (
 )
 from freescale.balancing.metrics import bubble_of_totals
 from freescale.balancing.partition import partition
+from freescale.balancing.plan_options import PlanOptions
 from freescale.balancing.strategies import PER_BATCH, check_strategy
 from freescale.balancing.types import Plan
 
@@ -35,48 +36,43 @@ def plan(
     costs: object,
     world_size: int,
     local_batch_size: int,
+    options: PlanOptions | None = None,
     *,
-    window_steps: int = 1,
-    strategy: str = "kk",
     lengths: object = None,
-    token_cap: float | None = None,
-    equal_counts: bool = False,
-    capacities: object = None,
-    seed: int = 0,
-    time_limit_s: float | None = None,
-    flop_width: int = DEFAULT_FLOP_WIDTH,
+    **overrides: Any,
 ) -> Plan:
     """Assign every sample a (step, rank).
 
     Sample i originally belongs to step i // (K*B); the last step may be partial. Steps are
-    grouped into consecutive windows of ``window_steps`` (so N may exceed window_steps*K*B: each
+    grouped into consecutive windows of ``options.window_steps`` (so N may exceed window_steps*K*B: each
     window is planned on its own). Within a window, samples are swapped between steps only while
     that lowers the sum over steps of max(largest cost / max(cap), step total / sum(cap)), then each
     step is split over ranks by ``partition`` with the same options and a per-step seed.
+    ``options`` is a ``PlanOptions`` (default: its defaults), ``overrides`` the same names as
+    keywords, replacing its fields; ``lengths`` the per-sample token counts.
     window_steps=1 moves nothing; strategies that balance one global batch at a time (``PER_BATCH``)
     take no other window.
 
     Raises ValueError on malformed input and InfeasibleError when a step's token cap cannot be met.
     """
+    opts = PlanOptions.of(options, **overrides)
     c = check_costs(costs)
     k = check_positive_int(world_size, "world_size")
     b = check_positive_int(local_batch_size, "local_batch_size")
-    w = check_positive_int(window_steps, "window_steps")
-    strategy = _check_window_strategy(strategy, w)
-    seed = check_seed(seed)
-    time_limit_s = check_time_limit(time_limit_s)
-    lens = _check_plan_lengths(c, lengths, token_cap)
-    cap = check_capacities(capacities, k)
+    w = check_positive_int(opts.window_steps, "window_steps")
+    strategy = _check_window_strategy(opts.strategy, w)
+    seed = check_seed(opts.seed)
+    time_limit_s = check_time_limit(opts.time_limit_s)
+    lens = _check_plan_lengths(c, lengths, opts.token_cap)
+    cap = check_capacities(opts.capacities, k)
 
     start = time.perf_counter()
     n, g = c.shape[0], k * b
     num_steps = -(-n // g)
     original = (np.arange(n) // g).astype(np.int32)
-    step = _rebalance_windows(original, c, k, b, w, float(cap.max()), lens, token_cap, equal_counts)
-    rank, loads, spans, bounds = _partition_steps(
-        c, step, num_steps, k, lens, seed, strategy=strategy, token_cap=token_cap, equal_counts=equal_counts,
-        capacities=capacities, time_limit_s=time_limit_s, flop_width=flop_width,
-    )
+    step = _rebalance_windows(original, c, k, b, w, float(cap.max()), lens, opts.token_cap, opts.equal_counts)
+    per_step = replace(opts, window_steps=1, strategy=strategy, time_limit_s=time_limit_s)
+    rank, loads, spans, bounds = _partition_steps(c, step, num_steps, k, lens, seed, per_step)
     elapsed = time.perf_counter() - start
 
     ideal = float(c.sum()) / float(cap.sum())
@@ -151,9 +147,9 @@ def _partition_steps(
     world_size: int,
     lengths: np.ndarray | None,
     seed: int,
-    **options: Any,
+    options: PlanOptions,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Split each step's samples over the ranks with ``partition`` (``options``, a per-step seed).
+    """Split each step's samples over the ranks with ``partition`` (``options`` with a per-step seed).
 
     Returns the rank of each sample and, per step, the rank loads [S, K], the makespan and its
     lower bound.
@@ -170,9 +166,8 @@ def _partition_steps(
         part = partition(
             costs[idx],
             world_size,
+            replace(options, seed=_step_seed(seed, s)),
             lengths=None if lengths is None else lengths[idx],
-            seed=_step_seed(seed, s),
-            **options,
         )
         rank[idx] = part.rank
         loads[s] = part.loads

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from freescale.balancing.inputs import DEFAULT_FLOP_WIDTH
+from freescale.balancing.plan_options import DEFAULT_FLOP_WIDTH, PlanOptions
 from freescale.balancing.strategies import STRATEGIES, per_batch_conflict
 from freescale.balancing.types import LeftoverPolicy
 from freescale.runtime.errors import InputError
@@ -95,6 +95,13 @@ class BalanceSpec:
     @property
     def window_size(self) -> int:
         return self.window_steps * self.global_batch_size
+
+    def plan_options(self, window: int) -> PlanOptions:
+        """What window ``window`` is planned with: its own seed, so windows do not share tie-breaking."""
+        return PlanOptions(window_steps=self.window_steps, strategy=self.strategy, token_cap=self.token_cap,
+                           equal_counts=self.equal_counts, capacities=self.capacities,
+                           seed=self.seed * 1_000_003 + window, time_limit_s=self.time_limit,
+                           flop_width=self.flop_width)
 
     def check(self) -> None:
         """What the fields' own checks (freescale.runtime.options.check) cannot see: how they combine."""

@@ -172,12 +172,14 @@ def plan_statistics(assignment: DataFrame, planned: DataFrame, costs: DataFrame,
 
 
 def shard_rows(sequences: DataFrame, assignment: DataFrame, costs: DataFrame, model: CostModel) -> DataFrame:
-    """The sequences with their (step, rank, slot), cost and the step's target count, in the shard
-    format's columns and types."""
+    """The sequences with their (step, rank, slot), cost and the step's target count: ``rank`` plus
+    the shard format's columns (``freescale.shards.schema``), in its order and cast to its types, so
+    the files hold exactly what the reader expects whatever the input's integer widths."""
     from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_type
 
     from freescale.costs.cost_model import cost_column
-    from freescale.shards import spark_plan
+    from freescale.shards.schema import COLUMNS
 
     # Next-item targets per step over all ranks: the trainer divides each rank's loss
     # sum by it, so every plan weights every target the same.
@@ -186,7 +188,11 @@ def shard_rows(sequences: DataFrame, assignment: DataFrame, costs: DataFrame, mo
     rows = (sequences.join(assignment, "user_id")
             .join(F.broadcast(step_targets), "step")
             .withColumn("cost", cost_column(model, "length")))
-    return spark_plan.shard_rows(rows)
+    missing = [c.name for c in COLUMNS if not c.optional and c.name not in rows.columns]
+    if missing:
+        raise RuntimeError(f"balance job bug: shard rows lack columns {missing}")
+    return rows.select("rank", *[F.col(c.name).cast(from_arrow_type(c.type)).alias(c.name)
+                                 for c in COLUMNS if c.name in rows.columns])
 
 
 def write_shards(spark, fs, staging: str, rows: DataFrame, step_table: pd.DataFrame, world_size: int) -> list[dict]:

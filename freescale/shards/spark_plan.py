@@ -81,8 +81,8 @@ def apply_leftover_policy(positioned: DataFrame, num_samples: int, global_batch_
 def plan_windows(positioned: DataFrame, spec: BalanceSpec) -> DataFrame:
     """(user_id, position, cost, length) -> (user_id, step, rank, slot, origin_step), one plan per window.
 
-    Windows are planned in parallel on the executors (grouped pandas UDF); each gets
-    its own seed so windows do not share tie-breaking.
+    Windows are planned in parallel on the executors (grouped pandas UDF), each with
+    ``spec.plan_options(window)``.
     """
     from pyspark.sql import functions as F
 
@@ -99,12 +99,7 @@ def plan_windows(positioned: DataFrame, spec: BalanceSpec) -> DataFrame:
         frame = frame.sort_values("position", kind="stable")
         window = int(frame["window"].iloc[0])
         result = plan(frame["cost"].to_numpy(np.float64), spec.world_size, spec.local_batch_size,
-                      window_steps=spec.window_steps, strategy=spec.strategy,
-                      lengths=frame["length"].to_numpy(np.int64), token_cap=spec.token_cap,
-                      equal_counts=spec.equal_counts,
-                      capacities=None if spec.capacities is None else np.asarray(spec.capacities),
-                      seed=spec.seed * 1_000_003 + window, time_limit_s=spec.time_limit,
-                      flop_width=spec.flop_width)
+                      spec.plan_options(window), lengths=frame["length"].to_numpy(np.int64))
         first_step = window * spec.window_steps
         local_index = np.arange(len(frame))
         out = pd.DataFrame({
@@ -179,17 +174,3 @@ def bubble_of(step_table: pd.DataFrame) -> float:
 
     return bubble_of_totals(float(step_table["mean_time"].sum()), float(step_table["max_time"].sum()))
 
-
-def shard_rows(rows: DataFrame) -> DataFrame:
-    """``rank`` plus the shard format's columns (``freescale.shards.schema``), in its order and cast to its
-    types, so the files hold exactly what the reader expects whatever the input's integer widths."""
-    from pyspark.sql import functions as F
-    from pyspark.sql.pandas.types import from_arrow_type
-
-    from freescale.shards.schema import COLUMNS
-
-    missing = [c.name for c in COLUMNS if not c.optional and c.name not in rows.columns]
-    if missing:
-        raise RuntimeError(f"balance job bug: shard rows lack columns {missing}")
-    return rows.select("rank", *[F.col(c.name).cast(from_arrow_type(c.type)).alias(c.name)
-                                 for c in COLUMNS if c.name in rows.columns])

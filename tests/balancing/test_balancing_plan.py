@@ -141,3 +141,24 @@ def test_bubble_helper() -> None:
     assert bubble(np.array([[1.0, 2.0], [1.0, 1.0]])) == pytest.approx(1 / 6)
     assert bubble(np.array([3.0, 1.0])) == pytest.approx(1 - 2 / 3)
     assert bubble(np.zeros((2, 3))) == 0.0
+
+
+def test_plan_options_and_keywords_are_the_same_request() -> None:
+    """One ``PlanOptions`` or its names as keywords: the same plan; keywords replace the object's fields."""
+    from freescale.balancing import PlanOptions, partition
+
+    costs, lengths = heavy_tailed(4 * 8 * 6, seed=5)
+    asked = PlanOptions(window_steps=3, equal_counts=True, token_cap=40_000, seed=4, capacities=[1.0, 0.8, 1.0, 1.2])
+    by_object = plan(costs, 4, 8, asked, lengths=lengths)
+    by_keywords = plan(costs, 4, 8, window_steps=3, equal_counts=True, token_cap=40_000, seed=4,
+                       capacities=[1.0, 0.8, 1.0, 1.2], lengths=lengths)
+    overridden = plan(costs, 4, 8, PlanOptions(window_steps=1, seed=9), lengths=lengths, window_steps=3,
+                      equal_counts=True, token_cap=40_000, seed=4, capacities=[1.0, 0.8, 1.0, 1.2])
+    assert by_object.moved > 0  # the window was used, so the options reached the planner
+    for other in (by_keywords, overridden):
+        np.testing.assert_array_equal(by_object.step, other.step)
+        np.testing.assert_array_equal(by_object.rank, other.rank)
+    with pytest.raises(TypeError, match="window"):
+        plan(costs, 4, 8, window=3)
+    with pytest.raises(ValueError, match="window_steps must be 1"):
+        partition(costs, 4, asked, lengths=lengths)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from freescale.balancing.metrics import bubble
-from freescale.balancing.simulate import (Noise, TimeModel, fit_comm, fit_seconds_per_cost, lognormal_lengths, plan_loads,
+from freescale.balancing.simulate import (Noise, TimeModel, fit_comm, fit_seconds_per_cost, lognormal_lengths,
                                 rank_noise, simulate)
 from freescale.balancing.window import plan
 from freescale.costs.cost_model import CostModel, default_cost_model
@@ -80,8 +80,8 @@ def test_noise_costs_more_on_more_ranks():
 def test_balanced_predicts_a_lower_bubble_than_contiguous_on_heavy_tails():
     costs = heavy_costs(64 * 16 * 8, seed=2)
     model = TimeModel(1e-6, 0.01, 0.0, Noise("normal", 0.05))
-    contiguous = simulate(plan_loads(costs, 64, 16, "contiguous", 1, 0), model, 16)
-    balanced = simulate(plan_loads(costs, 64, 16, "kk", 8, 0), model, 16)
+    contiguous = simulate(plan(costs, 64, 16, strategy="contiguous").loads, model, 16)
+    balanced = simulate(plan(costs, 64, 16, window_steps=8).loads, model, 16)
     assert contiguous.plan_bubble > 0.3 and balanced.plan_bubble < 0.1
     assert balanced.bubble_fraction < 0.5 * contiguous.bubble_fraction
     assert balanced.step_time_s < contiguous.step_time_s
@@ -359,7 +359,7 @@ def test_plan_memory_bytes_covers_what_planning_and_simulating_take():
     tracemalloc.start()
     try:
         costs = heavy_costs(k * b * steps)
-        simulate(plan_loads(costs, k, b, "kk", steps, 0), TimeModel(noise=Noise("normal", 0.1)), b)
+        simulate(plan(costs, k, b, window_steps=steps).loads, TimeModel(noise=Noise("normal", 0.1)), b)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

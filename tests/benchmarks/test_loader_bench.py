@@ -62,3 +62,33 @@ def test_bad_arguments_stop_it_in_one_line(capsys, argv, message):
         loader_bench.main(argv)
     assert stopped.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_commit_is_read_from_gits_files(tmp_path, monkeypatch):
+    """HEAD's branch as a loose ref, a packed ref, through a worktree's ``gitdir:`` file, or detached;
+    nothing to read is None (the line then says so): no git process either way."""
+    from benchmarks import common
+
+    sha, other = "a" * 40, "b" * 40
+    main = tmp_path / "repo" / ".git"
+    (main / "refs" / "heads").mkdir(parents=True)
+    (main / "HEAD").write_text("ref: refs/heads/main\n")
+    (main / "refs" / "heads" / "main").write_text(sha + "\n")
+    assert common.head_commit(main) == sha
+    (main / "refs" / "heads" / "main").unlink()
+    (main / "packed-refs").write_text(f"# pack-refs with: peeled\n{other} refs/heads/side\n{sha} refs/heads/main\n")
+    assert common.head_commit(main) == sha
+    worktree = main / "worktrees" / "wt"
+    worktree.mkdir(parents=True)
+    (worktree / "HEAD").write_text("ref: refs/heads/side\n")
+    (worktree / "commondir").write_text("../..\n")
+    checkout = tmp_path / "wt"
+    checkout.mkdir()
+    (checkout / ".git").write_text(f"gitdir: {worktree}\n")
+    assert common.head_commit(checkout / ".git") == other
+    (worktree / "HEAD").write_text(other + "\n")
+    assert common.head_commit(checkout / ".git") == other
+    assert common.head_commit(tmp_path / "nowhere" / ".git") is None
+    monkeypatch.delenv("FREESCALE_COMMIT", raising=False)
+    monkeypatch.setattr(common, "REPO", checkout)
+    assert common.commit() == other[:7]

@@ -8,6 +8,7 @@ rank without torchrun (tests/helpers.py, one_rank_without_torchrun): the launche
 test_train's and test_failures'."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -21,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from freescale.jobs.workflow import run as workflow
+from freescale.jobs.workflow import stages, table
+from freescale.jobs.workflow.config import WorkflowConfig, override_argv
 from freescale.runtime import logs
 from tests.helpers import one_rank_without_torchrun, sqlite_store
 
@@ -305,47 +308,149 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     config.write_text(text + "[compare]\nenabled = true\ncontrol = true\n")
     loaded = workflow.load_workflow_config(str(config), ["--export.register", "m"])
     assert all(s.off is None for s in workflow.build_stages(loaded))
-    work = workflow.Workdir(tmp_path / "work")
-    prepared = options.from_values(PrepareSpec, workflow.prepare_values(loaded, work))
+    work = table.Workdir(tmp_path / "work")
+    prepared = options.from_values(PrepareSpec, table.prepare_values(loaded, work))
     assert (prepared.input, prepared.synthetic_users, prepared.output) == (None, 300, str(work.prepared))
-    values, overrides = workflow.calibrate_values(loaded, work)
-    cal = CalibrateSpec(**values)  # not checked: the job refuses rank speeds of world_size 1 (one rank)
+    cal = CalibrateSpec(**table.calibrate_values(loaded, work))  # not checked: rank speeds of world_size 1 are refused
     # calibrate times the trained model (shape, loss, precision); the seed is the training's only.
+    overrides = override_argv(table.timed_overrides(loaded, work))
     assert overrides == ["--model.hstu.num_layers", "1", "--training.precision", "bf16"] and cal.rank_speeds_output
     assert (cal.nproc_per_node, cal.repeats, cal.overwrite, cal.config) == (1, 7, True, str(tmp_path / "train.toml"))
-    values = workflow.balance_values(loaded, work)
+    values = table.balance_values(loaded, work)
     assert values["cost_model"] == cal.output and values["capacities"] == f"@{cal.rank_speeds_output}"
     spec = options.from_values(BalanceSpec, {**values, "capacities": None})  # the speeds file is calibrate's to write
     assert (spec.window_steps, spec.token_cap, spec.time_limit, spec.world_size) == (4, None, None, 1)
-    values, overrides = workflow.train_values(loaded, work)
-    trained = options.from_values(LaunchSpec, values)
+    trained = options.from_values(LaunchSpec, table.train_values(loaded, work))
     assert (trained.shards, trained.nproc_per_node, trained.max_steps) == (str(work.shards), 1, None)
+    overrides = override_argv(table.train_overrides(loaded, work))
     assert overrides[:2] == ["--checkpoint.folder", str(work.checkpoints)] and "--model.hstu.num_layers" in overrides
-    compared = options.from_values(compare.CompareSpec, workflow.compare_values(loaded, work))
+    compared = options.from_values(compare.CompareSpec, table.compare_values(loaded, work))
     assert compared.control and compared.input == str(work.prepared) and compared.repeats == 1
     assert compared.cost_model == cal.output and compared.balanced == {"strategy": "kk", "window_steps": 4}
     from freescale.training.export.spec import ExportSpec
 
-    exported = options.from_values(ExportSpec, workflow.export_values(loaded, work))
+    exported = options.from_values(ExportSpec, table.export_values(loaded, work))
     assert (exported.checkpoint, exported.output, exported.register) == (str(work.checkpoints), str(work.model), "m")
 
 
 def test_taste_groups_reach_prepare_and_its_fingerprint(tmp_path):
     """[prepare] synthetic_groups and synthetic_group_share reach the prepare job and its fingerprint (a
-    change reruns prepare); with groups off, the fingerprint's values are those from before groups existed."""
+    change reruns prepare)."""
     from freescale.runtime import options
     from freescale.prepare.prepare_spec import PrepareSpec
 
     config = write_config(tmp_path, tmp_path / "work")
     off = workflow.load_workflow_config(str(config), [])
-    assert set(workflow.prepare_params(off)) == {"max_seq_len", "keep_duplicates", "synthetic_users",
-                                                 "synthetic_items", "seed"}
     on = workflow.load_workflow_config(str(config), ["--prepare.synthetic_groups", "10",
                                                      "--prepare.synthetic_group_share", "0.5"])
-    params = workflow.prepare_params(on)
+    params = workflow.build_stages(on)[0].params
     assert (params["synthetic_groups"], params["synthetic_group_share"]) == (10, 0.5)
-    spec = options.from_values(PrepareSpec, workflow.prepare_values(on, workflow.Workdir(tmp_path / "work")))
+    assert _fingerprints(on)["prepare"] != _fingerprints(off)["prepare"]
+    spec = options.from_values(PrepareSpec, table.prepare_values(on, table.Workdir(tmp_path / "work")))
     assert (spec.synthetic_groups, spec.synthetic_group_share) == (10, 0.5)
+
+
+# ------------------------------------------------------------------ fingerprints, derived
+
+
+def _fingerprints(config) -> dict[str, str]:
+    return {name: fp for name, (fp, _) in stages.fingerprints(workflow.build_stages(config)).items()}
+
+
+def _every_stage_on(tmp_path: Path):
+    config = write_config(tmp_path, tmp_path / "work", extra='[train.overrides]\n"model.hstu.num_layers" = 1\n')
+    config.write_text(config.read_text() + "[calibrate]\nenabled = true\nrank_speeds = true\n"
+                                           "[compare]\nenabled = true\n")
+    loaded = workflow.load_workflow_config(str(config), [])
+    assert all(stage.off is None for stage in workflow.build_stages(loaded))
+    return loaded
+
+
+def _another(section, key: str):
+    """A value of ``key`` other than ``section``'s (any of its type: a fingerprint does not check it)."""
+    import typing
+
+    value, hint = getattr(section, key), typing.get_type_hints(type(section))[key]
+    if typing.get_origin(hint) is typing.Literal:
+        return next(choice for choice in typing.get_args(hint) if choice != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, dict):
+        return {**value, "training.seed": 5}
+    return value + 1 if isinstance(value, (int, float)) else value + "/other"
+
+
+def _downstream(name: str) -> set[str]:
+    graph = {stage.name: stage.upstream for stage in table.STAGES}
+    return {other for other in graph if name in stages.all_upstream(other, graph)}
+
+
+SECTION_KEYS = [(stage.name, key) for stage in table.STAGES
+                for key in (f.name for f in dataclasses.fields(getattr(WorkflowConfig(), stage.section)))
+                if key not in ("enabled", "run_name", "cost_model")]  # on/off; MLflow's; see the cost-model test
+READ_UPSTREAM = {("train", "config"): {"calibrate"}}
+"""The section keys a stage upstream reads too: calibrate times the training config's model."""
+
+
+@pytest.mark.parametrize("stage, key", SECTION_KEYS)
+def test_a_changed_section_key_changes_its_stage_and_downstream_fingerprints(tmp_path, stage, key):
+    """Every key of a stage's section reaches its fingerprint and, through it, every downstream one;
+    the upstream stages' fingerprints stay (their work is current) unless they read that key too."""
+    config = _every_stage_on(tmp_path)
+    before = _fingerprints(config)
+    section = getattr(config, next(s.section for s in table.STAGES if s.name == stage))
+    setattr(section, key, _another(section, key))
+    after = _fingerprints(config)
+    changed = {name for name in before if before[name] != after[name]}
+    graph = {s.name: s.upstream for s in table.STAGES}
+    assert {stage} | _downstream(stage) <= changed
+    readers, upstream = READ_UPSTREAM.get((stage, key), set()), stages.all_upstream(stage, graph)
+    assert changed & upstream == {name for name in upstream if readers & ({name} | stages.all_upstream(name, graph))}
+
+
+def test_shared_values_and_input_files_reach_the_stages_that_read_them(tmp_path):
+    config = _every_stage_on(tmp_path)
+    before = _fingerprints(config)
+    config.pipeline.local_batch_size = 16
+    changed = {n for n in before if before[n] != _fingerprints(config)[n]}
+    assert changed == {"balance", "compare"} | _downstream("balance")
+    config.train.overrides["training.seed"] = 5  # the training's own: not calibrate's timed model
+    changed = {n for n in before if before[n] != _fingerprints(config)[n]}
+    assert "calibrate" not in changed and {"train", "compare"} <= changed
+    config.train.overrides["model.hstu.num_layers"] = 2  # the timed model
+    after = _fingerprints(config)
+    assert {n for n in before if before[n] != after[n]} == {"calibrate"} | _downstream("calibrate") | changed
+    config.calibrate.enabled = config.calibrate.rank_speeds = False
+    config.calibrate.cost_model = str(tmp_path / "cm.json")  # a given cost model: its identity, too
+    (tmp_path / "cm.json").write_text("{}")
+    given = _fingerprints(config)
+    assert "calibrate" not in given and {"balance", "compare"} <= {n for n in given if given[n] != after[n]}
+    os.utime(tmp_path / "cm.json", ns=(0, 0))
+    touched = _fingerprints(config)
+    assert {n for n in given if given[n] != touched[n]} == {"balance", "compare"} | _downstream("balance")
+
+
+def test_tracking_and_the_workdir_s_place_are_in_no_fingerprint(tmp_path):
+    """Where runs are logged and where the working directory is (a copy stays current) rerun nothing."""
+    config = _every_stage_on(tmp_path)
+    before = _fingerprints(config)
+    config.pipeline.tracking_uri, config.pipeline.experiment = "sqlite:///other.db", "other"
+    config.pipeline.workdir, config.train.run_name = str(tmp_path / "moved"), "named"
+    assert _fingerprints(config) == before
+
+
+def test_stage_params_are_the_job_s_arguments_with_workdir_paths_relative(tmp_path):
+    raw, work = tmp_path / "raw.csv", tmp_path / "work"
+    raw.write_text("u,i,t\n")
+    values = {"input": str(raw), "output": str(work / "out"), "capacities": f"@{work / 'speeds.json'}",
+              "near": str(tmp_path / "work2" / "x"), "cost_model": str(work / "cm.json"), "tracking_uri": "x",
+              "run_name": "r", "balanced": {"seed": 1}}
+    params = stages.stage_params(values, {"tracking.experiment": "e", "model.hstu.num_layers": "1"}, work,
+                                 inputs=("input", "cost_model"))
+    assert params == {"input identity": stages.file_identity(str(raw)),
+                      "output": "<workdir>/out", "capacities": "@<workdir>/speeds.json",
+                      "near": str(tmp_path / "work2" / "x"), "cost_model": "<workdir>/cm.json",
+                      "balanced.seed": 1, "model.hstu.num_layers": "1"}
 
 
 # ------------------------------------------------------------------ stopped and killed runs

@@ -133,3 +133,18 @@ def test_bad_values_are_one_line(values, message):
 def test_capacities_text_becomes_the_tuple_the_executors_get():
     spec = options.from_values(BalanceSpec, {**REQUIRED, "capacities": "1.5,0.5"})
     assert spec.capacities == (1.5, 0.5) and spec.global_batch_size == 8 and spec.window_size == 8
+
+
+def test_the_spec_hands_every_planner_option_to_the_planner():
+    """Each ``PlanOptions`` field comes from the spec: with every planning option off its default,
+    none of the windows' options is left at the planner's default."""
+    from dataclasses import fields
+
+    from freescale.balancing import PlanOptions
+
+    spec = BalanceSpec(**REQUIRED, strategy="ortools", window_steps=3, token_cap=500, equal_counts=True,
+                       capacities=(1.0, 0.5), seed=2, time_limit=0.5, flop_width=32)
+    asked, default = spec.plan_options(window=7), PlanOptions()
+    left = [f.name for f in fields(PlanOptions) if getattr(asked, f.name) == getattr(default, f.name)]
+    assert left == []
+    assert asked.seed != spec.plan_options(window=8).seed  # windows do not share tie-breaking

@@ -1,23 +1,25 @@
 """Running a list of stages so that a rerun does only what changed: the stage-fingerprint engine
-behind `freescale pipeline` (freescale/jobs/workflow/run.py says which stages there are).
+behind `freescale pipeline` (freescale/jobs/workflow/table.py says which stages there are).
 
 A stage that finishes leaves a record next to its output in the working directory,
 ``<workdir>/<stage>.fingerprint.json``: the fingerprint of everything its arguments are built from
-(``Stage.params``: its settings and the identity of its input files) and of its upstream stages'
-fingerprints, and those values themselves, so a rerun can say what changed. A rerun skips a stage
-whose fingerprint matches and whose output is intact; it runs a stage whose parameters or inputs
-changed or whose output is damaged, and every stage downstream of a stage that ran. Before a stage
-runs, its downstream records are marked stale, so a run killed in between still reruns them.
+(``Stage.params``, derived from its job's arguments by ``stage_params``: its settings and the
+identity of its input files) and of its upstream stages' fingerprints, and those values themselves,
+so a rerun can say what changed. A rerun skips a stage whose fingerprint matches and whose output is
+intact; it runs a stage whose parameters or inputs changed or whose output is damaged, and every
+stage downstream of a stage that ran. Before a stage runs, its downstream records are marked stale,
+so a run killed in between still reruns them.
 Standard library only.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from freescale.runtime.errors import InputError
 from freescale.runtime.json_files import read_json, write_json
@@ -39,7 +41,8 @@ class Stage:
     run: Callable[[], int]
     """Runs the stage's job; its exit status."""
     params: dict[str, Any]
-    """Every value the arguments are built from (tracking excepted) and the inputs' identities: the fingerprint's content."""
+    """Every value the arguments are built from (tracking excepted) and the inputs' identities: the
+    fingerprint's content (``stage_params``)."""
     output: Path
     damage: Callable[[], str | None]
     """What is wrong with the output (None: intact)."""
@@ -91,9 +94,64 @@ def json_damage(path: Path, what: str) -> Callable[[], str | None]:
     return damage
 
 
+TRACKING_KEYS = ("tracking_uri", "run_name")
+"""Arguments that say only where a run is logged (with the ``tracking.*`` overrides): in no fingerprint,
+so changing them reruns nothing."""
+WORKDIR = "<workdir>"
+"""A path under the working directory, in ``Stage.params``: a copied working directory stays current."""
+
+
+def stage_params(values: dict[str, Any], overrides: dict[str, Any], workdir: Path,
+                 inputs: tuple[str, ...]) -> dict[str, Any]:
+    """What a stage's fingerprint covers, derived from its job's arguments: every spec value (a nested
+    table by dotted keys) and training-config override, tracking excepted; a path under ``workdir`` as
+    ``<workdir>/...`` (an upstream output, which the upstream fingerprint covers); each of ``inputs``
+    (the values naming input files) outside it as ``"<key> identity"``, its file_identity (a copy
+    with the same modification time is the same input)."""
+    params: dict[str, Any] = {}
+    for key, value in [*_dotted(values), *overrides.items()]:
+        if key in TRACKING_KEYS or key.startswith("tracking."):
+            continue
+        shown = _in_workdir(value, workdir)
+        if key in inputs and isinstance(value, str) and value and shown == value:
+            params[f"{key} identity"] = file_identity(value)  # a file outside the workdir: what it holds, not where
+        else:
+            params[key] = shown
+    return params
+
+
+def _dotted(values: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _dotted(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _in_workdir(value: Any, workdir: Path) -> Any:
+    """``value`` with a leading path under ``workdir`` (or ``@`` and one: a file the job reads) as ``<workdir>/...``."""
+    if not isinstance(value, str):
+        return value
+    at, root = value.startswith("@"), str(workdir)
+    path = value[1:] if at else value
+    if path != root and not path.startswith(root + os.sep):
+        return value
+    return "@" * at + WORKDIR + path[len(root):]
+
+
 def fingerprint(params: dict[str, Any], upstream: dict[str, str]) -> str:
     text = json.dumps({"params": params, "upstream": upstream}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprints(stages: list[Stage]) -> dict[str, tuple[str, dict[str, str]]]:
+    """Each stage's fingerprint (that is not off) and the fingerprints of its upstream stages it covers, in order."""
+    found: dict[str, tuple[str, dict[str, str]]] = {}
+    for stage in stages:
+        if stage.off is None:
+            upstream = {name: found[name][0] for name in stage.upstream if name in found}
+            found[stage.name] = (fingerprint(stage.params, upstream), upstream)
+    return found
 
 
 def record_path(work: Path, stage: str) -> Path:
@@ -163,7 +221,7 @@ def run_stages(stages: list[Stage], work: Path, fresh: bool,
     runs one and returns its exit status, its error message and whether the log holds details.
     Returns the stages that ran and the failure that stopped the run (None: none did)."""
     graph = {stage.name: stage.upstream for stage in stages}
-    fingerprints: dict[str, str] = {}
+    derived = fingerprints(stages)
     ran: list[str] = []
     failed: Failure | None = None
     for stage in stages:
@@ -173,8 +231,7 @@ def run_stages(stages: list[Stage], work: Path, fresh: bool,
         if failed is not None:
             say(line(stage.name, "not run", f"{failed.stage} failed"))
             continue
-        upstream = {name: fingerprints[name] for name in stage.upstream if name in fingerprints}
-        fp = fingerprints[stage.name] = fingerprint(stage.params, upstream)
+        fp, upstream = derived[stage.name]
         record = read_record(work, stage.name)
         why = why_run(stage, record, fp, upstream, ran, fresh)
         if why is None:
