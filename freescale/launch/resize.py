@@ -56,7 +56,7 @@ def _replan(manifest, step: int, folder: Path, world_size: int) -> Path:
     files = ReplanFiles(folder / ReplanFiles.name(step, world_size))
     if files.exists():
         return files.folder
-    meta, rows = replan(manifest, step, world_size, _order_seed(folder / f"step_{step}"))
+    meta, rows = replan(manifest, step, world_size, _order_seed(folder / f"step_{step}", step, manifest.num_steps))
     if meta.num_samples < world_size:
         raise InputError(f"checkpoint {folder / f'step_{step}'} leaves {meta.num_samples} samples of its epoch, "
                          f"fewer than the {world_size} ranks to re-plan them for")
@@ -70,6 +70,12 @@ def _replan(manifest, step: int, folder: Path, world_size: int) -> Path:
     return files.folder
 
 
-def _order_seed(step_dir: Path) -> int:
-    """The seed that ordered the checkpoint's epochs: its run's training seed."""
-    return int(saved_config(step_dir).get("training.seed", 0))
+def _order_seed(step_dir: Path, step: int, steps_per_epoch: int) -> int:
+    """The seed that ordered the checkpoint's epochs: its run's training seed. A run from before epochs
+    were ordered (its config has no ``checkpoint.keep_last``, which came with them) finishes a later
+    epoch in plan order, which the re-plan cannot tell: refused mid-way through such an epoch."""
+    config = saved_config(step_dir)
+    if "checkpoint.keep_last" not in config and step >= steps_per_epoch and step % steps_per_epoch:
+        raise InputError(f"checkpoint {step_dir} was written before epochs were ordered, mid-way through epoch "
+                         f"{step // steps_per_epoch}: resume it on its own world size to the epoch's end first")
+    return int(config.get("training.seed", 0))

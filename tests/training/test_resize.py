@@ -109,6 +109,9 @@ def test_launch_refusals(shards: Path, tmp_path: Path) -> None:
     replanned = ReplanFiles(tmp_path / "r")
     replanned.write(*replan(load_manifest(shards), 3, 3, order_seed=0))
     fake_checkpoint(tmp_path / "resized", 4, 3, sha, {"training.seed": 0, "data.replan": str(replanned.folder)})
+    fake_checkpoint(tmp_path / "old", 9, 2, sha)  # epoch 1, position 2, written before epochs were ordered
+    with pytest.raises(InputError, match="before epochs were ordered"):
+        replan_settings(str(shards), 3, str(tmp_path / "old"), True)
     with pytest.raises(InputError, match="resume it on 3 ranks"):
         replan_settings(str(shards), 4, str(tmp_path / "resized"), True)
     assert replan_settings(str(shards), 3, str(tmp_path / "resized"), True) == ["--data.replan",
