@@ -210,7 +210,7 @@ def test_prepare_keep_duplicates(spark, duplicated_ratings, tmp_path, capsys):
 def _run_fresh(job: str, args: list[str]) -> tuple[int, str, list[str]]:
     """``jobs.<job>.main(args)`` in a fresh interpreter: exit status, stderr and the heavy modules
     loaded (pyspark, torch): none means Spark never started."""
-    probe = (f"import sys\nfrom jobs import {job}\nrc = {job}.main({args!r})\n"
+    probe = (f"import sys\nfrom freescale.jobs import {job}\nrc = {job}.main({args!r})\n"
              "print(rc, sorted(m for m in ('pyspark', 'torch') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True,
                          timeout=300)

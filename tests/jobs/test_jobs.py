@@ -323,7 +323,7 @@ def _loaded_after(code: str, timeout: float = 120) -> tuple[list[str], str]:
 @pytest.mark.spawns
 @pytest.mark.parametrize("job", ["prepare", "balance", "calibrate", "cli"])
 def test_importing_a_job_loads_nothing_heavy(job):
-    assert _loaded_after(f"import jobs.{job}")[0] == []
+    assert _loaded_after(f"import freescale.jobs.{job}")[0] == []
 
 
 @pytest.mark.spawns
