@@ -73,8 +73,7 @@ def calibrate(spec: CalibrateSpec, overrides: list[str], tracking: Tracking) -> 
     device = calibration_device(spec.device, config.model)
 
     from freescale.tracking.runs import job_run
-    from freescale.tracking.store import reachable_tracking_uri
-    uri = reachable_tracking_uri("calibrate", tracking.uri)  # unreachable: one warning, untracked
+    uri = tracking.reachable_uri("calibrate")  # unreachable: one warning, untracked
 
     # The run spans the job's work (profiling, rank speeds), FAILED if the job fails.
     with job_run("calibrate", tracking_uri=uri, experiment=tracking.experiment,

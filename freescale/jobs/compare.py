@@ -184,10 +184,8 @@ def run_comparison(args: CompareSpec, overrides: list[str], cmp: Comparison, sta
 def compare(spec: CompareSpec, overrides: list[str], tracking: Tracking) -> int:
     manifests = check_args(spec, overrides)  # before anything heavy
 
-    from freescale.tracking.store import reachable_tracking_uri
-
     # One check for every stage: they get the answer (or 'none'), never a second warning.
-    tracking = dataclasses.replace(tracking, uri=reachable_tracking_uri("compare", tracking.uri))
+    tracking = dataclasses.replace(tracking, uri=tracking.reachable_uri("compare"))
     cmp = describe(spec, manifests, tracking)
     cmp.work.mkdir(parents=True, exist_ok=True)
     started = time.time()

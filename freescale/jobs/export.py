@@ -19,7 +19,7 @@ from typing import Callable
 from freescale.runtime.job_errors import run_job
 from freescale.runtime import options
 from freescale.training.export.spec import ExportSpec, check_arguments  # standard library only
-from freescale.tracking.store import Tracking, add_tracking_arguments, resolve_tracking_uri  # no mlflow import
+from freescale.tracking.store import Tracking, add_tracking_arguments  # no mlflow import
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def export(spec: ExportSpec, tracking: Tracking) -> int:
     # Arguments first: a bad one is reported before torch or mlflow loads, and before anything is written.
-    check_arguments(spec, resolve_tracking_uri(tracking.uri))
+    check_arguments(spec, tracking.resolved_uri())
     from freescale.training.export.exporter import export as export_checkpoint
 
     return export_checkpoint(spec, tracking)

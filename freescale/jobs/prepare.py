@@ -16,75 +16,40 @@ inputs are checked (existence, Parquet footers and columns) before Spark starts.
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import time
-from dataclasses import asdict
-from typing import Callable
 
-from freescale.runtime.job_errors import run_job
-from freescale.tracking.store import Tracking, add_tracking_arguments  # no mlflow import until a run opens
-from freescale.runtime import options
+from freescale.jobs.spark_job import SparkJob, SparkJobRun, check_output
 from freescale.prepare.prepare_spec import PrepareSpec, synthetic_text  # standard library only
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="freescale prepare", description=__doc__.split("\n\n")[0])
-    options.add_arguments(p, PrepareSpec, "cli")
-    add_tracking_arguments(p)
-    return p
 
 
 def check_inputs(spec: PrepareSpec) -> None:
     """What can be checked without Spark (local paths; remote ones are checked by Spark):
     the output is not an input, the inputs exist, Parquet footers are readable and have
     the needed columns, a --master spark://... takes connections."""
-    from freescale.runtime.atomic_output import check_local_output_free, check_no_overlap
     from freescale.runtime.spark_master import check_master
     from freescale.prepare.spark_prepare import check_local_inputs
 
     check_master(spec.master)
-    check_no_overlap(spec.output, {"--input": spec.input, "--user-features": spec.user_features})
-    check_local_output_free(spec.output, spec.overwrite)
+    check_output(spec.output, spec.overwrite, {"--input": spec.input, "--user-features": spec.user_features})
     check_local_inputs(spec)
 
 
-def prepare(spec: PrepareSpec, tracking: Tracking) -> int:
-    # Arguments first: a bad one is reported before Spark (or anything heavy) loads.
-    check_inputs(spec)
-
-    from freescale.runtime.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
-    from freescale.runtime.hadoop_fs import HadoopFS
+def prepare(spec: PrepareSpec, job: SparkJobRun) -> str:
     from freescale.tracking.datasets import DataRef
-    from freescale.tracking.runs import job_run
-    from freescale.tracking.store import reachable_tracking_uri
     from freescale.prepare import spark_prepare
     from freescale.prepare.prepared import METADATA_NAME, metadata_text
-    from freescale.runtime.session import build_spark_session, checkpoints_removed
-    uri = reachable_tracking_uri("prepare", tracking.uri)  # unreachable: one warning, untracked
 
-    # The run spans the job's work: opened before Spark starts, FAILED if the job fails.
-    params = {k: v for k, v in asdict(spec).items() if k != "overwrite"}
-    # Inside the run: its checkpoints are removed before the run ends, failed or not.
-    with job_run("prepare", tracking_uri=uri, experiment=tracking.experiment, params=params,
-                 output=spec.output) as run, checkpoints_removed("prepare"):
-        started = time.perf_counter()
-        spark = build_spark_session(spec.master, "freescale-prepare")
-        fs = HadoopFS(spark)
-        output_uri = fs.qualify(spec.output)
-        check_output_free(fs, output_uri, spec.overwrite)
-        stale_removed = remove_stale_siblings(fs, output_uri)
-        inputs = spark_prepare.read_inputs(spark, fs, spec)
-        with atomic_output(fs, output_uri, spec.overwrite) as staging:
-            prepared = spark_prepare.write_prepared(spark, fs, staging, spec, inputs)
-        run.set_tags({"freescale.output": output_uri, "freescale.data": inputs.source.get("uri", "synthetic")})
-        run.log_metrics({**{k: v for k, v in prepared.stats.items() if isinstance(v, (int, float))},
-                         "job_seconds": time.perf_counter() - started})
-        run.log_text(metadata_text(prepared.meta).rstrip("\n"), METADATA_NAME)
-        run.log_inputs({"source": DataRef.logs(inputs.source),
-                        "output": DataRef.prepared(output_uri, metadata_text(prepared.meta))})
-    print(summary_line(spec, inputs, prepared, output_uri) + stale_note(stale_removed))
-    return 0
+    spark, fs = job.start_spark()
+    inputs = spark_prepare.read_inputs(spark, fs, spec)
+    with job.staging() as staging:
+        prepared = spark_prepare.write_prepared(spark, fs, staging, spec, inputs)
+    job.run.set_tags({"freescale.output": job.output_uri, "freescale.data": inputs.source.get("uri", "synthetic")})
+    job.run.log_metrics({**{k: v for k, v in prepared.stats.items() if isinstance(v, (int, float))},
+                         "job_seconds": job.seconds()})
+    job.run.log_text(metadata_text(prepared.meta).rstrip("\n"), METADATA_NAME)
+    job.run.log_inputs({"source": DataRef.logs(inputs.source),
+                        "output": DataRef.prepared(job.output_uri, metadata_text(prepared.meta))})
+    return summary_line(spec, inputs, prepared, job.output_uri)
 
 
 def summary_line(spec: PrepareSpec, inputs, prepared, output_uri: str) -> str:
@@ -101,18 +66,8 @@ def summary_line(spec: PrepareSpec, inputs, prepared, output_uri: str) -> str:
                if prepared.repeated else ""))
 
 
-def run(spec_of: Callable[[], PrepareSpec], tracking: Tracking) -> int:
-    """The job on the spec ``spec_of()`` builds (inside the job's error handling: a bad value is its
-    one line); its exit status. `freescale pipeline` calls it in-process."""
-    from freescale.runtime.progress import spark_progress  # stdlib only; pyspark loads when a stage runs
-
-    with spark_progress("prepare"):  # one line with the running stage and its fraction done
-        return run_job("prepare", lambda: prepare(spec_of(), tracking))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run(lambda: options.from_values(PrepareSpec, vars(args)), Tracking.of(args))
+JOB = SparkJob("prepare", PrepareSpec, __doc__, prepare, check=check_inputs)
+build_parser, run, main = JOB.build_parser, JOB.run, JOB.main
 
 
 if __name__ == "__main__":

@@ -13,23 +13,10 @@ freescale/training/export/spark_recommend.py's.
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import time
-from dataclasses import asdict
-from typing import Callable
 
-from freescale.runtime import options
-from freescale.runtime.job_errors import run_job
+from freescale.jobs.spark_job import SparkJob, SparkJobRun
 from freescale.training.export.recommend_spec import RecommendSpec, check_arguments  # standard library only
-from freescale.tracking.store import Tracking, add_tracking_arguments  # no mlflow import until a run opens
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="freescale recommend", description=__doc__.split("\n\n")[0])
-    options.add_arguments(p, RecommendSpec, "cli")
-    add_tracking_arguments(p)
-    return p
 
 
 def check_inputs(spec: RecommendSpec) -> None:
@@ -40,47 +27,30 @@ def check_inputs(spec: RecommendSpec) -> None:
     check_master(spec.master)
 
 
-def recommend(spec: RecommendSpec, tracking: Tracking) -> int:
-    # Arguments first: a bad one is reported before Spark, torch or mlflow loads.
-    check_inputs(spec)
-
+def recommend(spec: RecommendSpec, job: SparkJobRun) -> str:
     import tempfile
     from pathlib import Path
 
-    from freescale.runtime.atomic_output import atomic_output, check_output_free, remove_stale_siblings, stale_note
-    from freescale.runtime.hadoop_fs import HadoopFS
-    from freescale.runtime.session import build_spark_session, checkpoints_removed
     from freescale.training.export import spark_recommend
-    from freescale.tracking.runs import job_run
-    from freescale.tracking.store import reachable_tracking_uri, resolve_tracking_uri
-    uri = reachable_tracking_uri("recommend", tracking.uri)  # unreachable: one warning, untracked
 
-    params = {k: v for k, v in asdict(spec).items() if k != "overwrite"}
-    with job_run("recommend", tracking_uri=uri, experiment=tracking.experiment, params=params,
-                 output=spec.output) as run, checkpoints_removed("recommend"), \
-            tempfile.TemporaryDirectory(prefix="freescale-recommend-") as scratch:
-        source = spark_recommend.resolve_model(spec.model, resolve_tracking_uri(tracking.uri), Path(scratch))
+    with tempfile.TemporaryDirectory(prefix="freescale-recommend-") as scratch:
+        source = spark_recommend.resolve_model(spec.model, job.tracking.resolved_uri(), Path(scratch))
         exclude = source.exclude_default if spec.exclude_history is None else spec.exclude_history == "true"
-        started = time.perf_counter()
-        spark = build_spark_session(spec.master, "freescale-recommend")
-        fs = HadoopFS(spark)
-        input_uri, output_uri = fs.qualify(spec.input), fs.qualify(spec.output)
-        check_output_free(fs, output_uri, spec.overwrite)
-        stale_removed = remove_stale_siblings(fs, output_uri)
+        spark, fs = job.start_spark()
+        input_uri, output_uri = fs.qualify(spec.input), job.output_uri
         sequences, metadata = read_input(spark, fs, source, input_uri, spec)
-        with atomic_output(fs, output_uri, spec.overwrite) as staging:
+        with job.staging() as staging:
             spark_recommend.recommendations(spark, sequences, source, spec.k, exclude,
                                             Path(scratch)).write.parquet(staging)
             users = spark.read.parquet(staging).count()
-        seconds = time.perf_counter() - started
-        run.set_tags({"freescale.output": output_uri, "freescale.model_uri": source.uri})
-        run.log_metrics({"users": users, "job_seconds": seconds, "users_per_second": users / seconds})
-        run.log_inputs(datasets(input_uri, metadata, output_uri, source.uri, spec, users))
-    print(f"freescale recommend: wrote the top {spec.k} of {users} users to {output_uri} from {source.uri} "
-          f"({'history excluded' if exclude else 'history included'}) in {seconds:.0f} s"
-          + (f"; {len(spec.user_ids()) - users} of the {len(spec.user_ids())} users asked for are not in the input"
-             if spec.users is not None and users < len(spec.user_ids()) else "") + stale_note(stale_removed))
-    return 0
+        seconds = job.seconds()
+        job.run.set_tags({"freescale.output": output_uri, "freescale.model_uri": source.uri})
+        job.run.log_metrics({"users": users, "job_seconds": seconds, "users_per_second": users / seconds})
+        job.run.log_inputs(datasets(input_uri, metadata, output_uri, source.uri, spec, users))
+    return (f"freescale recommend: wrote the top {spec.k} of {users} users to {output_uri} from {source.uri} "
+            f"({'history excluded' if exclude else 'history included'}) in {seconds:.0f} s"
+            + (f"; {len(spec.user_ids()) - users} of the {len(spec.user_ids())} users asked for are not in the input"
+               if spec.users is not None and users < len(spec.user_ids()) else ""))
 
 
 def read_input(spark, fs, source, input_uri: str, spec: RecommendSpec):
@@ -114,18 +84,8 @@ def datasets(input_uri: str, metadata: str, output_uri: str, model_uri: str, spe
     return {"input": DataRef.prepared(input_uri, metadata), "output": output}
 
 
-def run(spec_of: Callable[[], RecommendSpec], tracking: Tracking) -> int:
-    """The job on the spec ``spec_of()`` builds (inside the job's error handling: a bad value is its one
-    line); its exit status. `freescale pipeline` calls it in-process."""
-    from freescale.runtime.progress import spark_progress  # stdlib only; pyspark loads when a stage runs
-
-    with spark_progress("recommend"):  # one line with the running stage and its fraction done
-        return run_job("recommend", lambda: recommend(spec_of(), tracking))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run(lambda: options.from_values(RecommendSpec, vars(args)), Tracking.of(args))
+JOB = SparkJob("recommend", RecommendSpec, __doc__, recommend, check=check_inputs)
+build_parser, run, main = JOB.build_parser, JOB.run, JOB.main
 
 
 if __name__ == "__main__":

@@ -58,10 +58,10 @@ def simulate(spec: SimulationSpec, args: argparse.Namespace) -> int:
     from freescale.runtime.json_files import write_json
     from freescale.shards.simulation import simulation_plans
     from freescale.tracking.runs import job_run
-    from freescale.tracking.store import reachable_tracking_uri
+    from freescale.tracking.store import Tracking
 
     measured = read_measured(spec, warn)  # measured runs first: a bad file fails before planning
-    uri = reachable_tracking_uri("simulate", args.tracking_uri)
+    uri = Tracking.of(args).reachable_uri("simulate")
     params = {k: v for k, v in vars(args).items() if v is not None and k not in ("tracking_uri", "json", "plot")}
     with job_run("simulate", tracking_uri=uri, experiment=args.experiment, params=params,
                  run_name=args.run_name or "simulate") as run:

@@ -109,7 +109,7 @@ def train(argv: list[str]) -> int:
 def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     import torch.distributed as dist
 
-    from freescale.tracking.store import DISABLED, reachable_tracking_uri
+    from freescale.tracking.store import DISABLED, Tracking
     from freescale.costs.run_summary import write_run_summary
     from freescale.training.timing.bubbles import TIMING_FIELDS
     from freescale.training.loop.trainer import NullSink, Trainer
@@ -117,7 +117,7 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     # Only rank 0 records the run: it checks the server before any work (RANK is what
     # the trainer's process group reads too), so an unreachable one costs seconds.
     rank0 = os.environ.get("RANK", "0") == "0"
-    uri = reachable_tracking_uri("train", config.tracking.uri or None) if rank0 else DISABLED
+    uri = Tracking(config.tracking.uri).reachable_uri("train") if rank0 else DISABLED
     trainer = job.trainer = Trainer(config)
     if rank0:
         _continue_after_restart(trainer)

@@ -35,22 +35,37 @@ def add_tracking_arguments(parser: argparse.ArgumentParser, experiment: bool = T
 
 @dataclass(frozen=True)
 class Tracking:
-    """Where a job records its run: ``--tracking-uri`` (None: resolve_tracking_uri's default),
-    ``--experiment``, and the `freescale compare` it belongs to (MLflow tag freescale.comparison)."""
+    """Where a job records its run: the tracking URI setting, ``--experiment``, and the `freescale
+    compare` it belongs to (MLflow tag freescale.comparison). Every job and stage reads its tracking
+    URI through one of these: :meth:`resolved_uri`, or :meth:`reachable_uri` before its run opens."""
 
     uri: str | None = None
+    """``--tracking-uri``, ``[tracking] uri`` or ``[pipeline] tracking_uri``: None (unset: resolve_tracking_uri's
+    default), DISABLED or a URI. A config file's unset is "": it is None here."""
     experiment: str | None = DEFAULT_EXPERIMENT
     """None: the job names it (compare: freescale-<dataset>)."""
     comparison: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "uri", self.uri or None)  # the one meaning of unset, whatever set it
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Tracking:
         return cls(args.tracking_uri, args.experiment, getattr(args, "comparison", None))
 
+    def resolved_uri(self) -> str:
+        """The tracking URI the setting names (resolve_tracking_uri); DISABLED when disabled."""
+        return resolve_tracking_uri(self.uri)
 
-def resolve_tracking_uri(cli_value: str | None) -> str:
-    """CLI flag, then MLFLOW_TRACKING_URI, then the local sqlite file."""
-    return cli_value or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    def reachable_uri(self, job: str) -> str:
+        """The resolved URI, or DISABLED when it cannot be used (reachable_tracking_uri: at most one
+        warning line of ``freescale JOB``)."""
+        return reachable_tracking_uri(job, self.uri)
+
+
+def resolve_tracking_uri(setting: str | None) -> str:
+    """A tracking URI setting (None: unset), then MLFLOW_TRACKING_URI, then the local sqlite file."""
+    return setting or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
 # What an experiment holds, for MLflow UIs that choose their view by it. MLflow 3.17's own UI does
@@ -97,7 +112,7 @@ SHORT_MLFLOW_RETRIES = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQ
                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 
 
-def reachable_tracking_uri(job: str, cli_value: str | None) -> str:
+def reachable_tracking_uri(job: str, setting: str | None) -> str:
     """The job's tracking URI (see resolve_tracking_uri), or DISABLED when its server does not
     answer or its local store cannot be written.
 
@@ -105,7 +120,7 @@ def reachable_tracking_uri(job: str, cli_value: str | None) -> str:
     an unreachable server or an unwritable store costs at most CHECK_TIMEOUT_S and one
     warning line, and the job runs untracked.
     """
-    uri = resolve_tracking_uri(cli_value)
+    uri = resolve_tracking_uri(setting)
     if uri == DISABLED:
         return uri
     for name, value in SHORT_MLFLOW_RETRIES.items():

@@ -63,6 +63,30 @@ def test_a_rerun_to_the_same_output_ends_the_run_a_killed_job_left_running(tmp_p
                                        f"were still RUNNING: ended FAILED ({orphan})\n")
 
 
+def test_a_tracking_setting_has_one_meaning_of_unset(monkeypatch, tmp_path):
+    """A config file's "" and the command line's None are the same setting: MLFLOW_TRACKING_URI, then the
+    default store; 'none' disables, a URI is itself."""
+    from freescale.tracking.store import DEFAULT_TRACKING_URI, Tracking
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert Tracking("") == Tracking(None) and Tracking("").uri is None
+    assert Tracking("").resolved_uri() == Tracking(None).resolved_uri() == DEFAULT_TRACKING_URI
+    store = f"sqlite:///{tmp_path}/env.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert Tracking("").resolved_uri() == Tracking(None).resolved_uri() == store
+    assert Tracking(DISABLED).resolved_uri() == Tracking(DISABLED).reachable_uri("train") == DISABLED
+    assert Tracking(f"sqlite:///{tmp_path}/x.db").reachable_uri("train") == f"sqlite:///{tmp_path}/x.db"
+
+
+def test_the_library_resolves_tracking_uris_only_through_tracking():
+    """Every job and stage reads its tracking URI through freescale.tracking.store.Tracking."""
+    package = Path(__file__).resolve().parents[2] / "freescale"
+    callers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if path.name != "store.py" and any(name + "(" in path.read_text() for name in
+                                                        ("reachable_tracking_uri", "resolve_tracking_uri")))
+    assert callers == []
+
+
 def test_local_stores_and_disabled_tracking_are_not_checked(capsys, tmp_path):
     assert reachable_tracking_uri("train", f"sqlite:///{tmp_path}/x.db") == f"sqlite:///{tmp_path}/x.db"
     assert reachable_tracking_uri("train", "none") == DISABLED

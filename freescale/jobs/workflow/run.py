@@ -178,10 +178,8 @@ def _end_orphaned_runs(config: WorkflowConfig, workdir: str) -> None:
     """End FAILED the MLflow runs a killed run of this workdir left RUNNING; one note line, or one
     warning when that fails (tracking never stops the pipeline)."""
     from freescale.tracking.runs import fail_orphaned_runs
-    from freescale.tracking.store import resolve_tracking_uri
-
     try:
-        orphans = fail_orphaned_runs(resolve_tracking_uri(config.pipeline.tracking_uri or None), workdir)
+        orphans = fail_orphaned_runs(tracking_of(config).resolved_uri(), workdir)
     except Exception as exc:  # noqa: BLE001 - tracking never stops the pipeline
         from freescale.tracking.runs import failure
 

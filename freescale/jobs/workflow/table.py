@@ -87,7 +87,7 @@ def tracking_of(config: WorkflowConfig):
     """The tracking of a stage whose job takes a typed spec."""
     from freescale.tracking.store import Tracking
 
-    return Tracking(config.pipeline.tracking_uri or None, config.pipeline.experiment)
+    return Tracking(config.pipeline.tracking_uri, config.pipeline.experiment)
 
 
 def used_cost_model(config: WorkflowConfig, work: Workdir) -> str | None:
@@ -137,7 +137,7 @@ def train_values(config: WorkflowConfig, work: Workdir) -> Values:
     """The train stage's spec values: [train], the shards, one rank per world_size."""
     p = config.pipeline
     return {**options.section_values(config.train), "shards": str(work.shards), "nproc_per_node": p.world_size,
-            "summary_json": str(work.summary), "tracking_uri": p.tracking_uri or None}
+            "summary_json": str(work.summary), "tracking_uri": tracking_of(config).uri}
 
 
 def train_overrides(config: WorkflowConfig, work: Workdir) -> Values:

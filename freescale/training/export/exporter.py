@@ -36,7 +36,7 @@ from freescale.training.export.spec import ExportSpec
 from freescale.training.export.exported_model import (ARTIFACT, EVALUATION_FILE, FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE,
                                      USER_FEATURES_FILE, USER_TABLE, WEIGHTS_FILE, ExportedModel, Query, nested)
 from freescale.training.model.recommender import ITEM_TABLE as CHECKPOINT_ITEM_TABLE, USER_TABLE as CHECKPOINT_USER_TABLE
-from freescale.tracking.store import Tracking
+from freescale.tracking.store import DISABLED, Tracking
 
 ITEM_KEY = f"embedding_collection.embeddings.{CHECKPOINT_ITEM_TABLE}.weight"
 USER_KEY = "user_embedding_collection.embedding_bags.{table}.weight"
@@ -290,7 +290,7 @@ def staged(output: str, overwrite: bool) -> Iterator[Path]:
 
 def run_metrics(uri: str, run_id: str | None) -> tuple[Any, dict[str, float]]:
     """The training's MLflow run in the store at ``uri`` (None when it holds none) and its summary's quality numbers."""
-    if run_id is None or uri == "none":
+    if run_id is None or uri == DISABLED:
         return None, {}
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -306,15 +306,14 @@ def export(spec: ExportSpec, tracking: Tracking) -> int:
     """The job: ``spec``'s checkpoint to its folder and MLflow model; the arguments were checked
     (``freescale.training.export.spec.check_arguments``)."""
     from freescale.tracking.runs import job_run
-    from freescale.tracking.store import reachable_tracking_uri
 
     source = open_checkpoint(spec.checkpoint)
     vocab = read_vocabulary(prepared_folder(spec, source.config),
                             int(source.metadata.state_dict_metadata["model." + ITEM_KEY].size[0]) - 1,
                             user_table_rows(source))
     state = exported_state(load_weights(source), len(vocab.features))
-    uri = reachable_tracking_uri("export", tracking.uri)
-    if spec.register is not None and uri == "none":
+    uri = tracking.reachable_uri("export")
+    if spec.register is not None and uri == DISABLED:
         raise ServiceUnavailable(f"--register {spec.register}: MLflow at {tracking.uri or 'the default store'} "
                                  "cannot be used; nothing was written")
     training_run, metrics = run_metrics(uri, source.run_id)

@@ -46,10 +46,11 @@ def resolve_model(model: str, tracking_uri: str, scratch: Path) -> ModelSource:
     """``--model`` as a local export folder: the folder itself, an MLflow model folder's artifact, or a
     models:/ or runs:/ URI's, downloaded into ``scratch`` from the tracking store."""
     from freescale.runtime.paths import local_path
+    from freescale.tracking.store import DISABLED
     from freescale.training.export.recommend_spec import MODEL_URI_SCHEMES
 
     if model.startswith(MODEL_URI_SCHEMES):
-        if tracking_uri == "none":
+        if tracking_uri == DISABLED:
             raise InputError(f"--model {model}: a model URI needs MLflow tracking, and --tracking-uri is none")
         return mlflow_model(Path(download(model, tracking_uri, scratch)), model)
     folder = Path(local_path(model) or model)

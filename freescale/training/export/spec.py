@@ -44,7 +44,7 @@ class ExportSpec:
 
 def check_arguments(spec: ExportSpec, tracking_uri: str) -> None:
     """Refuse, before anything is read or written, what the arguments alone show is wrong (one line,
-    exit 2). ``tracking_uri``: the resolved one (``freescale.tracking.store.resolve_tracking_uri``)."""
+    exit 2). ``tracking_uri``: the resolved one (``freescale.tracking.store.Tracking.resolved_uri``)."""
     from freescale.runtime.atomic_output import check_local_output_free, check_no_overlap
     from freescale.runtime.paths import local_path
 
@@ -64,8 +64,9 @@ def check_arguments(spec: ExportSpec, tracking_uri: str) -> None:
 def check_registry(uri: str) -> None:
     """A model registry at ``uri``, or one line saying why there is none."""
     from freescale.runtime.paths import split_path
+    from freescale.tracking.store import DISABLED
 
-    if uri == "none":
+    if uri == DISABLED:
         raise InputError("--register needs MLflow tracking, and --tracking-uri is none")
     if split_path(uri)[0] in FILE_STORE_SCHEMES:
         raise InputError(f"--register: MLflow's file store {uri} has no model registry; track in a database "
