@@ -19,7 +19,10 @@ def replan_settings(shards: str, world_size: int, checkpoint_folder: str, resume
     """The ranks' extra settings for a launch of ``world_size`` ranks: none where the shards were
     balanced for it and no resized run is continued; else ``--data.replan DIR``, re-planning the
     rest of the newest checkpoint's epoch first where that has not been done."""
-    manifest = load_manifest(shards)
+    try:
+        manifest = load_manifest(shards)
+    except ShardError:
+        return []  # the ranks name what is wrong with the shards, in their own words
     folder = Path(checkpoint_folder) if checkpoint_folder and resume else None
     step = max(complete_steps(folder), default=None)
     if step is None or folder is None:

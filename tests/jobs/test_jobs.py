@@ -113,7 +113,7 @@ def test_shards_in_step_order_with_valid_checksums(prepared_ml, tmp_path):
 
 def test_synthetic_equal_counts_and_token_cap(prepared_synthetic, tmp_path):
     out = tmp_path / "shards"
-    assert run_balance(prepared_synthetic, out, "--world-size", "4", "--local-batch-size", "8",
+    assert run_balance(prepared_synthetic, out, "--leftover", "drop", "--world-size", "4", "--local-batch-size", "8",
                        "--equal-counts", "--token-cap", "4000", "--window-steps", "8") == 0
     rows = read_all(out)
     per_rank_step = rows.groupby(["step", "rank"]).agg(n=("user_id", "size"), tokens=("length", "sum"))
@@ -126,7 +126,7 @@ def test_balance_flops_kk_through_the_cli(prepared_ml, tmp_path, capsys):
     """The peer's online FLOP balancer: equal counts per (step, rank) without --equal-counts, one step
     per window; a window or a token cap is refused in one line before Spark starts."""
     out = tmp_path / "shards"
-    assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",
+    assert run_balance(prepared_ml, out, "--leftover", "drop", "--world-size", "4", "--local-batch-size", "16",
                        "--strategy", "flops_kk", "--flop-width", "32") == 0
     manifest = load_manifest(out)
     assert manifest["strategy"] == "flops_kk"
@@ -265,7 +265,8 @@ def test_balance_rejects_input_without_sequences(spark, tmp_path, capsys):
 
 
 def test_balance_rejects_too_few_samples(prepared_ml, tmp_path, capsys):
-    rc = run_balance(prepared_ml, tmp_path / "out", "--world-size", "100", "--local-batch-size", "10")
+    rc = run_balance(prepared_ml, tmp_path / "out", "--leftover", "drop", "--world-size", "100",
+                     "--local-batch-size", "10")
     assert_one_line_error(capsys, rc, "943", "1000")
 
 

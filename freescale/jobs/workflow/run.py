@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from freescale.jobs.workflow.config import WorkflowConfig, load_workflow_config
-from freescale.jobs.workflow.table import build_stages
+from freescale.jobs.workflow.table import build_stages, tracking_of
 from freescale.runtime import locks
 from freescale.runtime.json_files import write_json
 from freescale.jobs.workflow.stages import LOCK, Stage, read_record, record_path, run_stages
@@ -178,6 +178,7 @@ def _end_orphaned_runs(config: WorkflowConfig, workdir: str) -> None:
     """End FAILED the MLflow runs a killed run of this workdir left RUNNING; one note line, or one
     warning when that fails (tracking never stops the pipeline)."""
     from freescale.tracking.runs import fail_orphaned_runs
+
     try:
         orphans = fail_orphaned_runs(tracking_of(config).resolved_uri(), workdir)
     except Exception as exc:  # noqa: BLE001 - tracking never stops the pipeline
