@@ -20,7 +20,7 @@ import pytest
 from tests import helpers
 
 REPO = Path(__file__).resolve().parents[2]
-BALANCE_ARGS = ("--world-size", "2", "--local-batch-size", "16")  # conftest's movielens_shards
+BALANCE_ARGS = ("--world-size", "2", "--local-batch-size", "16", "--leftover", "drop")  # conftest's movielens_shards
 
 
 @pytest.fixture(scope="module")
