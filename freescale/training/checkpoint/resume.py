@@ -114,12 +114,12 @@ def _copy_local_shards(live: dict[str, Any], saved: dict[str, Any], where: str) 
 
 def resume_latest(checkpointer: Checkpointer, config: TrainConfig, shards_sha256: str, rank: int,
                   dense_optimizer: torch.optim.Optimizer, states: tuple[dict[str, Any], dict[str, Any]],
-                  max_steps: int, world_size: int) -> int | None:
+                  max_steps: int, world_size: int | None = None) -> int | None:
     """Load the newest complete checkpoint into ``states``; its step, or None when there is none.
 
     Refused for other shards or another model shape; changed hyperparameters are named
     in a warning (``freescale.training.checkpoint.checkpointer``). A checkpoint of another world size is
-    resharded (``_load_resized``)."""
+    resharded (``_load_resized``); ``world_size`` None takes the checkpoint's own."""
     step = checkpointer.latest_step()
     skipped = [path for path in checkpointer.half_written() if step is None or int(path.name[5:]) > step]
     if skipped and rank == 0:
@@ -135,7 +135,7 @@ def resume_latest(checkpointer: Checkpointer, config: TrainConfig, shards_sha256
               f"settings: {', '.join(changed)}", file=sys.stderr, flush=True)
     materialize_optimizer_state(dense_optimizer)
     saved_world_size = checkpointer.world_size_of(step)
-    if saved_world_size == world_size:
+    if world_size is None or saved_world_size == world_size:
         checkpointer.load(step, *states)
     else:
         _load_resized(checkpointer, step, states, saved_world_size, world_size, rank)
