@@ -32,6 +32,16 @@ STRATEGY_TAG, CONTROL_TAG, COMPARISON_TAG = "freescale.strategy", "freescale.con
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under that run
 
 
+# The run a job's run nests under when the job names none: an incremental pipeline's day run, set for
+# the day's stages (in-process jobs, and the ranks they start).
+PARENT_ENV = "FREESCALE_PARENT_RUN_ID"
+
+
+def inherited_parent(parent_run_id: str | None) -> str | None:
+    """``parent_run_id``, else the one PARENT_ENV names, else None."""
+    return parent_run_id or os.environ.get(PARENT_ENV) or None
+
+
 # The working directory of the `freescale pipeline` whose stage made a run: the pipeline sets
 # PIPELINE_ENV for its stages (in-process jobs, and the ranks and trainings they start), and a
 # later run of that pipeline finds the runs a killed one left RUNNING by it.
@@ -102,8 +112,8 @@ class JobRun:
             client = MlflowClient(self.uri)
             experiment_id = find_or_create_experiment(client, experiment)
             all_tags = {"freescale.job": self.job, "freescale.code_version": code_version(), **run_tags(), **tags}
-            if parent_run_id:
-                all_tags[PARENT_TAG] = parent_run_id
+            if inherited_parent(parent_run_id):
+                all_tags[PARENT_TAG] = inherited_parent(parent_run_id)
             run = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags(all_tags))
             self.client, self.run_id, self.experiment_id = client, run.info.run_id, experiment_id
 

@@ -9,11 +9,12 @@ PrepareSpec, BalanceSpec, LaunchSpec), whose options say what each key means; th
     [balance]   strategy, window_steps, ...                  [train]      a training config + overrides
     [compare]   contiguous vs balanced (optional)        [export]     the trained model (optional)
     [recommend] every user's top k from the exported model (optional)
+    [promote]   incremental mode: the alias that moves to a new day's model when it is not worse
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from freescale.jobs.launch import LaunchSpec  # no torch
 from freescale.runtime import options
@@ -45,6 +46,15 @@ class PipelineSection:
     """Training ranks K: balance plans for K, train starts K local ranks, compare uses K."""
     local_batch_size: int = 32
     """Samples per rank per step B (balance and compare)."""
+    master: str = ""
+    """Spark master of the Spark stages (prepare, balance, recommend), e.g. spark://HOST:7077; empty =
+    spark-submit's when run under it, else local[*]. Not part of any fingerprint."""
+    incremental: bool = False
+    """Daily training: [prepare] input is a folder of day partitions (a subfolder or file per day, in
+    name order; ``day=`` prefixes are dropped from the day's name). Each day runs in <workdir>/days/<day>:
+    prepared on top of the day before (prepare --previous), its new samples balanced, trained from the
+    day before's checkpoint (--init-from), exported, registered ([export] register) and promoted
+    ([promote]); a day already done is skipped, as any current stage is."""
 
     def __post_init__(self) -> None:
         if not self.workdir:
@@ -128,6 +138,24 @@ options of ``freescale.training.export.recommend_spec.RecommendSpec`` offered to
 
 
 @dataclass
+class PromoteSection:
+    alias: str = "champion"
+    """The registered model's alias that points at the version to serve (incremental mode, with [export]
+    register): it moves to a new day's version only when that version is not worse than the one it
+    points at, on the new day's held-out targets."""
+    metric: Literal["ndcg_at_10", "hr_at_10"] = "ndcg_at_10"
+    """Full-catalog metric of the comparison (each user's newest event, held out, ranked among every item)."""
+    max_users: int = 10_000
+    """Held-out users scored per model (the first by user id); 0 = all."""
+
+    def __post_init__(self) -> None:
+        if not self.alias.strip():
+            raise ValueError("alias must not be empty")
+        if self.max_users < 0:
+            raise ValueError(f"max_users must be >= 0, got {self.max_users}")
+
+
+@dataclass
 class WorkflowConfig:
     pipeline: PipelineSection = field(default_factory=PipelineSection)
     """``[pipeline]``: the working directory, tracking and the shared sizes."""
@@ -145,6 +173,8 @@ class WorkflowConfig:
     """``[export]``: the trained model as one folder and an MLflow model (optional stage)."""
     recommend: RecommendSection = field(default_factory=RecommendSection)
     """``[recommend]``: every user's top k from the exported model (optional stage)."""
+    promote: PromoteSection = field(default_factory=PromoteSection)
+    """``[promote]``: in incremental mode, which registered version the alias points at."""
 
 
 def load_workflow_config(path: str, overrides: list[str]) -> WorkflowConfig:

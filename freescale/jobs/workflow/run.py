@@ -118,6 +118,26 @@ def _stop_in(stage: Stage, signum: int) -> BaseException:
     return stopped
 
 
+def run_days(config: WorkflowConfig, fresh: bool, say) -> tuple[list[str], Any]:
+    """Incremental mode (freescale/jobs/workflow/days.py): each day's stages in its own working directory,
+    on top of the day before's; a day's first stage to run opens its MLflow run, after ending the runs a
+    killed run of that day left RUNNING."""
+    from freescale.jobs.workflow import days
+
+    days.check_incremental(config)
+
+    def run_day(day_config: WorkflowConfig, previous, open_day_run):
+        work = Path(day_config.pipeline.workdir)
+
+        def run_one(stage: Stage):
+            if open_day_run.run is None:
+                _end_orphaned_runs(day_config, str(work.resolve()))
+                open_day_run()
+            return run_stage(stage, work)
+        return run_stages(build_stages(day_config, previous), work, fresh, run_one, say)
+    return days.run_days(config, run_day, say)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freescale pipeline", description=__doc__.split("\n\n")[0],
                                 epilog="Other --section.key VALUE arguments override the config file "
@@ -215,10 +235,13 @@ def run_pipeline(config: WorkflowConfig, work: Path, fresh: bool) -> int:
         lines.append(text)
         print(text, flush=True)
 
-    if not config.prepare.input:  # the default: say it, so nobody takes the results for their data's
-        p = config.prepare
-        say(f"freescale pipeline: prepare   uses synthetic data ([prepare] has no input: {synthetic_text(p)})")
-    ran, failed = run_stages(build_stages(config), work, fresh, lambda stage: run_stage(stage, work), say)
+    if config.pipeline.incremental:
+        ran, failed = run_days(config, fresh, say)
+    else:
+        if not config.prepare.input:  # the default: say it, so nobody takes the results for their data's
+            p = config.prepare
+            say(f"freescale pipeline: prepare   uses synthetic data ([prepare] has no input: {synthetic_text(p)})")
+        ran, failed = run_stages(build_stages(config), work, fresh, lambda stage: run_stage(stage, work), say)
     print(f"freescale pipeline: summary of {config.pipeline.workdir}:", flush=True)
     for text in lines:
         print(text, flush=True)

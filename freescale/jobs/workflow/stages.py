@@ -94,9 +94,9 @@ def json_damage(path: Path, what: str) -> Callable[[], str | None]:
     return damage
 
 
-TRACKING_KEYS = ("tracking_uri", "run_name")
-"""Arguments that say only where a run is logged (with the ``tracking.*`` overrides): in no fingerprint,
-so changing them reruns nothing."""
+TRACKING_KEYS = ("tracking_uri", "run_name", "master")
+"""Arguments that say only where a run is logged (with the ``tracking.*`` overrides) or which Spark
+master computes it: in no fingerprint, so changing them reruns nothing."""
 WORKDIR = "<workdir>"
 """A path under the working directory, in ``Stage.params``: a copied working directory stays current."""
 

@@ -9,6 +9,7 @@ the identity of the input files it names and its upstream stages' fingerprints: 
 """
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +27,16 @@ Values = dict[str, Any]
 class Workdir:
     """Where each stage writes, under [pipeline] workdir."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, previous: Workdir | None = None):
         self.root = root
+        self.previous = previous
+        """Incremental mode: the day before's working directory, whose outputs this day starts from."""
         self.prepared, self.shards, self.checkpoints, self.compare = (
             root / name for name in ("prepared", "shards", "checkpoints", "compare"))
         self.cost_model, self.rank_speeds = root / "cost_model.json", root / "rank_speeds.json"
         self.model, self.recommendations = root / "model", root / "recommendations"
         self.summary, self.compare_summary = root / "train_summary.json", root / "compare_summary.json"
+        self.promotion = root / "promotion.json"
 
 
 @dataclass(frozen=True)
@@ -60,25 +64,33 @@ class StageDef:
     """Why it is left out (None: it is not); unset: its section's ``enabled``."""
     before_run: Callable[[Workdir, bool], str] | None = None
     """Called before it runs with whether it may continue its last run (Stage.before_run)."""
+    chained: bool = False
+    """Incremental mode: it starts from the day before's output of the same stage, whose fingerprint is
+    then part of its own (a day redone makes the days after it run again)."""
 
 
-def build_stages(config: WorkflowConfig) -> list[Stage]:
-    """The stages of ``config`` in order (STAGES), bound to its values and its working directory."""
-    work = Workdir(Path(config.pipeline.workdir))
+def build_stages(config: WorkflowConfig, previous: Workdir | None = None) -> list[Stage]:
+    """The stages of ``config`` in order (STAGES), bound to its values and its working directory (and,
+    in incremental mode, to the day before's)."""
+    work = Workdir(Path(config.pipeline.workdir), previous)
     return [bind(stage, config, work) for stage in STAGES]
 
 
 def bind(stage: StageDef, config: WorkflowConfig, work: Workdir) -> Stage:
+    from freescale.jobs.workflow.stages import read_record
+
     values, overrides = stage.values(config, work), stage.overrides(config, work)
     shown = {key: toml_text(value) for key, value in overrides.items()}  # as the job's command line has them
+    params = stage_params(values, shown, work.root, stage.inputs)
+    if stage.chained and work.previous is not None:
+        params["day before"] = (read_record(work.previous.root, stage.name) or {}).get("fingerprint")
     if stage.off is not None:
         off = stage.off(config)
     else:
         enabled = getattr(getattr(config, stage.section), "enabled", True)
         off = None if enabled else f"[{stage.section}] enabled = false"
     before = stage.before_run
-    return Stage(stage.name, lambda: stage.job(values, overrides, config),
-                 stage_params(values, shown, work.root, stage.inputs), getattr(work, stage.output),
+    return Stage(stage.name, lambda: stage.job(values, overrides, config), params, getattr(work, stage.output),
                  lambda: stage.intact(config, work), off=off, upstream=stage.upstream,
                  before_run=None if before is None else lambda continuable: before(work, continuable))
 
@@ -100,7 +112,11 @@ def used_cost_model(config: WorkflowConfig, work: Workdir) -> str | None:
 
 def prepare_values(config: WorkflowConfig, work: Workdir) -> Values:
     """The prepare stage's spec values: the [prepare] section, into the workdir."""
-    return {**options.section_values(config.prepare), "output": str(work.prepared), "overwrite": True}
+    values = {**options.section_values(config.prepare), "output": str(work.prepared), "overwrite": True,
+              "master": config.pipeline.master or None}
+    if work.previous is not None:
+        values["previous"] = str(work.previous.prepared)
+    return values
 
 
 def calibrate_values(config: WorkflowConfig, work: Workdir) -> Values:
@@ -127,7 +143,7 @@ def balance_values(config: WorkflowConfig, work: Workdir) -> Values:
     p = config.pipeline
     values = {**options.section_values(config.balance), "input": str(work.prepared), "output": str(work.shards),
               "world_size": p.world_size, "local_batch_size": p.local_batch_size,
-              "cost_model": used_cost_model(config, work), "overwrite": True}
+              "cost_model": used_cost_model(config, work), "overwrite": True, "master": p.master or None}
     if config.calibrate.rank_speeds:
         values["capacities"] = f"@{work.rank_speeds}"
     return values
@@ -142,7 +158,8 @@ def train_values(config: WorkflowConfig, work: Workdir) -> Values:
 
 def train_overrides(config: WorkflowConfig, work: Workdir) -> Values:
     """The overrides on the train stage's ranks' config: the checkpoint folder, [train.overrides], the experiment."""
-    return {"checkpoint.folder": str(work.checkpoints), **config.train.overrides,
+    warm = {} if work.previous is None else {"training.init_from": str(work.previous.checkpoints)}
+    return {"checkpoint.folder": str(work.checkpoints), **warm, **config.train.overrides,
             "tracking.experiment": config.pipeline.experiment}
 
 
@@ -168,7 +185,13 @@ def export_values(config: WorkflowConfig, work: Workdir) -> Values:
 def recommend_values(config: WorkflowConfig, work: Workdir) -> Values:
     """The recommend stage's spec values: [recommend]'s, the exported model on the prepared users."""
     return {**options.section_values(config.recommend), "model": str(work.model), "input": str(work.prepared),
-            "output": str(work.recommendations), "overwrite": True}
+            "output": str(work.recommendations), "overwrite": True, "master": config.pipeline.master or None}
+
+
+def promote_values(config: WorkflowConfig, work: Workdir) -> Values:
+    """The promote stage's values: [promote]'s, the day's exported model and held-out data."""
+    return {**dataclasses.asdict(config.promote), "model": str(work.model), "prepared": str(work.prepared),
+            "day": work.root.name, "output": str(work.promotion)}
 
 
 # ------------------------------------------------------------------------------ each stage's job
@@ -211,6 +234,12 @@ def export_job(values: Values, overrides: Values, config: WorkflowConfig) -> int
     from freescale.jobs import export
 
     return export.run(lambda: options.from_values(export.ExportSpec, values), tracking_of(config))
+
+
+def promote_job(values: Values, overrides: Values, config: WorkflowConfig) -> int:
+    from freescale.jobs.workflow import promote
+
+    return promote.run(values, tracking_of(config))
 
 
 def recommend_job(values: Values, overrides: Values, config: WorkflowConfig) -> int:
@@ -261,6 +290,10 @@ def calibrate_off(config: WorkflowConfig) -> str | None:
     return f"[calibrate] enabled = false; balance uses {cal.cost_model or 'the built-in cost model'}"
 
 
+def promote_off(config: WorkflowConfig) -> str | None:
+    return None if config.pipeline.incremental else "[pipeline] incremental = false"
+
+
 def recommend_off(config: WorkflowConfig) -> str | None:
     if not config.recommend.enabled:
         return "[recommend] enabled = false"
@@ -281,19 +314,21 @@ def prepare_checkpoints(work: Workdir, resumable: bool) -> str:
 
 STAGES = (  # name, upstream, section, values, job, output, intact[, overrides, inputs, off, before_run]
     StageDef("prepare", (), "prepare", prepare_values, prepare_job, "prepared", prepare_intact,
-             inputs=("input", "user_features")),
+             inputs=("input", "user_features"), chained=True),
     StageDef("calibrate", (), "calibrate", calibrate_values, calibrate_job, "cost_model", calibrate_intact,
              overrides=timed_overrides, inputs=("config",), off=calibrate_off),
     StageDef("balance", ("prepare", "calibrate"), "balance", balance_values, balance_job, "shards", balance_intact,
              inputs=("cost_model",)),
     StageDef("train", ("balance",), "train", train_values, train_job, "summary",
              lambda config, work: json_damage(work.summary, "training summary")(),
-             overrides=train_overrides, inputs=("config",), before_run=prepare_checkpoints),
+             overrides=train_overrides, inputs=("config",), before_run=prepare_checkpoints, chained=True),
     StageDef("compare", ("prepare", "calibrate"), "compare", compare_values, compare_job, "compare_summary",
              lambda config, work: json_damage(work.compare_summary, "comparison summary")(),
              overrides=lambda config, work: config.train.overrides, inputs=("config", "cost_model")),
     StageDef("export", ("train",), "export", export_values, export_job, "model",
              lambda config, work: json_damage(work.model / "model.json", "exported model")()),
+    StageDef("promote", ("export",), "promote", promote_values, promote_job, "promotion",
+             lambda config, work: json_damage(work.promotion, "promotion record")(), off=promote_off),
     StageDef("recommend", ("prepare", "export"), "recommend", recommend_values, recommend_job, "recommendations",
              recommend_intact, off=recommend_off),
 )

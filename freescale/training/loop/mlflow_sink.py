@@ -66,12 +66,14 @@ class MLflowSink:
     def _start(self, experiment: str, run_name: str, parent_run_id: str):
         from mlflow.tracking.context.registry import resolve_tags  # the user/source tags of mlflow.start_run
 
-        from freescale.tracking.runs import PARENT_TAG
+        from freescale.tracking.runs import PARENT_TAG, inherited_parent
         from freescale.tracking.store import find_or_create_experiment
 
         experiment_id = find_or_create_experiment(self.client, experiment)
-        # Nested under `freescale compare`'s parent run when it names one (the UI groups them).
-        tags = resolve_tags({PARENT_TAG: parent_run_id} if parent_run_id else {})
+        # Nested under `freescale compare`'s parent run when it names one, or an incremental pipeline's
+        # day run (the UI groups them).
+        parent = inherited_parent(parent_run_id)
+        tags = resolve_tags({PARENT_TAG: parent} if parent else {})
         return self.client.create_run(experiment_id, run_name=run_name, tags=tags)
 
     def _reopen(self, run_id: str | None):
