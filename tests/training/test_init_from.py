@@ -186,7 +186,8 @@ def _refused(capsys, monkeypatch, shards: Path, *args: str) -> list[str]:
     from freescale.launch import launcher
 
     monkeypatch.setattr(launcher, "subprocess", NoProcesses())
-    assert cli.main(["train", "--shards", str(shards), "--tracking-uri", "none", *SMALL, *args]) == 2
+    assert cli.main(["train", "--shards", str(shards), "--tracking-uri", "none", *helpers.SMALL_RUN, *SMALL,
+                     *args]) == 2
     return [helpers.without_details(line) for line in capsys.readouterr().err.splitlines()]
 
 
