@@ -289,14 +289,17 @@ def test_a_table_shard_takes_only_its_rows_of_a_grown_table():
 
 
 def test_a_warm_started_launch_starts_below_the_cold_starts_loss(warm_run, row_run):
-    """2 ranks on the MovieLens shards, warm-started from a 40-step run's checkpoint folder: its first loss is
-    below the same model's cold start's (row_run: the same shards, seed and model), it loaded the folder's
-    newest step with both optimizers' state, and MLflow records which."""
-    newest = warm_run.source.resolve() / "step_40"
+    """2 ranks on the MovieLens shards, warm-started from the checkpoint folder of a run that trained one
+    epoch (its last steps on 3 ranks): its first loss is below the same model's cold start's (row_run: the
+    same shards, seed and model), it loaded the folder's newest step with both optimizers' state, and
+    MLflow records which."""
+    from freescale.training.checkpoint.layout import complete_steps
+
+    newest = warm_run.source.resolve() / f"step_{max(complete_steps(warm_run.source))}"
     cold, warm = row_run.log["losses"][0], warm_run.log["losses"][0]
     print(f"MovieLens, 2 ranks: first loss cold {cold:.4f}, warm {warm:.4f}")
     assert warm < cold
     assert warm_run.params["training.init_from"] == str(newest)
     assert re.search(rf"freescale train: init-from {re.escape(str(newest))} \(checkpoint\): model \d+ tensors, item "
-                     r"table \d+ items; optimizer state: dense yes, embeddings item table rows 0\.\.\d+\n",
-                     warm_run.run.stderr), warm_run.run.stderr[-3000:]
+                     r"table \d+ items; optimizer state: dense yes, embeddings item table rows 0\.\.\d+; the user "
+                     r"feature tables' optimizer state starts fresh\n", warm_run.run.stderr), warm_run.run.stderr[-3000:]
