@@ -9,7 +9,9 @@ failed run ends with one line gathering the failed ranks' reasons and naming the
 returns the ranks' exit status (2 bad input, 3 environment, 1 anything else), not
 torchrun's 1. With --max-restarts N torchrun starts the ranks again after a failure, up to N
 times, each time from the newest complete checkpoint; a stop signal (SIGTERM, Ctrl-C) ends the job
-as stopped (128 + the signal), never restarted. Each rank runs `freescale/jobs/train.py`;
+as stopped (128 + the signal), never restarted. With --init-from PATH the run is a warm start from
+another run's checkpoint or exported model, found and checked here before torchrun starts
+(freescale/training/checkpoint/init_source.py). Each rank runs `freescale/jobs/train.py`;
 freescale/launch/launcher.py starts torchrun and does the above.
 """
 from __future__ import annotations
