@@ -469,3 +469,18 @@ def resized_run(movielens_shards, e2e_dir):
     return SimpleNamespace(first=first, second=second, folder=folder,
                            first_log=json.loads((e2e_dir / "resize-2.json").read_text()),
                            second_log=json.loads((e2e_dir / "resize-3.json").read_text()))
+
+
+@scenario
+def warm_run(movielens_shards, resized_run, mlflow_server, e2e_dir):
+    """A warm start on 2 ranks: `--init-from` resized_run's checkpoint folder (one epoch of the MovieLens
+    shards, its last steps on 3 ranks; the newest complete step is loaded), 8 steps of the same model and
+    seed, recorded on the session's server (experiment e2e-warm). row_run is the same run's cold start.
+    Attributes: run, log (its --summary-json), params (its MLflow params), source (the checkpoint folder)."""
+    out, source = e2e_dir / "warm.json", resized_run.folder
+    run = helpers.freescale_train(movielens_shards, "--max-steps", str(STEPS), "--init-from", str(source),
+                                  "--tracking-uri", mlflow_server, "--tracking.experiment", "e2e-warm",
+                                  "--summary-json", str(out), *helpers.SMALL_RUN)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [recorded] = helpers.runs_of(mlflow_server, "e2e-warm")
+    return SimpleNamespace(run=run, log=json.loads(out.read_text()), params=recorded.data.params, source=source)

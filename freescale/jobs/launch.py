@@ -9,7 +9,9 @@ failed run ends with one line gathering the failed ranks' reasons and naming the
 returns the ranks' exit status (2 bad input, 3 environment, 1 anything else), not
 torchrun's 1. With --max-restarts N torchrun starts the ranks again after a failure, up to N
 times, each time from the newest complete checkpoint; a stop signal (SIGTERM, Ctrl-C) ends the job
-as stopped (128 + the signal), never restarted. Each rank runs `freescale/jobs/train.py`;
+as stopped (128 + the signal), never restarted. With --init-from PATH the run is a warm start from
+another run's checkpoint or exported model, found and checked here before torchrun starts
+(freescale/training/checkpoint/init_source.py). Each rank runs `freescale/jobs/train.py`;
 freescale/launch/launcher.py starts torchrun and does the above.
 """
 from __future__ import annotations
@@ -56,6 +58,12 @@ class LaunchSpec:
     summary_json: str | None = option(None, "write the run summary (and per-step losses) here", surfaces=CLI)
     comm_mode: CommMode | None = option(None, "how the step's collectives run (default: the config's comm.mode, "
                                               "prioritized)", surfaces=CLI)
+    init_from: str | None = option(
+        None, "warm start: a new run from step 0 with the weights of a checkpoint (a step_<n> folder, or a checkpoint "
+              "folder: its newest complete step) or of an exported model folder (`freescale export`), and the "
+              "checkpoint's optimizer state; the item table may hold more items (new rows start as a cold start's), "
+              "not fewer; ignored when the run resumes its own checkpoint (config: training.init_from)",
+        surfaces=CLI, metavar="PATH")
     max_restarts: int = option(0, "start the ranks again up to N times after a failure, each time from the newest "
                                   "complete checkpoint (torchrun's --max-restarts); a stop signal is never restarted",
                                surfaces=CLI, metavar="N")
@@ -103,6 +111,7 @@ def _launch(args: LaunchSpec, overrides: list[str]) -> int:
     from freescale.training.parallel.rank_checks import check_ranks_can_run
     from freescale.launch.resize import replan_settings
     from freescale.training.config import load_config
+    from freescale.training.checkpoint.init_source import init_settings
 
     # Checked here, not by the ranks: starting torchrun and its ranks takes seconds. What is in
     # the folder is the ranks' check (each reads its own files).
@@ -111,11 +120,13 @@ def _launch(args: LaunchSpec, overrides: list[str]) -> int:
     rendezvous = launcher.rendezvous_options(args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_timeout)
     nproc = launcher.ranks_per_node(args.shards, args.nproc_per_node, args.nnodes)
     settings = launcher.rank_settings(args.shards, overrides, max_steps=args.max_steps, tracking_uri=args.tracking_uri,
-                                      run_name=args.run_name, comm_mode=args.comm_mode)
+                                      run_name=args.run_name, comm_mode=args.comm_mode, init_from=args.init_from)
     # The ranks' config, checked here first: a bad file, key or value is one line, before torchrun;
     # so is what the ranks would refuse on this machine (their kernel, their tables' optimizer).
     config = load_config(args.config, settings)
     check_ranks_can_run(config)
+    # A warm start's source, found and checked here (a missing one, another model): one line, before torchrun.
+    settings += init_settings(config)
     # On another world size than the shards', the rest of the checkpoint's epoch is re-planned first.
     settings += replan_settings(args.shards, nproc * args.nnodes, config.checkpoint.folder, config.checkpoint.resume)
     cmd = launcher.torchrun_command(rendezvous, nproc, args.config, args.summary_json, settings, args.max_restarts)

@@ -79,11 +79,13 @@ def ranks_per_node(shards: str, nproc_per_node: int | None, nnodes: int) -> int:
 
 
 def rank_settings(shards: str, overrides: list[str], *, max_steps: int | None = None, tracking_uri: str | None = None,
-                  run_name: str | None = None, comm_mode: str | None = None) -> list[str]:
+                  run_name: str | None = None, comm_mode: str | None = None, init_from: str | None = None) -> list[str]:
     """The ranks' config overrides: the launcher's options as config keys, then the user's own."""
     settings = ["--data.shards", shards]
     if max_steps is not None:
         settings += ["--training.max_steps", str(max_steps)]
+    if init_from is not None:
+        settings += ["--training.init_from", init_from]
     if tracking_uri:
         settings += ["--tracking.uri", tracking_uri]
     if run_name:

@@ -139,7 +139,8 @@ def test_every_string_choice_is_typed():
     """Strings left free are paths, names and the priority-group spec; every other is a Literal."""
     leaves = _leaf_types(TrainConfig)
     assert {key for key, hint in leaves.items() if hint is str} == {
-        "data.shards", "data.replan", "comm.priority_groups", "checkpoint.folder", "tracking.uri", "tracking.experiment",
+        "data.shards", "data.replan", "comm.priority_groups", "checkpoint.folder", "training.init_from", "tracking.uri",
+        "tracking.experiment",
         "tracking.run_name", "tracking.parent_run_id", "tracking.comparison"}
     literals = {key: typing.get_args(hint) for key, hint in leaves.items() if typing.get_origin(hint) is Literal}
     assert literals == {key: allowed for key, allowed, _ in CHOICES}

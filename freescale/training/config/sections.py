@@ -104,6 +104,13 @@ class TrainingConfig:
     horizon, and where the run ends unless ``max_steps`` or early stopping ends it first."""
     seed: int = 0
     """Seeds parameters, negative sampling and dropout; ranks derive their own streams from it."""
+    init_from: str = ""
+    """A warm start (`freescale train --init-from`): a new run, from step 0, whose weights come from
+    a checkpoint (a ``step_<n>`` folder, or a checkpoint folder's newest complete step) or an exported
+    model folder (`freescale export`), and its optimizers' state from the checkpoint's, where the
+    shapes allow (``freescale.training.checkpoint.init_from``). The item table may grow: rows past
+    the source's start as a cold start's. A run that resumes its own checkpoint ignores it. Empty:
+    a cold start."""
     log_every: int = 10
     """Print and record metrics every N steps."""
     timing_sync_every: int = 1

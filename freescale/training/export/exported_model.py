@@ -47,14 +47,11 @@ from torch import nn
 
 from freescale.runtime.errors import InputError
 from freescale.training.config import ModelConfig, apply_table
+from freescale.training.export.layout import (FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE, USER_FEATURES_FILE, USER_TABLE,
+                                              WEIGHTS_FILE)
 from freescale.training.ops.jagged import last_positions, offsets_from_lengths
 from freescale.training.model.recommender import SequentialRecommender
 
-FORMAT = "freescale.exported_model/1"
-MODEL_FILE, WEIGHTS_FILE, ITEMS_FILE = "model.json", "weights.pt", "item_vocab.json"
-USER_FEATURES_FILE, EVALUATION_FILE = "user_feature_vocab.json", "evaluation.json"
-ITEM_TABLE = "item_table"
-USER_TABLE = "user_tables.{index}"
 ITEMS, TIMESTAMPS, RATINGS = "items", "timestamps", "ratings"
 """The query columns; a user feature's column is its name."""
 FALLBACK = "fallback"

@@ -33,8 +33,9 @@ from freescale.runtime.errors import InputError, ServiceUnavailable, one_line
 from freescale.training.checkpoint.checkpointer import COMPLETE, CONFIG, STEP_DIR, Checkpointer
 from freescale.training.config import ConfigError, TrainConfig, apply_table, moved_flat, to_flat_dict
 from freescale.training.export.spec import ExportSpec
-from freescale.training.export.exported_model import (ARTIFACT, EVALUATION_FILE, FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE,
-                                     USER_FEATURES_FILE, USER_TABLE, WEIGHTS_FILE, ExportedModel, Query, nested)
+from freescale.training.export.exported_model import ARTIFACT, ExportedModel, Query, nested
+from freescale.training.export.layout import (EVALUATION_FILE, FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE, USER_FEATURES_FILE,
+                                              USER_TABLE, WEIGHTS_FILE)
 from freescale.training.model.recommender import ITEM_TABLE as CHECKPOINT_ITEM_TABLE, USER_TABLE as CHECKPOINT_USER_TABLE
 from freescale.tracking.store import DISABLED, Tracking
 

@@ -25,6 +25,7 @@ from freescale.training.config import TrainConfig, to_flat_dict
 from freescale.training.parallel.distributed import DistEnv, all_ranks_ok, init_distributed
 from freescale.training.eval.evaluator import SPLIT_PREFIX, NegativeDraws, check_protocol, evaluate
 from freescale.training.model.recommender import build_model
+from freescale.training.checkpoint.init_from import warm_start
 from freescale.training.checkpoint.resume import LoaderPosition, checkpoint_states, resume_latest
 from freescale.training.loop.seeding import StepNegatives, rank_generator, seed_initial_weights
 from freescale.training.data.shard_reader import build_loader, stop_prefetch
@@ -111,9 +112,7 @@ class Trainer:
             self.eval_negatives = NegativeDraws(self.manifest.num_items, config.evaluation.sampled_negatives,
                                                 config.training.seed)
             self.resumed_sink_state: dict[str, Any] = {}
-            if config.checkpoint.resume:
-                resume_latest(self.checkpointer, config, self.manifest.sha256, self.env.rank, self.dense_optimizer,
-                              self._checkpoint_states(), self.max_steps, self.env.world_size)
+            self._load_start()
             if self.replan is not None:
                 self._check_replan_start()
         except BaseException:
@@ -180,6 +179,28 @@ class Trainer:
         self.validation.record.load_state_dict(state.get("validation", {}))
         # The sink is built after the resume (it continues the record named here).
         self.resumed_sink_state = state.get("sink") or {}
+
+    def _load_start(self) -> None:
+        """Where the run starts: its own newest checkpoint (a resume), else ``training.init_from``'s weights
+        (a warm start at step 0), else the cold start's. A resume wins, so a warm-started run that
+        restarts continues from its own checkpoints."""
+        config = self.config
+        resumed = None
+        if config.checkpoint.resume:
+            resumed = resume_latest(self.checkpointer, config, self.manifest.sha256, self.env.rank, self.dense_optimizer,
+                                    self._checkpoint_states(), self.max_steps, self.env.world_size)
+        if not config.training.init_from:
+            return
+        if resumed is not None:
+            if self.env.rank == 0:
+                print(f"freescale train: note: resuming {self.checkpointer.step_dir(resumed)}: training.init_from "
+                      f"{config.training.init_from} is not loaded (the run continues its own weights)",
+                      file=sys.stderr, flush=True)
+            return
+        warm_start(config.training.init_from, self._checkpoint_states()[0], self.dense_optimizer, config,
+                   self.manifest.num_items, self.env.rank, self.env.host_group)
+        if self.validation.best is not None:  # the weights the run starts from, until a validation keeps better
+            self.validation.best.keep()
 
     def _checkpoint_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return checkpoint_states(self.sharded_model, self.dense_optimizer, self,
