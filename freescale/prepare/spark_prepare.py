@@ -101,13 +101,13 @@ def write_prepared(spark, fs, staging: str, spec: PrepareSpec, inputs: Inputs) -
     # vocabulary counts and the states are rebuilt from the deduplicated rows.
     interactions = inputs.interactions
     observed = Observation("repeated interactions")
-    vocab, states = _write_sequences(spark, staging, spec, inputs, feature_vocab, interactions, observed)
+    vocab, states = _write_states(spark, staging, spec, inputs, feature_vocab, interactions, observed)
     repeated = observed.get["repeated"]
     duplicates = 0 if spec.keep_duplicates else repeated
     if duplicates:
         interactions = checkpoint(drop_duplicate_interactions(interactions))
-        vocab, states = _write_sequences(spark, staging, spec, inputs, feature_vocab, interactions,
-                                         mode="overwrite")
+        vocab, states = _write_states(spark, staging, spec, inputs, feature_vocab, interactions,
+                                      mode="overwrite")
     sequences = write_sequences(spark, staging, states, spec.max_seq_len)
     stats = {"input_interactions": inputs.counts["interactions"], "input_users": inputs.counts["users"],
              "duplicates_dropped": duplicates, **output_stats(vocab, states, sequences, inputs.users)}
@@ -143,10 +143,10 @@ def finish_metadata(fs, staging: str, spec: PrepareSpec, source: dict, stats: di
     return meta
 
 
-def _write_sequences(spark, staging: str, spec: PrepareSpec, inputs: Inputs, feature_vocab, interactions,
-                     repeated=None, mode: str = "errorifexists") -> tuple[DataFrame, DataFrame]:
-    """The item vocabulary, the users' states (``history/``) and the sequences of ``interactions``,
-    written; the vocabulary and the states read back."""
+def _write_states(spark, staging: str, spec: PrepareSpec, inputs: Inputs, feature_vocab, interactions,
+                  repeated=None, mode: str = "errorifexists") -> tuple[DataFrame, DataFrame]:
+    """The item vocabulary and the users' states (``history/``) of ``interactions``, written and
+    read back."""
     from freescale.prepare.sequences import apply_item_vocab, build_item_vocab, events_per_user, user_states
     from freescale.prepare.user_features import encode_user_features
 
