@@ -51,6 +51,7 @@ def prepare(spec: PrepareSpec, job: SparkJobRun) -> str:
 
     spark, fs = job.start_spark()
     inputs = spark_prepare.read_inputs(spark, fs, spec)
+    datasets = {"source": DataRef.logs(inputs.source)}
     if spec.previous is None:
         with job.staging() as staging:
             prepared = spark_prepare.write_prepared(spark, fs, staging, spec, inputs)
@@ -58,14 +59,14 @@ def prepare(spec: PrepareSpec, job: SparkJobRun) -> str:
         from freescale.prepare import incremental
 
         previous = incremental.read_previous(spark, fs, spec, inputs)  # checked before the output exists
+        datasets["previous"] = DataRef.prepared(previous.uri, previous.metadata_text)
         with job.staging() as staging:
             prepared = incremental.write_incremental(spark, fs, staging, spec, inputs, previous)
     job.run.set_tags({"freescale.output": job.output_uri, "freescale.data": inputs.source.get("uri", "synthetic")})
     job.run.log_metrics({**{k: v for k, v in prepared.stats.items() if isinstance(v, (int, float))},
                          "job_seconds": job.seconds()})
     job.run.log_text(metadata_text(prepared.meta).rstrip("\n"), METADATA_NAME)
-    job.run.log_inputs({"source": DataRef.logs(inputs.source),
-                        "output": DataRef.prepared(job.output_uri, metadata_text(prepared.meta))})
+    job.run.log_inputs({**datasets, "output": DataRef.prepared(job.output_uri, metadata_text(prepared.meta))})
     return summary_line(spec, inputs, prepared, job.output_uri)
 
 

@@ -50,6 +50,8 @@ class Previous:
     """The previous output, as read."""
 
     uri: str
+    metadata_text: str
+    """Its prepare.json, as written (the run lists the previous output by its digest)."""
     meta: dict[str, Any]
     vocab: DataFrame
     states: DataFrame
@@ -69,7 +71,8 @@ def read_previous(spark, fs, spec: PrepareSpec, inputs: Inputs) -> Previous:
     for required in (METADATA_NAME, SEQUENCES_DIR, ITEM_VOCAB_DIR):
         if not fs.exists(f"{uri}/{required}"):
             raise InputError(f"--previous {spec.previous} is not a `freescale prepare` output (no {required})")
-    meta = parse_metadata(fs.read_text(meta_path), meta_path)
+    text = fs.read_text(meta_path)
+    meta = parse_metadata(text, meta_path)
     check_previous(meta, spec.previous, spec.max_seq_len)
     names = [feature["name"] for feature in meta.get("user_features") or []]
     if inputs.users is not None and inputs.feature_names != names:
@@ -81,7 +84,7 @@ def read_previous(spark, fs, spec: PrepareSpec, inputs: Inputs) -> Previous:
         states, source = states_from_sequences(spark.read.parquet(f"{uri}/{SEQUENCES_DIR}")), "sequences"
     newest = states.agg(F.max(F.element_at("events", -1)["timestamp"])).first()[0]
     feature_vocab = spark.read.parquet(f"{uri}/{FEATURE_VOCAB_DIR}") if names else None
-    return Previous(uri, meta, spark.read.parquet(f"{uri}/{ITEM_VOCAB_DIR}"), states, source, feature_vocab,
+    return Previous(uri, text, meta, spark.read.parquet(f"{uri}/{ITEM_VOCAB_DIR}"), states, source, feature_vocab,
                     names, newest)
 
 
