@@ -15,6 +15,9 @@ The rules, each the plain prepare's own applied to the previous output plus the 
   order like any other and counted (``late_events``). One older than the user's kept window only
   adds to ``num_interactions``, as it would from scratch; a repeat of an event that left the window
   cannot be recognised and counts as a new event.
+- **Ties.** A user's events of one timestamp are ordered by item id, as always; new items' ids
+  differ from a from-scratch prepare's, so within such a tie the order may differ from one prepare
+  of all the logs (the events, their timestamps and counts do not).
 - **Output.** ``sequences/`` holds the users the new logs touch (returning and new); ``history/``
   holds every user (the untouched copied), so the next day's ``--previous`` reads this output.
 - **User features** keep their values' ids, new values get ids after them; a user with a row in the
