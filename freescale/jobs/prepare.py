@@ -11,6 +11,12 @@ carry one categorical id per user feature, <output>/user_feature_vocab maps valu
 ids, and prepare.json lists each feature's table size.
 Duplicate interactions (same user, item and timestamp) are dropped and counted in
 prepare.json (duplicates_dropped) unless --keep-duplicates.
+With --previous PREPARED (daily training) the new logs of --input extend an earlier
+output: items and feature values keep their ids, new ones get ids after them, a
+returning user's sequence goes on from the previous output's <output>/history (every
+user's last events, which every prepare writes); <output>/sequences then holds only
+the users the new logs touch, and prepare.json counts returning, new and unchanged
+users and the late events (freescale/prepare/incremental.py has the rules).
 The output appears atomically; it may not be, be inside or contain an input. Local
 inputs are checked (existence, Parquet footers and columns) before Spark starts.
 """
@@ -27,10 +33,14 @@ def check_inputs(spec: PrepareSpec) -> None:
     the output is not an input, the inputs exist, Parquet footers are readable and have
     the needed columns, a --master spark://... takes connections."""
     from freescale.runtime.spark_master import check_master
+    from freescale.prepare.prepared import check_local_previous
     from freescale.prepare.spark_prepare import check_local_inputs
 
     check_master(spec.master)
-    check_output(spec.output, spec.overwrite, {"--input": spec.input, "--user-features": spec.user_features})
+    check_output(spec.output, spec.overwrite, {"--input": spec.input, "--user-features": spec.user_features,
+                                               "--previous": spec.previous})
+    if spec.previous is not None:
+        check_local_previous(spec.previous, spec.max_seq_len)
     check_local_inputs(spec)
 
 
@@ -41,14 +51,22 @@ def prepare(spec: PrepareSpec, job: SparkJobRun) -> str:
 
     spark, fs = job.start_spark()
     inputs = spark_prepare.read_inputs(spark, fs, spec)
-    with job.staging() as staging:
-        prepared = spark_prepare.write_prepared(spark, fs, staging, spec, inputs)
+    datasets = {"source": DataRef.logs(inputs.source)}
+    if spec.previous is None:
+        with job.staging() as staging:
+            prepared = spark_prepare.write_prepared(spark, fs, staging, spec, inputs)
+    else:
+        from freescale.prepare import incremental
+
+        previous = incremental.read_previous(spark, fs, spec, inputs)  # checked before the output exists
+        datasets["previous"] = DataRef.prepared(previous.uri, previous.metadata_text)
+        with job.staging() as staging:
+            prepared = incremental.write_incremental(spark, fs, staging, spec, inputs, previous)
     job.run.set_tags({"freescale.output": job.output_uri, "freescale.data": inputs.source.get("uri", "synthetic")})
     job.run.log_metrics({**{k: v for k, v in prepared.stats.items() if isinstance(v, (int, float))},
                          "job_seconds": job.seconds()})
     job.run.log_text(metadata_text(prepared.meta).rstrip("\n"), METADATA_NAME)
-    job.run.log_inputs({"source": DataRef.logs(inputs.source),
-                        "output": DataRef.prepared(job.output_uri, metadata_text(prepared.meta))})
+    job.run.log_inputs({**datasets, "output": DataRef.prepared(job.output_uri, metadata_text(prepared.meta))})
     return summary_line(spec, inputs, prepared, job.output_uri)
 
 
@@ -63,7 +81,11 @@ def summary_line(spec: PrepareSpec, inputs, prepared, output_uri: str) -> str:
                "without a row: unknown ids)" if inputs.users is not None else "")
             + (f"; {prepared.duplicates} duplicate interactions dropped (same user, item and timestamp)"
                if prepared.duplicates else f"; {prepared.repeated} duplicate interactions kept (--keep-duplicates)"
-               if prepared.repeated else ""))
+               if prepared.repeated else "")
+            + (f"; on --previous {spec.previous}: {stats['returning_users']} returning users, {stats['new_users']} new, "
+               f"{stats['unchanged_users']} unchanged left out of sequences/, {stats['new_items']} new items, "
+               f"{stats['late_events']} late events (older than its newest, merged in time order)"
+               if spec.previous is not None else ""))
 
 
 JOB = SparkJob("prepare", PrepareSpec, __doc__, prepare, check=check_inputs)

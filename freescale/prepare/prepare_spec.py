@@ -29,6 +29,11 @@ class PrepareSpec:
     format: FormatName | None = option(
         None, "input format (default: from the file name); user-item-lines: one `user item` pair per line, a "
               "user's lines in time order, the line number as timestamp (SASRec's ml-1m.txt, Beauty.txt)")
+    previous: str | None = option(
+        None, "an earlier prepare output to extend with --input's new logs (daily training): its items and "
+              "feature values keep their ids, new ones get ids after them, a returning user's sequence goes on "
+              "from its history; sequences/ then holds only the users the new logs touch", surfaces=CLI,
+        metavar="PREPARED")
     user_col: str | None = option(None, "user column (default: user_id/userId/user/uid)", surfaces=CLI)
     item_col: str | None = option(None, "item column (default: item_id/movie_id/movieId/item/iid)", surfaces=CLI)
     time_col: str | None = option(None, "timestamp column (default: timestamp/ts/time/event_time)", surfaces=CLI)
@@ -68,6 +73,8 @@ class PrepareSpec:
             for name in ("synthetic_users", "synthetic_items"):
                 if getattr(self, name) <= 0:
                     raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(self, name)}")
+        if self.previous is not None and self.input is None:
+            raise InputError("--previous extends an earlier output with new logs: pass them as --input")
         if self.synthetic_groups < 0:
             raise InputError(f"--synthetic-groups must be >= 0 (0: none), got {self.synthetic_groups}")
         if not 0.0 <= self.synthetic_group_share <= 1.0:

@@ -1,6 +1,9 @@
 """The prepared-data format, `freescale prepare`'s output, as freescale/shards/schema.py is the shards':
 
-    <prepared>/sequences/            one row per user (freescale.shards.spark_balance.REQUIRED_COLUMNS and more)
+    <prepared>/sequences/            one row per user (freescale.shards.spark_balance.REQUIRED_COLUMNS and more);
+                                     after --previous, only the users the new logs touch
+    <prepared>/history/              one row per user, short ones too: the state a later --previous extends
+                                     (freescale.prepare.sequences.STATE_COLUMNS, and user_features with them)
     <prepared>/item_vocab/           raw item -> contiguous id
     <prepared>/user_feature_vocab/   with user features: each feature's value -> id
     <prepared>/prepare.json          PREPARE_FORMAT, the source, the counts, the user features
@@ -15,10 +18,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from freescale.runtime.errors import InputError
+from freescale.runtime.paths import local_path
 
 PREPARE_FORMAT = "freescale.prepared/1"
 METADATA_NAME = "prepare.json"
 SEQUENCES_DIR = "sequences"
+HISTORY_DIR = "history"
 
 
 def metadata_text(meta: dict[str, Any]) -> str:
@@ -44,6 +49,30 @@ def read_metadata(folder: str | Path) -> dict[str, Any]:
     """A local prepare output's prepare.json."""
     path = Path(folder) / METADATA_NAME
     return parse_metadata(path.read_text(), str(path))
+
+
+def check_previous(meta: dict[str, Any], where: str, max_seq_len: int) -> None:
+    """A ``--previous`` output's prepare.json (read from ``where``): a prepare output of this format,
+    prepared with the same ``max_seq_len`` (its histories hold that many items)."""
+    if meta.get("format") != PREPARE_FORMAT:
+        raise InputError(f"--previous: {where} is not a `freescale prepare` output (format "
+                         f"{meta.get('format')!r}, expected {PREPARE_FORMAT!r})")
+    if meta.get("max_seq_len") != max_seq_len:
+        raise InputError(f"--previous {where} was prepared with --max-seq-len {meta.get('max_seq_len')}, "
+                         f"not {max_seq_len}: pass --max-seq-len {meta.get('max_seq_len')}")
+
+
+def check_local_previous(folder: str, max_seq_len: int) -> None:
+    """:func:`check_previous` of a local ``--previous`` before Spark starts (a remote one is
+    checked once Spark runs)."""
+    local = local_path(folder)
+    if local is None:
+        return
+    if not is_prepared(local):
+        raise InputError(f"--previous {folder} is not a `freescale prepare` output (no {METADATA_NAME})")
+    check_previous(read_metadata(local), folder, max_seq_len)
+    if not (Path(local) / SEQUENCES_DIR).is_dir():
+        raise InputError(f"--previous {folder} is not a `freescale prepare` output (no {SEQUENCES_DIR}/)")
 
 
 def sequences_path(folder: str | Path) -> Path:

@@ -18,6 +18,12 @@ Output schema (``SEQUENCE_COLUMNS`` order)::
 
 ``ratings`` is always aligned with ``items`` (same length); where the source had
 no rating the element is null, so a dataset without ratings gives arrays of nulls.
+
+The sequences are a function of each user's *state* (``STATE_COLUMNS``: the last
+``max_seq_len + 2`` events and the event count, :func:`user_states`), short users
+included: the prepare job writes the states as ``history/`` and derives the
+sequences from them (:func:`states_to_sequences`), and ``prepare --previous``
+extends yesterday's states with today's events (freescale/prepare/incremental.py).
 """
 from __future__ import annotations
 
@@ -27,6 +33,10 @@ from pyspark.sql import functions as F
 from freescale.runtime.errors import InputError
 
 MIN_INTERACTIONS = 3  # train >= 1 item, plus the validation and test targets
+
+STATE_COLUMNS = ("user_id", "events", "num_interactions")
+"""A user's state: ``events`` (``(timestamp, item_id, rating)`` structs, chronological) holds the
+last ``max_seq_len + 2`` of the user's ``num_interactions`` events: the most a sequence keeps."""
 
 SEQUENCE_COLUMNS = (
     "user_id", "items", "timestamps", "ratings", "length",
@@ -93,15 +103,14 @@ def build_sequences(interactions: DataFrame, max_seq_len: int, repeated: Observa
     if "item_id" not in interactions.columns:
         interactions = apply_item_vocab(interactions, build_item_vocab(interactions))
 
-    per_user = _events_per_user(interactions)
-    if repeated is not None:  # counted over every user, the short ones dropped below included
-        per_user = per_user.observe(repeated, _repeated_total().alias("repeated"))
+    per_user = events_per_user(interactions, repeated)
     return _leave_one_out(per_user.where(F.col("_n") >= MIN_INTERACTIONS), max_seq_len)
 
 
-def _events_per_user(interactions: DataFrame) -> DataFrame:
+def events_per_user(interactions: DataFrame, repeated: Observation | None = None) -> DataFrame:
     """``user_id, _events, _n``: each user's events, ``(timestamp, item_id, rating)`` structs in
-    chronological order, and how many."""
+    chronological order, and how many; ``interactions`` carries ``item_id``. With ``repeated``, the
+    action that computes the rows fills ``repeated.get["repeated"]`` (see :func:`build_sequences`)."""
     # Sorting structs compares fields left to right: the chronological order
     # with the tie-breaks, done per user inside the aggregation.
     event = F.struct(
@@ -109,13 +118,41 @@ def _events_per_user(interactions: DataFrame) -> DataFrame:
         F.col("item_id").cast("int").alias("item_id"),
         F.col("rating").cast("float").alias("rating"),
     )
-    return (interactions.groupBy("user_id")
-            .agg(F.sort_array(F.collect_list(event)).alias("_events"))
-            .withColumn("_n", F.size("_events")))
+    per_user = (interactions.groupBy("user_id")
+                .agg(F.sort_array(F.collect_list(event)).alias("_events"))
+                .withColumn("_n", F.size("_events")))
+    if repeated is not None:  # counted over every user, the short ones included
+        per_user = per_user.observe(repeated, _repeated_total().alias("repeated"))
+    return per_user
+
+
+def user_states(per_user: DataFrame, max_seq_len: int) -> DataFrame:
+    """The states (``STATE_COLUMNS``) of :func:`events_per_user` rows, every user's (short ones too)."""
+    kept = F.least(F.col("_n"), F.lit(max_seq_len + MIN_INTERACTIONS - 1))
+    return per_user.select("user_id", F.slice("_events", -kept, kept).alias("events"),
+                           F.col("_n").cast("int").alias("num_interactions"))
+
+
+def states_to_sequences(states: DataFrame, max_seq_len: int) -> DataFrame:
+    """The sequences of the users of ``states`` with at least ``MIN_INTERACTIONS`` events, the same
+    as :func:`build_sequences` of their whole logs; columns beyond ``STATE_COLUMNS`` (the user
+    features) are carried after ``SEQUENCE_COLUMNS``."""
+    extra = [c for c in states.columns if c not in STATE_COLUMNS]
+    per_user = states.select("user_id", F.col("events").alias("_events"), F.col("num_interactions").alias("_n"),
+                             *extra)
+    return _leave_one_out(per_user.where(F.col("_n") >= MIN_INTERACTIONS), max_seq_len, extra)
+
+
+def short_user_stats(states: DataFrame) -> dict[str, int]:
+    """``users_dropped_short`` and ``interactions_dropped_short``: the users of ``states`` with too few
+    events for a sequence, and their events (the counts :func:`sequence_stats` takes from the logs)."""
+    row = (states.where(F.col("num_interactions") < MIN_INTERACTIONS)
+           .agg(F.count(F.lit(1)).alias("users"), F.sum("num_interactions").alias("interactions")).first())
+    return {"users_dropped_short": row["users"], "interactions_dropped_short": row["interactions"] or 0}
 
 
 def _repeated_total() -> Column:
-    """Over the rows of ``_events_per_user``, the events equal to their predecessor on
+    """Over the rows of ``events_per_user``, the events equal to their predecessor on
     (timestamp, item_id): the repeated interactions (0 without rows)."""
     # Event i+2 (1-based) repeats its predecessor i+1: one linear scan of the sorted array
     # (array_distinct on the structs made this stage 3-10x slower at 200k users x 100 events).
@@ -126,18 +163,19 @@ def _repeated_total() -> Column:
     return F.coalesce(F.sum(repeats), F.lit(0))
 
 
-def _leave_one_out(per_user: DataFrame, max_seq_len: int) -> DataFrame:
-    """The sequences (``SEQUENCE_COLUMNS``) of ``_events_per_user`` rows with at least
-    ``MIN_INTERACTIONS`` events: the last event is the test target, the one before the validation
-    target, and the most recent ``max_seq_len`` of the rest the history."""
-    n = F.col("_n")
-    keep = F.least(n - 2, F.lit(max_seq_len))
+def _leave_one_out(per_user: DataFrame, max_seq_len: int, extra: list[str] = ()) -> DataFrame:
+    """The sequences (``SEQUENCE_COLUMNS``, then ``extra``) of ``events_per_user`` rows with at least
+    ``MIN_INTERACTIONS`` events (``_events`` may be only the last ones, ``_n`` counts them all): the
+    last event is the test target, the one before the validation target, and the most recent
+    ``max_seq_len`` of the rest the history."""
+    size = F.size("_events")
+    keep = F.least(size - 2, F.lit(max_seq_len))
     # Drop the two targets, then keep the most recent `keep` events.
-    history = F.slice(F.slice("_events", 1, n - 2), -keep, keep).alias("_train")
+    history = F.slice(F.slice("_events", 1, size - 2), -keep, keep).alias("_train")
     valid: Column = F.element_at("_events", -2)
     test: Column = F.element_at("_events", -1)
     return (per_user
-            .select("user_id", history, valid.alias("_valid"), test.alias("_test"), "_n")
+            .select("user_id", history, valid.alias("_valid"), test.alias("_test"), "_n", *extra)
             .select(
                 "user_id",
                 F.col("_train.item_id").alias("items"),
@@ -151,6 +189,7 @@ def _leave_one_out(per_user: DataFrame, max_seq_len: int) -> DataFrame:
                 F.col("_test.item_id").alias("test_item"),
                 F.col("_test.timestamp").alias("test_timestamp"),
                 F.col("_n").cast("int").alias("num_interactions"),
+                *extra,
             ))
 
 

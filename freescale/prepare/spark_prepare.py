@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from freescale.runtime.errors import InputError
 from freescale.prepare.prepare_spec import PrepareSpec
-from freescale.prepare.prepared import METADATA_NAME, PREPARE_FORMAT, SEQUENCES_DIR, metadata_text
+from freescale.prepare.prepared import HISTORY_DIR, METADATA_NAME, PREPARE_FORMAT, SEQUENCES_DIR, metadata_text
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -84,57 +84,85 @@ class Prepared:
 
 
 def write_prepared(spark, fs, staging: str, spec: PrepareSpec, inputs: Inputs) -> Prepared:
-    """The vocabularies, the sequences and prepare.json under ``staging``."""
+    """The vocabularies, the users' states, the sequences and prepare.json under ``staging``."""
     from pyspark.sql import Observation
 
     from freescale.prepare.ingest import drop_duplicate_interactions
-    from freescale.prepare.sequences import sequence_stats
     from freescale.runtime.session import checkpoint
-    from freescale.prepare.user_features import build_user_feature_vocab, count_users_without_features, feature_cardinalities
+    from freescale.prepare.user_features import build_user_feature_vocab
 
     feature_vocab = None
     if inputs.users is not None:
         build_user_feature_vocab(inputs.users, inputs.feature_names).write.parquet(f"{staging}/user_feature_vocab")
         feature_vocab = spark.read.parquet(f"{staging}/user_feature_vocab")
 
-    # Duplicates are counted inside the per-user aggregation of the sequences' write
+    # Duplicates are counted inside the per-user aggregation of the states' write
     # (no pass of their own). A clean input (the usual case) is done; otherwise the
-    # vocabulary counts and the sequences are rebuilt from the deduplicated rows.
+    # vocabulary counts and the states are rebuilt from the deduplicated rows.
     interactions = inputs.interactions
     observed = Observation("repeated interactions")
-    vocab, sequences = _write_sequences(spark, staging, spec, inputs, feature_vocab, interactions, observed)
+    vocab, states = _write_states(spark, staging, spec, inputs, feature_vocab, interactions, observed)
     repeated = observed.get["repeated"]
     duplicates = 0 if spec.keep_duplicates else repeated
     if duplicates:
         interactions = checkpoint(drop_duplicate_interactions(interactions))
-        vocab, sequences = _write_sequences(spark, staging, spec, inputs, feature_vocab, interactions,
-                                            mode="overwrite")
-    feature_stats, feature_meta = {}, {}
-    if inputs.users is not None:
-        feature_stats = {"users_without_features": count_users_without_features(sequences, inputs.users)}
-        feature_meta = {"user_features": feature_cardinalities(feature_vocab, inputs.feature_names)}
+        vocab, states = _write_states(spark, staging, spec, inputs, feature_vocab, interactions,
+                                      mode="overwrite")
+    sequences = write_sequences(spark, staging, states, spec.max_seq_len)
     stats = {"input_interactions": inputs.counts["interactions"], "input_users": inputs.counts["users"],
-             "duplicates_dropped": duplicates,
-             "num_items": vocab.count(), **sequence_stats(sequences, interactions), **feature_stats}
-    if stats["users"] == 0:
-        raise InputError(f"input {inputs.source.get('uri', 'synthetic')}: no user has the 3 interactions "
-                         "a leave-one-out split needs")
-    meta = {"format": PREPARE_FORMAT, "source": inputs.source, "max_seq_len": spec.max_seq_len, **stats, **feature_meta}
-    fs.write_text(f"{staging}/{METADATA_NAME}", metadata_text(meta))
+             "duplicates_dropped": duplicates, **output_stats(vocab, states, sequences, inputs.users)}
+    meta = finish_metadata(fs, staging, spec, inputs.source, stats, feature_vocab, inputs.feature_names)
     return Prepared(meta, stats, repeated, duplicates)
 
 
-def _write_sequences(spark, staging: str, spec: PrepareSpec, inputs: Inputs, feature_vocab, interactions,
-                     repeated=None, mode: str = "errorifexists") -> tuple[DataFrame, DataFrame]:
-    """The item vocabulary and the sequences of ``interactions``, written and read back."""
-    from freescale.prepare.sequences import apply_item_vocab, build_item_vocab, build_sequences
+def output_stats(vocab: DataFrame, states: DataFrame, sequences: DataFrame, users: DataFrame | None) -> dict:
+    """prepare.json's counts of what was written: items, sequences (``sequence_stats``), the short
+    users left out, and the sequences whose user has no row in the user table (with one)."""
+    from freescale.prepare.sequences import sequence_stats, short_user_stats
+    from freescale.prepare.user_features import count_users_without_features
+
+    stats = {"num_items": vocab.count(), **sequence_stats(sequences), **short_user_stats(states)}
+    if users is not None:
+        stats["users_without_features"] = count_users_without_features(sequences, users)
+    return stats
+
+
+def finish_metadata(fs, staging: str, spec: PrepareSpec, source: dict, stats: dict, feature_vocab,
+                    feature_names: list[str], extra: dict | None = None) -> dict[str, Any]:
+    """prepare.json's content, written last (``extra``: keys after the usual ones); a user-less
+    output is refused instead."""
+    from freescale.prepare.user_features import feature_cardinalities
+
+    if stats["users"] == 0:
+        raise InputError(f"input {source.get('uri', 'synthetic')}: no user has the 3 interactions "
+                         "a leave-one-out split needs")
+    feature_meta = {"user_features": feature_cardinalities(feature_vocab, feature_names)} if feature_names else {}
+    meta = {"format": PREPARE_FORMAT, "source": source, "max_seq_len": spec.max_seq_len, **stats, **feature_meta,
+            **(extra or {})}
+    fs.write_text(f"{staging}/{METADATA_NAME}", metadata_text(meta))
+    return meta
+
+
+def _write_states(spark, staging: str, spec: PrepareSpec, inputs: Inputs, feature_vocab, interactions,
+                  repeated=None, mode: str = "errorifexists") -> tuple[DataFrame, DataFrame]:
+    """The item vocabulary and the users' states (``history/``) of ``interactions``, written and
+    read back."""
+    from freescale.prepare.sequences import apply_item_vocab, build_item_vocab, events_per_user, user_states
     from freescale.prepare.user_features import encode_user_features
 
     vocab = build_item_vocab(interactions)
     vocab.write.mode(mode).parquet(f"{staging}/item_vocab")
     vocab = spark.read.parquet(f"{staging}/item_vocab")
-    sequences = build_sequences(apply_item_vocab(interactions, vocab), spec.max_seq_len, repeated)
+    states = user_states(events_per_user(apply_item_vocab(interactions, vocab), repeated), spec.max_seq_len)
     if inputs.users is not None:
-        sequences = encode_user_features(sequences, inputs.users, feature_vocab, inputs.feature_names)
-    sequences.write.mode(mode).parquet(f"{staging}/{SEQUENCES_DIR}")
-    return vocab, spark.read.parquet(f"{staging}/{SEQUENCES_DIR}")
+        states = encode_user_features(states, inputs.users, feature_vocab, inputs.feature_names)
+    states.write.mode(mode).parquet(f"{staging}/{HISTORY_DIR}")
+    return vocab, spark.read.parquet(f"{staging}/{HISTORY_DIR}")
+
+
+def write_sequences(spark, staging: str, states: DataFrame, max_seq_len: int) -> DataFrame:
+    """The sequences of ``states``' users, written under ``staging`` and read back."""
+    from freescale.prepare.sequences import states_to_sequences
+
+    states_to_sequences(states, max_seq_len).write.parquet(f"{staging}/{SEQUENCES_DIR}")
+    return spark.read.parquet(f"{staging}/{SEQUENCES_DIR}")

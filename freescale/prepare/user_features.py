@@ -103,16 +103,21 @@ def feature_cardinalities(vocab: DataFrame, names: list[str]) -> list[dict[str, 
 
 def encode_user_features(sequences: DataFrame, users: DataFrame, vocab: DataFrame, names: list[str]) -> DataFrame:
     """``sequences`` plus ``user_features: array<int>`` (ids in ``names`` order, 0 = unknown)."""
+    unknown = F.array_repeat(F.lit(UNKNOWN_ID), len(names))
+    return (sequences.join(encoded_users(users, vocab, names), "user_id", "left")
+            .withColumn(USER_FEATURES_COLUMN, F.coalesce(F.col(USER_FEATURES_COLUMN), unknown)))
+
+
+def encoded_users(users: DataFrame, vocab: DataFrame, names: list[str]) -> DataFrame:
+    """``user_id, user_features: array<int>``: each row of the user table as ids in ``names`` order
+    (0 for a value ``vocab`` lacks)."""
     encoded = users
     for name in names:
         # Each feature's vocabulary is small: broadcast it and join on the value.
         ids = vocab.where(F.col("feature") == name).select(F.col("value").alias(name), F.col("id").alias(f"_{name}_id"))
         encoded = encoded.join(F.broadcast(ids), name, "left")
-    encoded = encoded.select("user_id", F.array(*[F.coalesce(F.col(f"_{n}_id"), F.lit(UNKNOWN_ID)) for n in names])
-                             .alias(USER_FEATURES_COLUMN))
-    unknown = F.array_repeat(F.lit(UNKNOWN_ID), len(names))
-    return (sequences.join(encoded, "user_id", "left")
-            .withColumn(USER_FEATURES_COLUMN, F.coalesce(F.col(USER_FEATURES_COLUMN), unknown)))
+    return encoded.select("user_id", F.array(*[F.coalesce(F.col(f"_{n}_id"), F.lit(UNKNOWN_ID)) for n in names])
+                          .alias(USER_FEATURES_COLUMN))
 
 
 def count_users_without_features(sequences: DataFrame, users: DataFrame) -> int:
