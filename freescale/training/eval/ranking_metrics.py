@@ -343,13 +343,16 @@ def unseen_negatives(
     return out
 
 
-def popularity_scores(train_item_ids: torch.Tensor, num_items: int) -> torch.Tensor:
-    """``[num_items + 1]`` tie-free scores: more frequent first, then lower id.
+def popularity_scores(train_item_ids: torch.Tensor, num_items: int,
+                      item_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """``[num_items + 1]`` tie-free scores: more frequent first, then lower id (frequencies counted
+    in ``train_item_ids``, or given per id as ``item_counts``).
 
     Ties broken by id rather than left as ties, because ``target_ranks`` counts
     ties against the target and most items in a long tail share a count.
     """
-    counts = torch.bincount(train_item_ids.to(torch.int64).flatten(), minlength=num_items + 1)[: num_items + 1]
+    counts = (torch.bincount(train_item_ids.to(torch.int64).flatten(), minlength=num_items + 1)
+              if item_counts is None else item_counts.to(torch.int64))[: num_items + 1]
     order = torch.argsort(-counts, stable=True)
     scores = torch.empty(num_items + 1, dtype=torch.float64)
     scores[order] = -torch.arange(num_items + 1, dtype=torch.float64)
@@ -364,14 +367,16 @@ def most_popular_baseline(
     exclude: ExcludeIds | None = None,
     query_chunk_size: int = 256,
     negative_ids: torch.Tensor | None = None,
+    item_counts: torch.Tensor | None = None,
 ) -> RetrievalMetrics:
     """Metrics of recommending the same ranking -- by training frequency -- to everyone.
 
     The trainer's sanity floor: a sequential model that cannot beat this has
     not learned anything user-specific. With ``negative_ids`` (``[B, N]``) each target
-    is ranked among its own negatives by the same counts (the sampled protocol).
+    is ranked among its own negatives by the same counts (the sampled protocol). ``item_counts``
+    (``[num_items + 1]``, per id) stands for ``train_item_ids`` counted.
     """
-    scores = popularity_scores(train_item_ids.cpu(), num_items).to(target_ids.device)
+    scores = popularity_scores(train_item_ids.cpu(), num_items, item_counts).to(target_ids.device)
     if negative_ids is not None:
         ranks = sampled_target_ranks(scores[target_ids], scores[negative_ids.to(target_ids.device)])
         return metrics_from_ranks(ranks, k)
