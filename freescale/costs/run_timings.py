@@ -4,7 +4,7 @@ as it goes, so no process holds the whole table while the run trains.
 
 One row per (step, rank), steps in the order trained and ranks in order within a step: columns
 ``step`` (int64), ``rank`` (int32), then one float64 column per timing field
-(``freescale.training.timing.bubbles.TIMING_FIELDS``), one row group per append. A reader asks for
+(``freescale.training.timing.bubbles.TIMING_FIELDS``), a row group per ``GROUP_STEPS`` steps. A reader asks for
 one field at a time as a ``[steps, ranks]`` array (``TimingColumns.column``), so the run summary's
 numbers read a few columns, never the whole ``[steps, ranks, fields]`` table.
 """
@@ -25,21 +25,27 @@ def artifact_name(first_step: int) -> str:
     return FILE_NAME if first_step == 0 else f"timings-from-step-{first_step}.parquet"
 
 
-class TimingFile:
-    """Appends ``[n, ranks, fields]`` windows of steps to ``path`` (opened at the first append; a file
-    is valid once ``close`` wrote its footer: at the run's end, or at a stop)."""
+GROUP_STEPS = 4096
+"""Steps per row group: windows are held until this many (a row group per gathered window of one
+step would make a footer as large as the data)."""
 
-    def __init__(self, path: str | Path, fields: Sequence[str], world_size: int):
+
+class TimingFile:
+    """Appends ``[n, ranks, fields]`` windows of steps to ``path``, a row group each time ``group_steps``
+    steps are held (opened at the first; a file is valid once ``close`` wrote the rest and its footer:
+    at the run's end, or at a stop)."""
+
+    def __init__(self, path: str | Path, fields: Sequence[str], world_size: int, group_steps: int = GROUP_STEPS):
         self.path, self.fields, self.world_size = Path(path), list(fields), world_size
+        self.group_steps = max(1, group_steps)
         self.steps = 0
         self.first_step: int | None = None
+        self._held: list[tuple[Sequence[int], np.ndarray]] = []
+        self._held_steps = 0
         self._writer = None
         self._closed = False
 
     def append(self, steps: Sequence[int], window: np.ndarray) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         if self._closed:
             raise ValueError(f"{self.path} is closed")
         n, ranks = len(steps), self.world_size
@@ -47,20 +53,38 @@ class TimingFile:
             raise ValueError(f"a window of {window.shape} for {n} steps x {ranks} ranks x {len(self.fields)} fields")
         if n == 0:
             return
-        columns = {"step": pa.array(np.repeat(np.asarray(steps, dtype=np.int64), ranks)),
-                   "rank": pa.array(np.tile(np.arange(ranks, dtype=np.int32), n))}
-        flat = np.ascontiguousarray(window, dtype=np.float64).reshape(n * ranks, len(self.fields))
+        if self.first_step is None:
+            self.first_step = int(steps[0])
+        self._held.append((steps, window))
+        self._held_steps += n
+        self.steps += n
+        if self._held_steps >= self.group_steps:
+            self._write_held()
+
+    def _write_held(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self._held:
+            return
+        steps = np.concatenate([np.asarray(s, dtype=np.int64) for s, _ in self._held])
+        window = np.concatenate([w for _, w in self._held]).astype(np.float64, copy=False)
+        self._held, self._held_steps = [], 0
+        n, ranks = len(steps), self.world_size
+        columns = {"step": pa.array(np.repeat(steps, ranks)), "rank": pa.array(np.tile(np.arange(ranks, dtype=np.int32), n))}
+        flat = window.reshape(n * ranks, len(self.fields))
         columns.update({name: pa.array(flat[:, i]) for i, name in enumerate(self.fields)})
-        batch = pa.table(columns).replace_schema_metadata({"ranks": str(ranks)})
+        group = pa.table(columns).replace_schema_metadata({"ranks": str(ranks)})
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(self.path, batch.schema)
-            self.first_step = int(steps[0])
-        self._writer.write_table(batch)  # one row group per window
-        self.steps += n
+            self._writer = pq.ParquetWriter(self.path, group.schema)
+        self._writer.write_table(group, row_group_size=n * ranks)
 
     def close(self) -> Path | None:
-        """Write the footer; the file, or None when no step was appended (safe to call twice)."""
+        """Write what is held and the footer; the file, or None when no step was appended (safe to
+        call twice)."""
+        if not self._closed:
+            self._write_held()
         self._closed = True
         if self._writer is not None:
             self._writer.close()

@@ -330,8 +330,9 @@ def replanned_end(max_steps: int, replan: Replan, steps_per_epoch: int) -> int:
     return end if max_steps >= epoch_end else min(max_steps, end)
 
 
-def run(config: TrainConfig, sink: MetricsSink | None = None) -> TrainResult:
-    trainer = Trainer(config, sink)
+def run(config: TrainConfig, sink: MetricsSink | None = None, timings_file: str | Path | None = None) -> TrainResult:
+    """One training; its ``timings`` file outlives it only when ``timings_file`` says where."""
+    trainer = Trainer(config, sink, timings_file=timings_file)
     try:
         return trainer.train()
     finally:
