@@ -213,6 +213,7 @@ def _old_rank_sums(model, manifest, rank: int, world_size: int, evaluation, uses
     from freescale.training.eval.ranking_metrics import ProtocolMetrics, RetrievalMetrics
 
     sampled, unseen = evaluation.sampled_negatives, evaluation.unseen_ranking
+    model.eval()
     raw = model.all_item_embeddings(normalize=False)
     table, user_tables = F.normalize(raw, dim=-1), model.all_user_feature_tables()
     sums = {use: ProtocolMetrics(RetrievalMetrics(), RetrievalMetrics() if sampled else None,
@@ -230,6 +231,7 @@ def _old_rank_sums(model, manifest, rank: int, world_size: int, evaluation, uses
         targets.append(batch.test_item)
         histories.append(history_of(batch, "test"))
         drawn_rows.append(drawn)
+    model.train()
     return sums, counts, targets, histories, drawn_rows
 
 
@@ -276,7 +278,7 @@ def test_sliced_evaluation_equals_the_gathered_one_on_one_rank(tmp_path) -> None
     the baseline's, with user features, in joined batches and in the shards' own."""
     from tests.helpers import write_shards
 
-    shards = write_shards(tmp_path / "shards", num_steps=9, num_items=60, user_features=[("age", 7)])
+    shards = write_shards(tmp_path / "shards", num_steps=5, num_items=60, user_features=[("age", 7)])
     manifest = load_manifest(shards)
     model = _small_model(manifest.num_items, [(f.name, f.num_ids) for f in manifest.user_features])
     for batch_samples in (512, 0):
@@ -320,7 +322,7 @@ def test_sliced_evaluation_equals_the_gathered_one_on_two_ranks(tmp_path) -> Non
 
     from tests.helpers import write_shards
 
-    shards = write_shards(tmp_path / "shards", num_steps=9, num_items=61, empty_steps={1: {5, 6, 7, 8}})
+    shards = write_shards(tmp_path / "shards", num_steps=6, num_items=61, empty_steps={1: {3, 4, 5}})
     manifest = load_manifest(shards)
     mp.spawn(_two_rank_evaluation, args=(str(tmp_path), str(shards)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

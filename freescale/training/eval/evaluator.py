@@ -259,7 +259,7 @@ def _batch_queries(model: SequentialRecommender, batch: SequenceBatch | None, us
     the rows its history, targets and negatives read, looked up once (a collective lookup: a rank
     with no batch looks up nothing and gets nothing)."""
     parts = [] if batch is None else [batch.item_ids, batch.valid_item, batch.test_item]
-    parts += [] if drawn is None else [drawn.flatten()]
+    parts += [] if drawn is None else [drawn.to(device).flatten()]
     ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
     unique, local = torch.unique(ids, return_inverse=True)
     raw = item_rows(model, unique)
