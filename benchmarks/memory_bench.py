@@ -296,6 +296,9 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
+        import pyarrow.parquet  # noqa: F401 - loaded by both variants before measuring: a fixed cost, not the piece's
+        import torch  # noqa: F401
+
         piece, variant, folder = args.child
         rows = (timing_piece(variant, args.steps, Path(folder)) if piece == "timing"
                 else eval_piece(variant, SimpleNamespace(**vars(args)), Path(folder)))
