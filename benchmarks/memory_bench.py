@@ -266,11 +266,11 @@ def child(piece: str, variant: str, args: argparse.Namespace, folder: Path) -> o
 def table(results: dict, args: argparse.Namespace) -> str:
     lines = ["| piece | variant | rank | RSS before (MB) | piece peak above it (MB) | peak RSS (MB) | files (MB) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for variant in ("old", "new"):
+    for variant in ("old", "new") if "timing" in results else ():
         row = results["timing"][variant]
         lines.append(f"| timing log, {args.steps:,} steps x 1 rank | {variant} | 0 | {row['before_mb']} | "
                      f"{row['piece_peak_mb']} | {row['max_rss_mb']} | {row['files_mb']} |")
-    for variant in ("old", "new"):
+    for variant in ("old", "new") if "eval" in results else ():
         for rank, row in enumerate(results["eval"][variant]):
             lines.append(f"| evaluation, {args.items:,} items x {args.dim} dims, {args.ranks} ranks x {args.users} "
                          f"users | {variant} | {rank} | {row['before_mb']} | {row['piece_peak_mb']} | "
@@ -285,6 +285,7 @@ def parse_args(argv):
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--users", type=int, default=512, help="per rank")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--pieces", default="timing,eval", help="which pieces to run (timing, eval)")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--child", nargs=3, metavar=("PIECE", "VARIANT", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -304,12 +305,15 @@ def main(argv: list[str] | None = None) -> int:
                 else eval_piece(variant, SimpleNamespace(**vars(args)), Path(folder)))
         Path(folder, f"{piece}-{variant}.result.json").write_text(json.dumps(rows))
         return 0
+    pieces = [p for p in ("timing", "eval") if p in args.pieces.split(",")]
     with tempfile.TemporaryDirectory(prefix="memory-bench-") as tmp:
         results = {piece: {variant: child(piece, variant, args, Path(tmp)) for variant in ("old", "new")}
-                   for piece in ("timing", "eval")}
-    same_summary = results["timing"]["old"].pop("summary") == results["timing"]["new"].pop("summary")
-    metrics = {v: [row.pop("metrics") for row in results["eval"][v]] for v in ("old", "new")}
-    same_metrics = metrics["old"] == metrics["new"]
+                   for piece in pieces}
+    same_summary = "timing" not in results or \
+        results["timing"]["old"].pop("summary") == results["timing"]["new"].pop("summary")
+    metrics = {v: [row.pop("metrics") for row in results["eval"][v]] for v in ("old", "new")} if "eval" in results \
+        else {"old": [], "new": [{}]}
+    same_metrics = metrics["old"] == metrics["new"] or "eval" not in results
     print(table(results, args))
     print(f"\ntiming summary old == new: {same_summary}; evaluation metrics old == new (every rank): {same_metrics}")
     if args.json:

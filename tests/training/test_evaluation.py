@@ -330,3 +330,20 @@ def test_sliced_evaluation_equals_the_gathered_one_on_two_ranks(tmp_path) -> Non
     assert "error" not in results[1], results[1].get("error")
     expected = _old_evaluate(_small_model(manifest.num_items), manifest, 2, EVALUATION, batch_samples=0)
     assert results[0] == results[1] == expected
+
+
+def test_the_baselines_ranks_are_the_score_matrixs_without_it() -> None:
+    """c32ca2f ranked the baseline through a [queries, items] matrix of the shared scores: the same
+    ranks, history excluded or not (an id twice, the target itself and padding in it)."""
+    from freescale.training.eval.ranking_metrics import _shared_ranking_ranks, popularity_scores, target_ranks
+
+    generator = torch.Generator().manual_seed(3)
+    scores = popularity_scores(torch.randint(1, 30, (200,), generator=generator), 50)
+    targets = torch.randint(1, 51, (40,), generator=generator)
+    lengths = torch.randint(0, 8, (40,), generator=generator)
+    lengths[0] = 3
+    ids = torch.randint(0, 51, (int(lengths.sum()),), generator=generator)
+    ids[:3] = torch.tensor([targets[0], 0, int(targets[0]) % 50 + 1])
+    matrix = scores.unsqueeze(0).expand(40, -1)
+    assert torch.equal(_shared_ranking_ranks(scores, targets, None), target_ranks(matrix, targets))
+    assert torch.equal(_shared_ranking_ranks(scores, targets, (lengths, ids)), target_ranks(matrix, targets, (lengths, ids)))

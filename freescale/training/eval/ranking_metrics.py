@@ -380,10 +380,26 @@ def most_popular_baseline(
     if negative_ids is not None:
         ranks = sampled_target_ranks(scores[target_ids], scores[negative_ids.to(target_ids.device)])
         return metrics_from_ranks(ranks, k)
+    ranks = _shared_ranking_ranks(scores, target_ids, exclude)
     total = RetrievalMetrics(k=k)
     for start in range(0, target_ids.shape[0], query_chunk_size):
-        stop = min(start + query_chunk_size, target_ids.shape[0])
-        chunk = scores.unsqueeze(0).expand(stop - start, -1)
-        ranks = target_ranks(chunk, target_ids[start:stop], _slice_exclude(exclude, start, stop))
-        total = total + metrics_from_ranks(ranks, k)
+        total = total + metrics_from_ranks(ranks[start:start + query_chunk_size], k)
     return total
+
+
+def _shared_ranking_ranks(scores: torch.Tensor, target_ids: torch.Tensor, exclude: ExcludeIds | None) -> torch.Tensor:
+    """``target_ranks`` of every query against the same tie-free ``[num_items + 1]`` scores, without a
+    ``[queries, items]`` matrix (at a million items, 256 queries' matrix took gigabytes): the items at
+    or above each target, counted in the sorted scores, less the distinct excluded ones above it."""
+    _check_targets(target_ids, scores.numel())
+    ranked = torch.sort(scores[1:]).values  # padding is never ranked
+    target_scores = scores[target_ids]
+    ranks = ranked.numel() - torch.searchsorted(ranked, target_scores, side="left") - 1
+    if exclude is None:
+        return ranks
+    lengths, ids = exclude
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+    pairs = torch.unique(rows * scores.numel() + ids)  # an id listed twice for a query is excluded once
+    rows, ids = pairs // scores.numel(), pairs % scores.numel()
+    above = (scores[ids] >= target_scores[rows]) & (ids != target_ids[rows]) & (ids != 0)
+    return ranks - torch.bincount(rows[above], minlength=ranks.numel())
