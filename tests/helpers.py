@@ -257,6 +257,16 @@ def start_train(shards: Path, *args: str) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
+def read_summary(path: Path) -> dict:
+    """A `freescale train --summary-json` file with its timing file's table put in it
+    (``timings.steps_ranks_fields``, ``[steps, ranks, fields]``: the tests' runs are small)."""
+    from freescale.costs.run_summary import timing_table
+
+    data = json.loads(Path(path).read_text())
+    data["timings"]["steps_ranks_fields"] = timing_table(data, path).table().tolist()
+    return data
+
+
 def error_lines(run: subprocess.CompletedProcess) -> list[str]:
     """The launch's error lines: one, gathering the failed ranks' reasons (theirs are in the log)."""
     return [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("freescale train: error:")]
@@ -456,6 +466,18 @@ def logged_losses(uri: str, run_id: str) -> list[tuple[int, float]]:
     from mlflow.tracking import MlflowClient
 
     return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, "step/loss"))
+
+
+def artifact_timing_steps(uri: str, run_id: str, folder: Path) -> list[int] | None:
+    """The steps (one per row: step x rank) of a run's ``timings/timings.parquet``; None if it has none."""
+    import pyarrow.parquet as pq
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    if "timings/timings.parquet" not in [a.path for a in client.list_artifacts(run_id, "timings")]:
+        return None
+    return pq.read_table(client.download_artifacts(run_id, "timings/timings.parquet", str(folder))).column(
+        "step").to_pylist()
 
 
 def wait_for_logged_steps(uri: str, experiment: str, count: int, timeout: float = 60) -> None:

@@ -94,7 +94,7 @@ def row_run(movielens_shards, mlflow_server, e2e_dir):
         "--summary-json", str(out), "--model.hstu.num_layers", "1", "--loss.num_negatives", "32",
         "--training.eval_max_samples", "0", "--evaluation.sampled_negatives", "100")
     assert run.returncode == 0, run.stderr[-3000:]
-    return SimpleNamespace(run=run, log=json.loads(out.read_text()), uri=mlflow_server, experiment="e2e-row")
+    return SimpleNamespace(run=run, log=helpers.read_summary(out), uri=mlflow_server, experiment="e2e-row")
 
 
 @scenario
@@ -103,7 +103,7 @@ def table_run(movielens_shards, e2e_dir):
     run = helpers.freescale_train(movielens_shards, "--max-steps", str(STEPS), "--comm-mode", "overlap",
                                   *helpers.small_run_args(e2e_dir, "table", "--parallel.sharding", "table_wise"))
     assert run.returncode == 0, run.stderr[-3000:]
-    return SimpleNamespace(run=run, log=json.loads((e2e_dir / "table.json").read_text()))
+    return SimpleNamespace(run=run, log=helpers.read_summary(e2e_dir / "table.json"))
 
 
 @scenario
@@ -142,6 +142,7 @@ def stopped_run(movielens_shards, mlflow_server, e2e_dir):
     [run] = helpers.runs_of(mlflow_server, "e2e-stopped")
     seen.run_id, seen.final_status = run.info.run_id, run.info.status
     seen.logged = helpers.logged_losses(mlflow_server, run.info.run_id)
+    seen.timing_steps = helpers.artifact_timing_steps(mlflow_server, run.info.run_id, e2e_dir / "stopped-artifacts")
     return seen
 
 
@@ -156,7 +157,7 @@ def row_resume(movielens_shards, stopped_run, e2e_dir):
                                   "--checkpoint.folder", str(folder),
                                   *helpers.small_run_args(e2e_dir, "row-resume", "--parallel.sharding", "row_wise"))
     assert run.returncode == 0, run.stderr[-3000:]
-    return SimpleNamespace(run=run, log=json.loads((e2e_dir / "row-resume.json").read_text()), folder=folder)
+    return SimpleNamespace(run=run, log=helpers.read_summary(e2e_dir / "row-resume.json"), folder=folder)
 
 
 @scenario
@@ -183,7 +184,7 @@ def killed_run(movielens_shards, e2e_dir):
     seen.resumed = helpers.freescale_train(movielens_shards, "--comm-mode", "plain", *common,
                                            "--summary-json", str(e2e_dir / "killed-resumed.json"))
     assert seen.resumed.returncode == 0, seen.resumed.stderr[-3000:]
-    seen.log = json.loads((e2e_dir / "killed-resumed.json").read_text())
+    seen.log = helpers.read_summary(e2e_dir / "killed-resumed.json")
     [run] = helpers.runs_of(uri)
     seen.run_id, seen.final_status = run.info.run_id, run.info.status
     seen.logged = helpers.logged_losses(uri, run.info.run_id)
@@ -218,8 +219,8 @@ def epochs_run(e2e_dir):
     resumed = helpers.freescale_train(shards, *common, "--tracking-uri", "none", "--checkpoint.folder", str(copy),
                                       "--summary-json", str(e2e_dir / "epochs-resumed.json"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return SimpleNamespace(shards=shards, folder=folder, log=json.loads((e2e_dir / "epochs.json").read_text()),
-                           resumed=json.loads((e2e_dir / "epochs-resumed.json").read_text()))
+    return SimpleNamespace(shards=shards, folder=folder, log=helpers.read_summary(e2e_dir / "epochs.json"),
+                           resumed=helpers.read_summary(e2e_dir / "epochs-resumed.json"))
 
 
 RESTART_STEPS, RESTART_EVERY, RESTART_KILL_AT = 40, 10, 15  # a kill between two checkpoints
@@ -275,7 +276,7 @@ def restarted_run(movielens_shards, e2e_dir):
                 proc.wait()
     for seen, proc in ((restarted, restarted_proc), (stopped, stopped_proc)):
         seen.returncode = proc.returncode
-        seen.log = json.loads(seen.summary.read_text()) if seen.summary.exists() else None
+        seen.log = helpers.read_summary(seen.summary) if seen.summary.exists() else None
     return SimpleNamespace(restarted=restarted, stopped=stopped)
 
 
@@ -467,8 +468,8 @@ def resized_run(movielens_shards, e2e_dir):
                                      nproc=3)
     assert second.returncode == 0, second.stderr[-3000:]
     return SimpleNamespace(first=first, second=second, folder=folder,
-                           first_log=json.loads((e2e_dir / "resize-2.json").read_text()),
-                           second_log=json.loads((e2e_dir / "resize-3.json").read_text()))
+                           first_log=helpers.read_summary(e2e_dir / "resize-2.json"),
+                           second_log=helpers.read_summary(e2e_dir / "resize-3.json"))
 
 
 @scenario
@@ -483,4 +484,4 @@ def warm_run(movielens_shards, resized_run, mlflow_server, e2e_dir):
                                   "--summary-json", str(out), *helpers.SMALL_RUN)
     assert run.returncode == 0, run.stderr[-3000:]
     [recorded] = helpers.runs_of(mlflow_server, "e2e-warm")
-    return SimpleNamespace(run=run, log=json.loads(out.read_text()), params=recorded.data.params, source=source)
+    return SimpleNamespace(run=run, log=helpers.read_summary(out), params=recorded.data.params, source=source)

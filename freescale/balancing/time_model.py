@@ -1,8 +1,8 @@
 """Fitting the simulator's time model (``freescale.balancing.simulate.TimeModel``) to measured training runs,
 and what its predictions say.
 
-A run is a `freescale train --summary-json` file: every measured step's per-rank dense compute,
-planned cost, sample count and step time, and the cost model its shards were costed with. From
+A run is a `freescale train --summary-json` file (with its timing file): every measured step's
+per-rank dense compute, planned cost, sample count and step time, and the cost model its shards were costed with. From
 runs this module fits seconds per cost unit and the non-compute part of a step (a latency plus a
 per-sample slope), and from a mirror-control run (every rank the same samples) the per-rank noise.
 Seconds per cost unit is only meaningful for plans costed by the runs' own cost model, hence the
@@ -38,24 +38,24 @@ class RunTimings:
 
 
 def read_run(path: str) -> RunTimings:
-    """A `freescale train --summary-json` file's per-step, per-rank timings."""
+    """A `freescale train --summary-json` file's per-step, per-rank timings (its timing file, or the
+    table it carries), read field by field."""
+    from freescale.costs.run_summary import timing_table
     from freescale.runtime.json_files import read_json
 
     data = read_json(path, "run summary (freescale train --summary-json)")
     try:
-        fields = list(data["timings"]["fields"])
-        table = np.asarray(data["timings"]["steps_ranks_fields"], dtype=np.float64)
         measured = int(data["summary"]["measured_steps"])
     except (KeyError, TypeError, ValueError):
-        raise InputError(f"{path}: not a run summary (no timings.fields, timings.steps_ranks_fields "
-                         "and summary.measured_steps)") from None
-    missing = [n for n in ("dense_compute_s", "cost", "samples", "step_s") if n not in fields]
+        raise InputError(f"{path}: not a run summary (no summary.measured_steps)") from None
+    timings = timing_table(data, path)
+    missing = [n for n in ("dense_compute_s", "cost", "samples", "step_s") if n not in timings.fields]
     if missing:
         raise InputError(f"{path}: timings lack field {missing[0]!r}")
-    if table.ndim != 3 or table.shape[2] != len(fields) or not 0 < measured <= table.shape[0]:
+    if not 0 < measured <= len(timings):
         raise InputError(f"{path}: timings are not [steps, ranks, fields] with {measured} measured steps")
-    table = table[table.shape[0] - measured:]
-    column = {name: table[..., i] for i, name in enumerate(fields)}
+    skip = len(timings) - measured
+    column = {name: timings.column(name)[skip:] for name in ("dense_compute_s", "cost", "samples", "step_s")}
     return RunTimings(path, column["dense_compute_s"], column["cost"], column["samples"],
                       column["step_s"].max(axis=1), data.get("cost_model"))
 

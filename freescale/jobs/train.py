@@ -6,7 +6,8 @@
 Rank 0 records the run in MLflow: the full config as params, tags (strategy, world
 size, data, code version), per-step metrics as it goes, the summary under fixed names
 (loss, step_time_s, samples_per_s, bubble_fraction, imbalance, hr_at_10, ndcg_at_10,
-mrr) and a PNG of per-rank compute and wait over steps. Tracking never stops the
+mrr), a PNG of per-rank compute and wait over steps, and the per-step, per-rank timing
+table (``timings/timings.parquet``, also at a stop; ``freescale.costs.run_timings``). Tracking never stops the
 training: an unreachable server means one warning line and an untracked run. The run
 ends FINISHED, FAILED or KILLED; a resumed training continues its run.
 """
@@ -42,6 +43,8 @@ class RankJob:
         self.trainer = None
         self.stopped_by: int | None = None
         self.ending = False
+        self.folder = tempfile.TemporaryDirectory(prefix="freescale-train-")
+        """This rank's scratch: the timing file without --summary-json, the artifacts' names."""
 
     def end(self, status: str, summary: dict[str, float] | None = None, artifacts: list[Path] = ()) -> None:
         """FINISHED, FAILED or KILLED (a stop signal, even one received while the run ends, makes
@@ -51,11 +54,27 @@ class RankJob:
         trainer, self.trainer = self.trainer, None
         if sink is not None:
             ended = "KILLED" if self.stopped_by is not None else status
-            sink.finish(ended, summary, artifacts)
+            sink.finish(ended, summary, [*artifacts, *self._timings_artifact(trainer)])
             if ended != "KILLED" and self.stopped_by is not None:  # the stop came while the run ended
                 sink.finish_again("KILLED")
         if trainer is not None:
             trainer.close()
+        self.folder.cleanup()
+
+    def _timings_artifact(self, trainer) -> list[tuple[Path, str]]:
+        """Rank 0's timing file as the run's ``timings/`` artifact: closed here (what was gathered so
+        far, at a stop), under its artifact name."""
+        from freescale.costs.run_timings import artifact_name
+
+        timing_file = getattr(trainer, "timing_file", None)
+        path = timing_file.close() if timing_file is not None else None
+        if path is None:
+            return []
+        link = Path(self.folder.name) / "artifacts" / artifact_name(timing_file.first_step)
+        link.parent.mkdir(exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(path.resolve())
+        return [(link, "timings")]
 
     def stop_on_signals(self) -> None:
         for signum in STOP_SIGNALS:
@@ -110,7 +129,7 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     import torch.distributed as dist
 
     from freescale.tracking.store import DISABLED, Tracking
-    from freescale.costs.run_summary import write_run_summary
+    from freescale.costs.run_summary import timings_beside, write_run_summary
     from freescale.training.timing.bubbles import TIMING_FIELDS
     from freescale.training.loop.trainer import NullSink, Trainer
 
@@ -118,7 +137,8 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
     # the trainer's process group reads too), so an unreachable one costs seconds.
     rank0 = os.environ.get("RANK", "0") == "0"
     uri = Tracking(config.tracking.uri).reachable_uri("train") if rank0 else DISABLED
-    trainer = job.trainer = Trainer(config)
+    timings_file = timings_beside(summary_json) if summary_json else Path(job.folder.name) / "timings.parquet"
+    trainer = job.trainer = Trainer(config, timings_file=timings_file)
     if rank0:
         _continue_after_restart(trainer)
     sink = job.sink = build_sink(config, trainer, uri)
@@ -139,13 +159,15 @@ def _train_rank(config, summary_json: str | None, job: RankJob) -> int:
                                   comm_issue_order=result.comm_issue_order,
                                   # The unit of the timings' cost column: freescale simulate checks it.
                                   cost_model=trainer.manifest.cost_model, fields=TIMING_FIELDS,
-                                  timings=result.timings.tolist())
+                                  timings_file=result.timings)
             # After the file: whoever reads the line (a person, a scheduler) finds the file written.
             print("summary " + json.dumps({k: round(v, 6) for k, v in summary.items()}), flush=True)
-        if sink is not None:
+        if sink is not None and result.timings is not None:
+            from freescale.costs.run_timings import TimingColumns
             from freescale.training.timing.bubble_plot import plot_rank_timelines
 
-            artifacts = [plot_rank_timelines(result.timings, result.steps, Path(tmp) / "rank_timelines.png",
+            timings = TimingColumns(result.timings)
+            artifacts = [plot_rank_timelines(timings, list(timings.steps()), Path(tmp) / "rank_timelines.png",
                                              title=f"{sink.run.info.run_name}")]
         # Every rank is done before the run ends FINISHED: a stop until then ends it KILLED.
         dist.barrier(group=trainer.env.host_group)

@@ -18,7 +18,7 @@ from freescale.runtime import options
 from freescale.runtime.errors import InputError
 from freescale.runtime.options import option
 from freescale.prepare.prepared import dataset_name
-from freescale.costs.run_summary import read_run_summary, timings
+from freescale.costs.run_summary import read_run_summary, timing_table
 from freescale.shards.balance_spec import BalanceSpec  # the balancing registry's names only: numpy
 from freescale.shards.shard_sets import VARIANTS, parse_shard_sets, prepared_of
 from freescale.training.config import CommMode  # typed config, no torch
@@ -227,8 +227,6 @@ def comparison_note(summary: dict) -> str:
 
 def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> Path:
     """Contiguous and balanced side by side: for each, the repeat with its median bubble."""
-    import numpy as np
-
     from freescale.training.timing.bubble_plot import plot_comparison_timelines
 
     columns = {}
@@ -236,9 +234,8 @@ def plot_comparison(runs: dict[str, list[dict]], path: Path, title: str) -> Path
         rows = sorted(runs[variant], key=lambda r: r["summary"]["bubble_fraction"])
         chosen = rows[(len(rows) - 1) // 2]
         saved = read_run_summary(chosen["summary_json"])
-        table = np.asarray(timings(saved)[1], dtype=float)
         columns[f"{variant} (repeat {chosen['repeat']}): bubble {chosen['summary']['bubble_fraction']:.2%}"] = \
-            (table, saved["steps"])
+            (timing_table(saved, chosen["summary_json"]), saved["steps"])
     return plot_comparison_timelines(columns, path, title=title)
 
 

@@ -221,3 +221,17 @@ def test_each_day_is_one_parent_run_naming_its_logs(two_days):
         children = {r.data.tags["freescale.job"] for r in all_runs
                     if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
         assert {"prepare", "balance", "train", "promote"} <= children, children
+
+
+@pytest.mark.slow
+def test_day_two_starts_from_day_one_below_a_cold_start_on_its_shards(two_days, tmp_path):
+    from tests.helpers import train_in_process
+
+    d2 = two_days.work / "2026-12-02"
+    warm = json.loads((d2 / "train_summary.json").read_text())["losses"]
+    cold_log = tmp_path / "cold.json"
+    assert train_in_process("--config", str(two_days.folder / "train.toml"), "--data.shards", str(d2 / "shards"),
+                            "--training.max_steps", "1", "--tracking.uri", "none",
+                            "--checkpoint.folder", str(tmp_path / "ckpt"), "--summary-json", str(cold_log)) == 0
+    cold = json.loads(cold_log.read_text())["losses"]
+    assert warm[0] < cold[0], (warm[0], cold[0])

@@ -352,3 +352,24 @@ def test_given_shard_sets_run_in_variant_order_with_their_own_strategy(tmp_path)
     assert list(cmp.given_sets) == ["contiguous", "balanced", "control"] and cmp.control == "mirror"
     assert (cmp.strategy, cmp.world_size, cmp.local_batch_size, cmp.work) == ("lpt", 2, 1, tmp_path / "work")
     assert cmp.name == "compare-k2-b1" and cmp.experiment == "freescale-shards"  # no prepared folder to name it
+
+
+def test_the_timelines_read_each_runs_timing_file(tmp_path):
+    """The plot takes the chosen runs' timings from the timing files beside their summaries."""
+    import numpy as np
+
+    from freescale.costs.run_summary import timings_beside, write_run_summary
+    from freescale.costs.run_timings import TimingFile
+    from freescale.launch.comparison import plot_comparison
+    from freescale.training.timing.bubbles import TIMING_FIELDS
+
+    runs = {}
+    for variant in ("contiguous", "balanced"):
+        out = tmp_path / f"{variant}-0.json"
+        timing_file = TimingFile(timings_beside(out), TIMING_FIELDS, 2)
+        timing_file.append([0, 1, 2], np.random.default_rng(0).random((3, 2, len(TIMING_FIELDS))))
+        write_run_summary(out, summary={"bubble_fraction": 0.1}, run_id=None, losses=[1.0, 0.9, 0.8], steps=[0, 1, 2],
+                          comm=None, comm_issue_order=[], cost_model=None, fields=list(TIMING_FIELDS),
+                          timings_file=timing_file.close())
+        runs[variant] = [{"repeat": 0, "summary": {"bubble_fraction": 0.1}, "summary_json": str(out)}]
+    assert plot_comparison(runs, tmp_path / "timelines.png", "t").stat().st_size > 0

@@ -204,6 +204,9 @@ def test_steps_are_recorded_as_they_go_and_a_stop_signal_ends_the_run_killed(mov
     assert status == "RUNNING"
     assert [step for step, _ in logged][:3] == [0, 1, 2]
     assert final == "KILLED"
+    if stop == "ctrl-c":  # the timing table gathered before the stop, as the run's artifact
+        steps = seen.timing_steps
+        assert steps is not None and len(steps) >= 2 * 3 and steps == [s for s in range(len(steps) // 2) for _ in "ab"]
 
 
 @pytest.mark.slow

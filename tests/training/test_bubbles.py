@@ -70,3 +70,14 @@ def test_predicted_and_measured_bubbles_are_one_formula():
     assert bubble([[0.0, 0.0]]) == 0.0 and bubble_of_totals(0.0, 0.0) == 0.0
     with pytest.raises(ValueError, match="shape"):
         bubble(np.zeros((2, 0)))
+
+
+def test_the_log_holds_only_the_steps_since_its_last_gather():
+    log = bubbles.StepTimeLog(world_size=1, sync_every=2)
+    windows = [log.record(step, bubbles.StepTiming(step_s=float(step))) for step in range(5)]
+    assert windows[0] is None and windows[2] is None and windows[4] is None
+    steps, rows = windows[3]
+    assert steps == [2, 3] and rows.shape == (2, 1, len(TIMING_FIELDS))
+    assert bubbles.column(rows, "step_s").tolist() == [[2.0], [3.0]]
+    steps, rows = log.flush()
+    assert steps == [4] and log.flush() is None and not hasattr(log, "_gathered")

@@ -2,6 +2,7 @@
 (``[evaluation] sampled_negatives``, SASRec's protocol)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -159,3 +160,190 @@ def test_two_rank_run_reports_both_protocols(row_run) -> None:
         assert summary[f"sampled_{name}"] >= summary[name]
         assert summary[f"valid_sampled_{name}"] >= summary[f"valid_{name}"]
     assert summary["sampled_hr_at_10"] > summary["hr_at_10"]
+
+
+# ------------------------------------------------ the item table in slices: today's numbers, no gather
+
+
+def _sliced_ranks(rows: torch.Tensor, query: torch.Tensor, targets: torch.Tensor, history, slices: int):
+    """``global_ranks`` of ``slices`` ranks' slices, summed in one process as the ranks' all_reduce would."""
+    from freescale.training.eval.catalog_slice import CatalogSlice, slice_bounds
+
+    parts = [CatalogSlice(first, rows[first:last]) for first, last in
+             (slice_bounds(rows.shape[0], r, slices) for r in range(slices))]
+    scores = sum(part.target_scores(query, targets) for part in parts)
+    counts = [part.counts(query, targets, scores, history) for part in parts]
+    at_or_above = sum(c[0] for c in counts)
+    seen = None if history is None else sum(c[1] for c in counts)
+    return at_or_above - 1, None if seen is None else at_or_above - 1 - seen
+
+
+@pytest.mark.parametrize("slices", [1, 2, 3, 7])
+def test_slices_rank_as_the_whole_table_ties_included(slices: int, monkeypatch) -> None:
+    """Integer-valued rows and queries: every score is exact, so ties are real ties, within a slice
+    and across slices; chunks of 5 items and 4 queries put slice and chunk edges everywhere."""
+    from freescale.training.eval import catalog_slice
+    from freescale.training.eval.ranking_metrics import target_ranks
+
+    monkeypatch.setattr(catalog_slice, "ITEM_CHUNK", 5)
+    monkeypatch.setattr(catalog_slice, "QUERY_CHUNK", 4)
+    generator = torch.Generator().manual_seed(slices)
+    rows = torch.randint(-2, 3, (41, 3), generator=generator).float()
+    rows[0] = 0.0
+    query = torch.randint(-2, 3, (11, 3), generator=generator).float()
+    targets = torch.randint(1, 41, (11,), generator=generator)
+    lengths = torch.randint(0, 6, (11,), generator=generator)
+    lengths[0] = 3
+    ids = torch.randint(0, 41, (int(lengths.sum()),), generator=generator)
+    ids[:2] = targets[0]  # a target listed in its own history, twice, is still ranked
+    full, unseen = _sliced_ranks(rows, query, targets, (lengths, ids), slices)
+    scores = query @ rows.t()
+    assert torch.equal(full, target_ranks(scores, targets))
+    assert torch.equal(unseen, target_ranks(scores, targets, (lengths, ids)))
+    assert len(set(scores.flatten().tolist())) < scores.numel() // 4  # ties galore
+
+
+def _old_rank_sums(model, manifest, rank: int, world_size: int, evaluation, uses, batch_samples: int):
+    """c32ca2f's evaluation of one rank's shard, its sums: the whole table gathered (raw and
+    normalised), every batch scored against it (``evaluate_batch``), the baseline from every
+    history item listed (``popular_ids``)."""
+    import torch.nn.functional as F
+
+    from freescale.training.eval.evaluator import evaluate_batch, history_of, joined
+    from freescale.training.eval.ranking_metrics import ProtocolMetrics, RetrievalMetrics
+
+    sampled, unseen = evaluation.sampled_negatives, evaluation.unseen_ranking
+    model.eval()
+    raw = model.all_item_embeddings(normalize=False)
+    table, user_tables = F.normalize(raw, dim=-1), model.all_user_feature_tables()
+    sums = {use: ProtocolMetrics(RetrievalMetrics(), RetrievalMetrics() if sampled else None,
+                                 RetrievalMetrics() if unseen else None) for use in uses}
+    counts = torch.zeros(manifest.num_items + 1, dtype=torch.float64)
+    draws = NegativeDraws(manifest.num_items, sampled, 0)
+    targets, histories, drawn_rows = [], [], []
+    batches = evaluator._scored_batches(manifest, rank, world_size, None, counts)
+    for ordinal, batch in enumerate(joined(batches, batch_samples)):
+        drawn = draws.of(ordinal, batch) if sampled else None
+        for use in uses:
+            sums[use] = sums[use] + evaluate_batch(model, batch, table, use=use, item_table=raw, user_tables=user_tables,
+                                                   history=history_of(batch, use) if unseen else None,
+                                                   negative_ids=drawn)
+        targets.append(batch.test_item)
+        histories.append(history_of(batch, "test"))
+        drawn_rows.append(drawn)
+    model.train()
+    return sums, counts, targets, histories, drawn_rows
+
+
+def _old_evaluate(model, manifest, world_size: int, evaluation, uses=("test", "valid"), batch_samples: int = 512):
+    """c32ca2f's ``evaluate`` on ``world_size`` ranks, in one process: each rank's sums, added in rank
+    order as its all_reduce adds them, then named as the evaluator names them."""
+    per_rank = [_old_rank_sums(model, manifest, r, world_size, evaluation, uses, batch_samples)
+                for r in range(world_size)]
+    sums = {use: functools.reduce(lambda a, b: a + b, (p[0][use] for p in per_rank)) for use in uses}
+    result = evaluator._model_summary(sums, uses, 1, None)
+    popular_ids = torch.repeat_interleave(torch.arange(manifest.num_items + 1),
+                                          sum(p[1] for p in per_rank).to(torch.int64))
+    protocols = {"popular_": {}}
+    if evaluation.unseen_ranking:
+        protocols["popular_unseen_"] = {"exclude": "histories"}
+    if evaluation.sampled_negatives:
+        protocols["popular_sampled_"] = {"negative_ids": "drawn"}
+    for prefix, kind in protocols.items():
+        total = None
+        for _, _, targets, histories, drawn_rows in per_rank:
+            extra = {}
+            if kind.get("exclude"):
+                extra["exclude"] = (torch.cat([h[0] for h in histories]), torch.cat([h[1] for h in histories]))
+            if kind.get("negative_ids"):
+                extra["negative_ids"] = torch.cat(drawn_rows)
+            part = most_popular_baseline(popular_ids, manifest.num_items, torch.cat(targets), k=10, **extra)
+            total = part if total is None else total + part
+        result.update(evaluator._named(total, 1, prefix, None))
+    result["eval_samples"] = result.pop("count")
+    return result
+
+
+EVALUATION = EvaluationConfig(sampled_negatives=5, unseen_ranking=True)
+
+
+def _small_model(num_items: int, user_features=()):
+    torch.manual_seed(0)
+    return build_local_model(num_items, ModelConfig(embedding_dim=16, hstu=HSTUConfig(num_layers=1)),
+                             user_features=list(user_features))
+
+
+def test_sliced_evaluation_equals_the_gathered_one_on_one_rank(tmp_path) -> None:
+    """Every number of today's evaluation, to the bit: the model's under all three protocols and
+    the baseline's, with user features, in joined batches and in the shards' own."""
+    from tests.helpers import write_shards
+
+    shards = write_shards(tmp_path / "shards", num_steps=5, num_items=60, user_features=[("age", 7)])
+    manifest = load_manifest(shards)
+    model = _small_model(manifest.num_items, [(f.name, f.num_ids) for f in manifest.user_features])
+    for batch_samples in (512, 0):
+        new = evaluate(model, manifest, 0, 1, torch.device("cpu"), evaluation=EVALUATION, batch_samples=batch_samples)
+        assert new == _old_evaluate(model, manifest, 1, EVALUATION, batch_samples=batch_samples)
+        assert new["eval_samples"] > 0 and new["unseen_mrr"] >= new["mrr"]
+
+
+def _two_rank_evaluation(rank: int, folder: str, shards: str) -> None:
+    import json
+    import os
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    root = Path(folder)
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 2), rank=rank, world_size=2,
+                                timeout=timedelta(seconds=120))
+        manifest = load_manifest(shards, 2, rank)
+        result = evaluate(_small_model(manifest.num_items), manifest, rank, 2, torch.device("cpu"),
+                          evaluation=EVALUATION, batch_samples=0, group=dist.group.WORLD)
+        (root / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test through the file
+        import traceback
+
+        (root / f"rank{rank}.json").write_text(json.dumps({"error": traceback.format_exc()}))
+
+
+@pytest.mark.spawns
+def test_sliced_evaluation_equals_the_gathered_one_on_two_ranks(tmp_path) -> None:
+    """2 gloo ranks, each holding half the table, the second with fewer batches than the first (it
+    sits out the last rounds): every number equals today's 2-rank evaluation, on both ranks."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers import write_shards
+
+    shards = write_shards(tmp_path / "shards", num_steps=6, num_items=61, empty_steps={1: {3, 4, 5}})
+    manifest = load_manifest(shards)
+    mp.spawn(_two_rank_evaluation, args=(str(tmp_path), str(shards)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert "error" not in results[0], results[0].get("error")
+    assert "error" not in results[1], results[1].get("error")
+    expected = _old_evaluate(_small_model(manifest.num_items), manifest, 2, EVALUATION, batch_samples=0)
+    assert results[0] == results[1] == expected
+
+
+def test_the_baselines_ranks_are_the_score_matrixs_without_it() -> None:
+    """c32ca2f ranked the baseline through a [queries, items] matrix of the shared scores: the same
+    ranks, history excluded or not (an id twice, the target itself and padding in it)."""
+    from freescale.training.eval.ranking_metrics import _shared_ranking_ranks, popularity_scores, target_ranks
+
+    generator = torch.Generator().manual_seed(3)
+    scores = popularity_scores(torch.randint(1, 30, (200,), generator=generator), 50)
+    targets = torch.randint(1, 51, (40,), generator=generator)
+    lengths = torch.randint(0, 8, (40,), generator=generator)
+    lengths[0] = 3
+    ids = torch.randint(0, 51, (int(lengths.sum()),), generator=generator)
+    ids[:3] = torch.tensor([targets[0], 0, int(targets[0]) % 50 + 1])
+    matrix = scores.unsqueeze(0).expand(40, -1)
+    assert torch.equal(_shared_ranking_ranks(scores, targets, None), target_ranks(matrix, targets))
+    assert torch.equal(_shared_ranking_ranks(scores, targets, (lengths, ids)), target_ranks(matrix, targets, (lengths, ids)))

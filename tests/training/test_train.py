@@ -94,8 +94,11 @@ def test_empty_rank_shard_is_refused(movielens_shards_1, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_two_rank_run_logs_to_mlflow_server(row_run, movielens_shards):
+def test_two_rank_run_logs_to_mlflow_server(row_run, movielens_shards, tmp_path):
     from mlflow.tracking import MlflowClient
+
+    from freescale.training.timing.bubbles import TIMING_FIELDS
+    from tests.scenarios import STEPS
 
     client = MlflowClient(row_run.uri)
     runs = client.search_runs([client.get_experiment_by_name(row_run.experiment).experiment_id])
@@ -112,6 +115,15 @@ def test_two_rank_run_logs_to_mlflow_server(row_run, movielens_shards):
     assert sorted((m.step, m.value) for m in history) == list(enumerate(row_run.log["losses"]))
     artifacts = [a.path for a in client.list_artifacts(logged.info.run_id)]
     assert "rank_timelines.png" in artifacts
+    # The whole timing table, one row per step and rank, as the run's Parquet artifact.
+    import pyarrow.parquet as pq
+
+    timings = pq.read_table(client.download_artifacts(logged.info.run_id, "timings/timings.parquet", str(tmp_path)))
+    assert timings.num_rows == STEPS * 2 == len(row_run.log["steps"]) * 2
+    assert timings.column("step").to_pylist() == [s for s in row_run.log["steps"] for _ in range(2)]
+    assert timings.column("rank").to_pylist() == [0, 1] * STEPS
+    assert timings.column("dense_compute_s").to_pylist() == [
+        r[TIMING_FIELDS.index("dense_compute_s")] for step in row_run.log["timings"]["steps_ranks_fields"] for r in step]
     log = row_run.log
     summary = log["summary"]
     assert summary["eval_samples"] == 943 - 943 % 32

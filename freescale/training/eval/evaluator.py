@@ -18,7 +18,7 @@ can be ranked against its own validation item.) Items older than the history the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Literal
 
 import torch
@@ -30,11 +30,13 @@ from freescale.training.data.batch import SequenceBatch
 from freescale.training.config import ConfigError, EvaluationConfig
 from freescale.training.ops.jagged import jagged_concat_last, last_positions
 from freescale.training.model.recommender import SequentialRecommender
+from freescale.training.eval.catalog_slice import QUERY_CHUNK, CatalogSlice, global_ranks, item_rows
 from freescale.training.eval.ranking_metrics import (
     ExcludeIds,
     ProtocolMetrics,
     RetrievalMetrics,
     full_and_unseen_metrics,
+    metrics_from_ranks,
     most_popular_baseline,
     retrieval_metrics,
     sampled_retrieval_metrics,
@@ -169,10 +171,12 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     collective: all ranks call it; the sums are CPU tensors, summed through ``group``, one serving
     them: ``DistEnv.host_group``). The most-popular baseline comes with the test item.
 
-    The whole item table is gathered once (a collective lookup); scoring then reads it
-    locally, so ranks may hold different numbers of samples. Under the mirror control
-    every rank holds the same samples: rank r scores steps r, r+K, ... ``max_samples``
-    caps the samples scored per rank; the popularity counts still see the whole shard.
+    No rank holds the item table: each holds a 1/K slice (``catalog_slice.CatalogSlice``) and the
+    ranks score in rounds, each rank's next batch per round (none once its shard is done): a
+    round looks up the rows its queries read (a collective lookup), exchanges the queries, and
+    each rank counts its slice's items above every query's target; the counts are summed. Under
+    the mirror control every rank holds the same samples: rank r scores steps r, r+K, ...
+    ``max_samples`` caps the samples scored per rank; the popularity counts still see the whole shard.
     ``seed`` (the training seed) seeds the sampled protocol's negatives; ``negatives`` keeps them
     from one evaluation to the next (a run's validations pass the same one). Consecutive batches
     are scored together, ``batch_samples`` samples at a time (0: the shards' batches).
@@ -180,16 +184,15 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     evaluation = evaluation or EvaluationConfig()
     sampled, unseen = evaluation.sampled_negatives, evaluation.unseen_ranking
     model.eval()
-    raw = model.all_item_embeddings(normalize=False)
     user_tables = model.all_user_feature_tables()
-    table = F.normalize(raw, dim=-1)
+    ranks = _Ranks(CatalogSlice.of(model, rank, world_size, device), rank, world_size, group)
     tally = _Tally.empty(manifest.num_items, uses, sampled, unseen)
     if sampled and negatives is None:
         negatives = NegativeDraws(manifest.num_items, sampled, seed)
     batches = _scored_batches(manifest, rank, world_size, max_samples, tally.counts)
-    for ordinal, batch in enumerate(joined(batches, batch_samples)):
-        drawn = negatives.of(ordinal, batch) if sampled else None
-        tally.add(model, batch.to(device), drawn, device, table, raw, user_tables)
+    for ordinal, batch in enumerate(_rounds(joined(batches, batch_samples), world_size, group)):
+        drawn = negatives.of(ordinal, batch) if sampled and batch is not None else None
+        tally.add(model, None if batch is None else batch.to(device), drawn, device, ranks, user_tables)
     model.train()
     result = _model_summary(tally.sums, uses, world_size, group)
     if "test" not in uses:
@@ -197,6 +200,81 @@ def evaluate(model: SequentialRecommender, manifest: Manifest, rank: int, world_
     result.update(_baseline_summary(tally, manifest.num_items, world_size, group))
     result["eval_samples"] = result.pop("count")
     return result
+
+
+def _rounds(batches: Iterable[SequenceBatch], world_size: int,
+            group: dist.ProcessGroup | None) -> Iterator[SequenceBatch | None]:
+    """This rank's batches, then None, until no rank has a batch left (a collective per round)."""
+    batches = iter(batches)
+    while True:
+        batch = next(batches, None)
+        more = torch.tensor([0 if batch is None else 1])
+        if world_size > 1:
+            dist.all_reduce(more, op=dist.ReduceOp.MAX, group=group)
+        if not int(more):
+            return
+        yield batch
+
+
+@dataclass
+class _Ranks:
+    """Full-catalog ranks of one rank's queries among every rank's slice (``catalog_slice``)."""
+
+    catalog: CatalogSlice
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None
+
+    def of(self, query: torch.Tensor, targets: torch.Tensor,
+           history: ExcludeIds | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's queries' ranks, and without their ``history`` (a collective: every rank's
+        queries are gathered and ranked against every slice)."""
+        mine = (query.cpu(), targets.cpu(), None if history is None else tuple(t.cpu() for t in history))
+        parts = [mine]
+        if self.world_size > 1:
+            parts = [None] * self.world_size
+            dist.all_gather_object(parts, mine, group=self.group)
+        first = sum(part[1].numel() for part in parts[:self.rank])
+        device = self.catalog.rows.device
+        everyone = (torch.cat([part[0] for part in parts]).to(device), torch.cat([part[1] for part in parts]).to(device),
+                    None if history is None else tuple(torch.cat([part[2][i] for part in parts]).to(device)
+                                                       for i in range(2)))
+        full, unseen = global_ranks(self.catalog, *everyone, self.group, self.world_size)
+        last = first + targets.numel()
+        return full[first:last], None if unseen is None else unseen[first:last]
+
+
+def _metrics(ranks: torch.Tensor, k: int = K) -> RetrievalMetrics:
+    """``metrics_from_ranks`` summed a query chunk at a time, as ``retrieval_metrics`` sums (the same bits)."""
+    total = RetrievalMetrics(k=k)
+    for start in range(0, ranks.numel(), QUERY_CHUNK):
+        total = total + metrics_from_ranks(ranks[start:start + QUERY_CHUNK], k)
+    return total
+
+
+def _batch_queries(model: SequentialRecommender, batch: SequenceBatch | None, uses: tuple[str, ...],
+                   drawn: torch.Tensor | None, device: torch.device,
+                   user_tables: list[torch.Tensor] | None) -> dict[str, tuple[torch.Tensor, RetrievalMetrics | None]]:
+    """Per use, ``batch``'s query embeddings and its sampled protocol's sums (with ``drawn``), from
+    the rows its history, targets and negatives read, looked up once (a collective lookup: a rank
+    with no batch looks up nothing and gets nothing)."""
+    parts = [] if batch is None else [batch.item_ids, batch.valid_item, batch.test_item]
+    parts += [] if drawn is None else [drawn.to(device).flatten()]
+    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+    unique, local = torch.unique(ids, return_inverse=True)
+    raw = item_rows(model, unique)
+    if batch is None:
+        return {}
+    n, b = batch.item_ids.numel(), batch.batch_size
+    renamed = replace(batch, item_ids=local[:n], valid_item=local[n:n + b])
+    normalized = None if drawn is None else F.normalize(raw, dim=-1)
+    out = {}
+    for use in uses:
+        query = score_queries(model, renamed, use, raw, user_tables)
+        targets = local[n:n + b] if use == "valid" else local[n + b:n + 2 * b]
+        out[use] = (query, None if drawn is None else
+                    sampled_retrieval_metrics(query, normalized, targets, local[n + 2 * b:].view(b, -1), K))
+    return out
 
 
 def _scored_batches(manifest: Manifest, rank: int, world_size: int, max_samples: int | None,
@@ -239,17 +317,23 @@ class _Tally:
                                      RetrievalMetrics(k=K) if unseen else None) for use in uses}
         return cls(uses, sampled, unseen, sums, torch.zeros(num_items + 1, dtype=torch.float64))
 
-    def add(self, model: SequentialRecommender, batch: SequenceBatch, drawn: torch.Tensor | None,
-            device: torch.device, table: torch.Tensor, raw: torch.Tensor,
-            user_tables: list[torch.Tensor] | None) -> None:
-        """Score ``batch`` (on ``device``) against ``table`` (``raw``: its rows unnormalised), with
-        its negatives ``drawn`` (None: no sampled protocol)."""
-        histories = {use: history_of(batch, use) for use in self.uses} if self.unseen else {}
+    def add(self, model: SequentialRecommender, batch: SequenceBatch | None, drawn: torch.Tensor | None,
+            device: torch.device, ranks: _Ranks, user_tables: list[torch.Tensor] | None) -> None:
+        """Score ``batch`` (on ``device``; None: this rank has none this round, and takes part in
+        the round's collectives) with its negatives ``drawn`` (None: no sampled protocol)."""
+        queries = _batch_queries(model, batch, self.uses, drawn, device, user_tables)
+        histories = {use: history_of(batch, use) for use in self.uses} if self.unseen and batch is not None else {}
+        none = torch.zeros(0, dtype=torch.int64, device=device)  # this rank's part of a round it has no batch for
         for use in self.uses:  # one draw of negatives for both: none is either target
-            self.sums[use] = self.sums[use] + evaluate_batch(model, batch, table, use=use,
-                                                             history=histories.get(use), item_table=raw,
-                                                             user_tables=user_tables,
-                                                             negative_ids=None if drawn is None else drawn.to(device))
+            query, sampled = queries.get(use, (torch.zeros(0, model.config.embedding_dim, device=device), None))
+            targets = none if batch is None else (batch.valid_item if use == "valid" else batch.test_item)
+            history = histories.get(use, (none, none) if self.unseen else None)
+            full, unseen = ranks.of(query, targets, history)
+            if batch is not None:
+                self.sums[use] = self.sums[use] + ProtocolMetrics(
+                    _metrics(full), sampled, None if unseen is None else _metrics(unseen))
+        if batch is None:
+            return
         self.targets.append(batch.test_item.cpu())
         if "test" in histories:
             self.test_histories.append(tuple(t.cpu() for t in histories["test"]))
@@ -278,21 +362,22 @@ def _baseline_summary(tally: _Tally, num_items: int, world_size: int,
     counts = tally.counts
     if world_size > 1:  # the baseline ranks items by their count over every rank's histories
         dist.all_reduce(counts, group=group)
-    popular_ids = torch.repeat_interleave(torch.arange(counts.numel()), counts.to(torch.int64))
+    popular_ids = torch.zeros(0, dtype=torch.int64)  # the counts say it all
     all_targets = torch.cat(tally.targets) if tally.targets else torch.zeros(0, dtype=torch.int64)
-    baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K)
+    baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K, item_counts=counts)
     result = _named(baseline, world_size, "popular_", group)
     if tally.unseen:
         empty = torch.zeros(0, dtype=torch.int64)
         exclude = (torch.cat([lengths for lengths, _ in tally.test_histories] or [empty]),
                    torch.cat([ids for _, ids in tally.test_histories] or [empty]))
-        baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K, exclude=exclude)
+        baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K, exclude=exclude,
+                                         item_counts=counts)
         result.update(_named(baseline, world_size, "popular_unseen_", group))
     if tally.sampled:
         all_negatives = (torch.cat(tally.drawn_rows) if tally.drawn_rows
                          else torch.zeros(0, tally.sampled, dtype=torch.int64))
         baseline = most_popular_baseline(popular_ids, num_items, all_targets, k=K,
-                                         negative_ids=all_negatives)
+                                         negative_ids=all_negatives, item_counts=counts)
         result.update(_named(baseline, world_size, "popular_sampled_", group))
     return result
 

@@ -343,13 +343,16 @@ def unseen_negatives(
     return out
 
 
-def popularity_scores(train_item_ids: torch.Tensor, num_items: int) -> torch.Tensor:
-    """``[num_items + 1]`` tie-free scores: more frequent first, then lower id.
+def popularity_scores(train_item_ids: torch.Tensor, num_items: int,
+                      item_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """``[num_items + 1]`` tie-free scores: more frequent first, then lower id (frequencies counted
+    in ``train_item_ids``, or given per id as ``item_counts``).
 
     Ties broken by id rather than left as ties, because ``target_ranks`` counts
     ties against the target and most items in a long tail share a count.
     """
-    counts = torch.bincount(train_item_ids.to(torch.int64).flatten(), minlength=num_items + 1)[: num_items + 1]
+    counts = (torch.bincount(train_item_ids.to(torch.int64).flatten(), minlength=num_items + 1)
+              if item_counts is None else item_counts.to(torch.int64))[: num_items + 1]
     order = torch.argsort(-counts, stable=True)
     scores = torch.empty(num_items + 1, dtype=torch.float64)
     scores[order] = -torch.arange(num_items + 1, dtype=torch.float64)
@@ -364,21 +367,39 @@ def most_popular_baseline(
     exclude: ExcludeIds | None = None,
     query_chunk_size: int = 256,
     negative_ids: torch.Tensor | None = None,
+    item_counts: torch.Tensor | None = None,
 ) -> RetrievalMetrics:
     """Metrics of recommending the same ranking -- by training frequency -- to everyone.
 
     The trainer's sanity floor: a sequential model that cannot beat this has
     not learned anything user-specific. With ``negative_ids`` (``[B, N]``) each target
-    is ranked among its own negatives by the same counts (the sampled protocol).
+    is ranked among its own negatives by the same counts (the sampled protocol). ``item_counts``
+    (``[num_items + 1]``, per id) stands for ``train_item_ids`` counted.
     """
-    scores = popularity_scores(train_item_ids.cpu(), num_items).to(target_ids.device)
+    scores = popularity_scores(train_item_ids.cpu(), num_items, item_counts).to(target_ids.device)
     if negative_ids is not None:
         ranks = sampled_target_ranks(scores[target_ids], scores[negative_ids.to(target_ids.device)])
         return metrics_from_ranks(ranks, k)
+    ranks = _shared_ranking_ranks(scores, target_ids, exclude)
     total = RetrievalMetrics(k=k)
     for start in range(0, target_ids.shape[0], query_chunk_size):
-        stop = min(start + query_chunk_size, target_ids.shape[0])
-        chunk = scores.unsqueeze(0).expand(stop - start, -1)
-        ranks = target_ranks(chunk, target_ids[start:stop], _slice_exclude(exclude, start, stop))
-        total = total + metrics_from_ranks(ranks, k)
+        total = total + metrics_from_ranks(ranks[start:start + query_chunk_size], k)
     return total
+
+
+def _shared_ranking_ranks(scores: torch.Tensor, target_ids: torch.Tensor, exclude: ExcludeIds | None) -> torch.Tensor:
+    """``target_ranks`` of every query against the same tie-free ``[num_items + 1]`` scores, without a
+    ``[queries, items]`` matrix (at a million items, 256 queries' matrix took gigabytes): the items at
+    or above each target, counted in the sorted scores, less the distinct excluded ones above it."""
+    _check_targets(target_ids, scores.numel())
+    ranked = torch.sort(scores[1:]).values  # padding is never ranked
+    target_scores = scores[target_ids]
+    ranks = ranked.numel() - torch.searchsorted(ranked, target_scores, side="left") - 1
+    if exclude is None:
+        return ranks
+    lengths, ids = exclude
+    rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+    pairs = torch.unique(rows * scores.numel() + ids)  # an id listed twice for a query is excluded once
+    rows, ids = pairs // scores.numel(), pairs % scores.numel()
+    above = (scores[ids] >= target_scores[rows]) & (ids != target_ids[rows]) & (ids != 0)
+    return ranks - torch.bincount(rows[above], minlength=ranks.numel())

@@ -159,7 +159,8 @@ class MLflowSink:
             self._changed.notify_all()
         warn(f"MLflow at {self.uri} failed ({tracking_failure(exc)}); the run continues untracked")
 
-    def finish(self, status: str, summary: dict[str, float] | None = None, artifacts: list[Path] = ()) -> None:
+    def finish(self, status: str, summary: dict[str, float] | None = None,
+               artifacts: list[Path | tuple[Path, str]] = ()) -> None:
         """Send what is queued (at most DRAIN_TIMEOUT_S), then end the run FINISHED, FAILED or KILLED."""
         from mlflow.entities import Metric
 
@@ -176,8 +177,9 @@ class MLflowSink:
                 now = int(time.time() * 1000)
                 self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, 0)
                                                             for k, v in summary.items() if v == v])
-            for path in artifacts:
-                self.client.log_artifact(self.run_id, str(path))
+            for artifact in artifacts:  # a path, or (path, the folder it goes under)
+                path, folder = artifact if isinstance(artifact, tuple) else (artifact, None)
+                self.client.log_artifact(self.run_id, str(path), folder)
             self.client.set_terminated(self.run_id, status)
         except Exception as exc:  # noqa: BLE001 - the training is done: tracking must not fail it
             self.failed = True

@@ -7,19 +7,24 @@ The step itself, one implementation per comm mode, is ``freescale.training.loop.
 checkpoint holds and the resume, ``freescale.training.checkpoint.resume``; the random numbers,
 ``freescale.training.loop.seeding``; the log lines and the run summary, ``freescale.training.timing.step_report``.
 Per-rank timings, communication included, are all-gathered every
-``timing_sync_every`` steps; rank 0 turns them into bubble and idle fractions.
+``timing_sync_every`` steps; rank 0 appends each window to the run's timing file
+(``freescale.costs.run_timings``) and turns the file into bubble and idle fractions at the end.
 """
 from __future__ import annotations
 
 import sys
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from freescale.costs.run_timings import TimingColumns, TimingFile, artifact_name
 from freescale.shards.manifest import Manifest, ShardError, load_manifest
-from freescale.training.timing.bubbles import StepTimeLog
+from freescale.training.timing.bubbles import TIMING_FIELDS, StepTimeLog
 from freescale.training.checkpoint.checkpointer import Checkpointer
 from freescale.training.config import TrainConfig, to_flat_dict
 from freescale.training.parallel.distributed import DistEnv, all_ranks_ok, init_distributed
@@ -53,11 +58,12 @@ class NullSink:
 
 @dataclass
 class TrainResult:
-    """What a run produced; identical on every rank (built from gathered data)."""
+    """What a run produced; identical on every rank (built from gathered data) but ``timings``."""
 
     summary: dict[str, float]
-    timings: np.ndarray
-    """[steps, ranks, fields] of bubbles.TIMING_FIELDS."""
+    timings: Path | None
+    """Rank 0: the run's timing file (``TimingColumns`` reads it; the trainer's own temporary one
+    lasts until ``Trainer.close``); None on the other ranks, and when no step was trained."""
     steps: list[int]
     losses: list[float]
     """Global loss per step (targets-weighted over all ranks)."""
@@ -68,8 +74,11 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, sink: MetricsSink | None = None, env: DistEnv | None = None):
+    def __init__(self, config: TrainConfig, sink: MetricsSink | None = None, env: DistEnv | None = None,
+                 timings_file: str | Path | None = None):
+        """``timings_file``: where rank 0 writes the timing file (None: a temporary folder of its own)."""
         self.config = config
+        self._timings_dir: tempfile.TemporaryDirectory | None = None
         self.sink = sink or NullSink()
         self.env = env or init_distributed(config.parallel, config.training.threads)
         # One job per checkpoint folder, until close(): taken first, so a refused job stops
@@ -115,6 +124,7 @@ class Trainer:
             self._load_start()
             if self.replan is not None:
                 self._check_replan_start()
+            self.timing_file = self._open_timing_file(timings_file)
         except BaseException:
             self.close()
             raise
@@ -124,6 +134,15 @@ class Trainer:
     def describe_comm(self) -> str:
         """Which comm mode and transport actually run (logged once, and recorded as a run tag)."""
         return self.training_step.describe()
+
+    def _open_timing_file(self, path: str | Path | None) -> TimingFile | None:
+        """Rank 0's timing file (written from the first step this process trains)."""
+        if self.env.rank != 0:
+            return None
+        if path is None:
+            self._timings_dir = tempfile.TemporaryDirectory(prefix="freescale-timings-")
+            path = Path(self._timings_dir.name) / artifact_name(self.step)
+        return TimingFile(path, TIMING_FIELDS, self.env.world_size)
 
     def _open_shards(self) -> tuple[Manifest, Any]:
         """Load and check the manifest and this rank's files on every rank, then agree.
@@ -211,8 +230,13 @@ class Trainer:
                                to_flat_dict(self.config))
 
     def close(self) -> None:
-        """Release the checkpoint folder (also after a failure; safe to call twice)."""
+        """Release the checkpoint folder and the timing file (also after a failure; safe to call twice)."""
         self.checkpointer.unlock()
+        if getattr(self, "timing_file", None) is not None:
+            self.timing_file.close()
+        if self._timings_dir is not None:
+            self._timings_dir.cleanup()
+            self._timings_dir = None
 
     # ------------------------------------------------------------- the loop
 
@@ -229,6 +253,7 @@ class Trainer:
     def train(self) -> TrainResult:
         self.model.train()
         reporter = StepReporter(self.env.world_size, self.max_steps, self.config.training.log_every)
+        self.steps, self.losses = [], []
         stream = BatchStream(self.loader, self.env.device, self.step)
         while self.step < self.max_steps and not self.validation.record.stopped:
             # A step prefetches only within `batches`: at a stop nothing is in flight.
@@ -256,12 +281,20 @@ class Trainer:
             self.save()
         if self.validation.best is not None and self.validation.record.best_epoch:
             self.validation.best.restore()  # after the last checkpoint: it holds the last step's weights
-        table = self.log.table()
-        summary = run_summary(table)
+        timings = self.timing_file.close() if self.timing_file is not None else None
+        summary = self._timing_summary(timings)
         summary.update(self.validation.summary())
         summary.update(self._evaluate(tuple(SPLIT_PREFIX)))
-        return TrainResult(summary, table, list(self.log.steps), list(step_losses(table)), self.manifest,
+        return TrainResult(summary, timings, self.steps, self.losses, self.manifest,
                            self.training_step.comm_issue_order)
+
+    def _timing_summary(self, timings: Path | None) -> dict[str, float]:
+        """``run_summary`` of rank 0's timing file, read column by column, on every rank (a collective)."""
+        summary = [run_summary(TimingColumns(timings)) if timings is not None else run_summary(
+            np.zeros((0, self.env.world_size, len(TIMING_FIELDS))))] if self.env.rank == 0 else [None]
+        if self.env.world_size > 1:
+            dist.broadcast_object_list(summary, src=0, group=self.env.host_group)
+        return summary[0]
 
     def _evaluate(self, uses: tuple[str, ...]) -> dict[str, float]:
         """The held-out items ``uses`` of every rank's users, scored by this run's model (a collective)."""
@@ -287,10 +320,17 @@ class Trainer:
             note += f"; no better for {record.since_best} validation(s): stopping early"
         print(f"freescale train: epoch {epoch} {metric} {scores[metric]:.4f} ({note})", file=sys.stderr, flush=True)
 
-    def _report(self, reporter: StepReporter, gathered: np.ndarray | None) -> None:
-        """Rank 0 prints and records the steps just gathered (None: none were)."""
-        if gathered is not None and self.env.rank == 0:
-            reporter.report(self.sink, gathered, self.log.steps[-len(gathered):])
+    def _report(self, reporter: StepReporter, window: tuple[list[int], np.ndarray] | None) -> None:
+        """The steps just gathered (None: none were): every rank keeps their losses; rank 0 appends
+        them to the timing file, prints and records them."""
+        if window is None:
+            return
+        steps, gathered = window
+        self.steps.extend(steps)
+        self.losses.extend(float(loss) for loss in step_losses(gathered))
+        if self.timing_file is not None:
+            self.timing_file.append(steps, gathered)
+            reporter.report(self.sink, gathered, steps)
 
 
 def planned_steps(config: TrainConfig, steps_per_epoch: int) -> tuple[int, int]:
@@ -311,8 +351,9 @@ def replanned_end(max_steps: int, replan: Replan, steps_per_epoch: int) -> int:
     return end if max_steps >= epoch_end else min(max_steps, end)
 
 
-def run(config: TrainConfig, sink: MetricsSink | None = None) -> TrainResult:
-    trainer = Trainer(config, sink)
+def run(config: TrainConfig, sink: MetricsSink | None = None, timings_file: str | Path | None = None) -> TrainResult:
+    """One training; its ``timings`` file outlives it only when ``timings_file`` says where."""
+    trainer = Trainer(config, sink, timings_file=timings_file)
     try:
         return trainer.train()
     finally:

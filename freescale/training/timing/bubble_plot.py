@@ -3,21 +3,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from freescale.training.timing import bubbles
 
 
-def plot_rank_timelines(table: np.ndarray, steps: list[int], path: str | Path, title: str = "") -> Path:
+def plot_rank_timelines(table: bubbles.Timings, steps: list[int], path: str | Path, title: str = "") -> Path:
     """One run's picture: the comparison's layout with a single column."""
     return plot_comparison_timelines({title: (table, steps)}, path)
 
 
-def plot_comparison_timelines(runs: dict[str, tuple[np.ndarray, list[int]]], path: str | Path,
+def plot_comparison_timelines(runs: dict[str, tuple[bubbles.Timings, list[int]]], path: str | Path,
                               title: str = "") -> Path:
     """Side by side, one column per shard set (e.g. contiguous | balanced): each rank's dense
     compute (top) and its wait for the slowest rank (bottom) over steps, on shared axes so the
-    columns compare at a glance. ``runs`` maps a column title to a run's timing table and its steps."""
+    columns compare at a glance. ``runs`` maps a column title to a run's timings (a table, or its
+    columns: ``bubbles.column``) and its steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,7 +33,7 @@ def plot_comparison_timelines(runs: dict[str, tuple[np.ndarray, list[int]]], pat
         axes[1, column].set_xlabel("step")
     axes[0, 0].set_ylabel("dense compute (ms)")
     axes[1, 0].set_ylabel("waiting for slowest (ms)")
-    if next(iter(runs.values()))[0].shape[1] <= 8:
+    if compute.shape[1] <= 8:
         axes[0, 0].legend(loc="upper right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()

@@ -1,16 +1,17 @@
 """Per-step, per-rank timings and the bubbles they show, measured on the ranks themselves.
 
 Every rank times its own phases each step (wall clock, and the thread's CPU clock
-for the dense compute). Every `sync_every` steps the ranks all-gather their rows,
-so every rank holds the whole [step, rank] table. A rank's bubble in a step is the
-time it waits for the slowest rank, max_k compute[k] - compute[r]; the step's bubble
+for the dense compute). Every `sync_every` steps the ranks all-gather their rows
+(a window of the [step, rank] table; rank 0 appends it to the run's timing file,
+``freescale.costs.run_timings``). A rank's bubble in a step is the time it waits
+for the slowest rank, max_k compute[k] - compute[r]; the step's bubble
 fraction is the sum over ranks divided by ranks x step time.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, Union
 
 import numpy as np
 import torch
@@ -118,26 +119,26 @@ FIELD_INDEX = {name: i for i, name in enumerate(TIMING_FIELDS)}
 
 
 class StepTimeLog:
-    """Collects this rank's StepTimings and all-gathers them into a [steps, ranks, fields] table."""
+    """Collects this rank's StepTimings and all-gathers them, ``sync_every`` steps at a time, into
+    ``[steps, ranks, fields]`` windows: a rank holds the steps since the last gather and the window it
+    returns, never the run's table (rank 0 appends the windows to a ``TimingFile``)."""
 
     def __init__(self, world_size: int, sync_every: int = 1, group: dist.ProcessGroup | None = None):
         self.world_size = world_size
         self.sync_every = max(1, sync_every)
         self.group = group
-        self.steps: list[int] = []
         self._pending: list[list[float]] = []
         self._pending_steps: list[int] = []
-        self._gathered: list[np.ndarray] = []
 
-    def record(self, step: int, timing: StepTiming) -> np.ndarray | None:
-        """Add one step; returns the newly gathered [n, K, F] rows when a sync happened."""
+    def record(self, step: int, timing: StepTiming) -> tuple[list[int], np.ndarray] | None:
+        """Add one step; returns the newly gathered steps and their [n, K, F] rows when a sync happened."""
         self._pending.append([getattr(timing, name) for name in TIMING_FIELDS])
         self._pending_steps.append(step)
         if len(self._pending) >= self.sync_every:
             return self.flush()
         return None
 
-    def flush(self) -> np.ndarray | None:
+    def flush(self) -> tuple[list[int], np.ndarray] | None:
         """All-gather what is pending (a collective: every rank must call it the same number of times)."""
         if not self._pending:
             return None
@@ -148,20 +149,27 @@ class StepTimeLog:
             table = torch.stack(gathered, dim=1).numpy()
         else:
             table = local.unsqueeze(1).numpy()
-        self._gathered.append(table)
-        self.steps.extend(self._pending_steps)
-        self._pending, self._pending_steps = [], []
-        return table
-
-    def table(self) -> np.ndarray:
-        """[steps, ranks, fields] of every gathered step."""
-        if not self._gathered:
-            return np.zeros((0, self.world_size, len(TIMING_FIELDS)))
-        return np.concatenate(self._gathered, axis=0)
+        steps, self._pending, self._pending_steps = self._pending_steps, [], []
+        return steps, table
 
 
-def column(table: np.ndarray, name: str) -> np.ndarray:
-    return table[..., FIELD_INDEX[name]]
+class TimingSource(Protocol):
+    """A run's timings read one field at a time (``freescale.costs.run_timings.TimingColumns``)."""
+
+    def __len__(self) -> int: ...
+
+    def column(self, name: str) -> np.ndarray: ...
+
+
+Timings = Union[np.ndarray, TimingSource]
+"""A ``[steps, ranks, fields]`` table, or a source of its ``[steps, ranks]`` columns."""
+
+
+def column(timings: Timings, name: str) -> np.ndarray:
+    """``[steps, ranks]``: field ``name`` of every step and rank."""
+    if isinstance(timings, np.ndarray):
+        return timings[..., FIELD_INDEX[name]]
+    return timings.column(name)
 
 
 def rank_bubbles(compute: np.ndarray) -> np.ndarray:
@@ -201,22 +209,27 @@ def overlap_fraction(comm: np.ndarray, exposed: np.ndarray) -> float:
     return 0.0 if total <= 0 else 1.0 - float(exposed.sum()) / total
 
 
-def summarize(table: np.ndarray, skip_steps: int = 0) -> dict[str, float]:
-    """Bubble fractions (wall and CPU clock), medians and imbalance over the measured steps.
+def summarize(timings: Timings, skip_steps: int = 0) -> dict[str, float]:
+    """Bubble fractions (wall and CPU clock), medians and imbalance over the measured steps, read a
+    few columns at a time.
 
     `skip_steps` leaves out warm-up steps (allocator, first-touch) that no plan controls.
     """
-    table = table[skip_steps:]
-    if len(table) == 0:
+    if len(timings) <= skip_steps:
         return {}
-    step_time = column(table, "step_s").max(axis=1)
-    wall = column(table, "dense_compute_s")
-    cpu = column(table, "dense_compute_cpu_s")
-    cost = column(table, "cost")
+
+    def measured(name: str) -> np.ndarray:
+        return column(timings, name)[skip_steps:]
+
+    step_time = measured("step_s").max(axis=1)
+    wall = measured("dense_compute_s")
+    cpu = measured("dense_compute_cpu_s")
+    cost = measured("cost")
     with np.errstate(divide="ignore", invalid="ignore"):
         cost_imbalance = np.nan_to_num(cost.max(axis=1) / cost.mean(axis=1) - 1.0)
-    waits = (column(table, "sparse_forward_s") + column(table, "sparse_backward_s")
-             + column(table, "allreduce_s"))
+    del cost
+    waits = measured("sparse_forward_s") + measured("sparse_backward_s") + measured("allreduce_s")
+    comm, exposed = measured("comm_s"), measured("exposed_comm_s")
     return {
         "bubble_fraction": bubble_fraction(wall, step_time),
         "bubble_fraction_cpu": bubble_fraction(cpu, step_time),
@@ -224,13 +237,13 @@ def summarize(table: np.ndarray, skip_steps: int = 0) -> dict[str, float]:
         "step_time_s": float(np.median(step_time)),
         "dense_compute_s": float(np.median(wall)),
         "collective_s": float(np.median(waits)),
-        "data_wait_s": float(np.median(column(table, "data_wait_s"))),
+        "data_wait_s": float(np.median(measured("data_wait_s"))),
         "imbalance": float(np.mean(cost_imbalance)),
-        "comm_s": float(np.median(column(table, "comm_s"))),
-        "exposed_comm_s": float(np.median(column(table, "exposed_comm_s"))),
-        "overlap_fraction": overlap_fraction(column(table, "comm_s"), column(table, "exposed_comm_s")),
-        "dense_comm_overlap_s": float(np.median(column(table, "dense_comm_overlap_s"))),
+        "comm_s": float(np.median(comm)),
+        "exposed_comm_s": float(np.median(exposed)),
+        "overlap_fraction": overlap_fraction(comm, exposed),
+        "dense_comm_overlap_s": float(np.median(measured("dense_comm_overlap_s"))),
         "idle_fraction": idle_fraction(wall, step_time),
-        "exposed_comm_fraction": idle_fraction(column(table, "exposed_comm_s"), step_time, share=True),
-        "measured_steps": float(len(table)),
+        "exposed_comm_fraction": idle_fraction(exposed, step_time, share=True),
+        "measured_steps": float(len(step_time)),
     }

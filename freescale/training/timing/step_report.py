@@ -1,5 +1,5 @@
-"""What rank 0 makes of the gathered step table: the sink's per-step series, the progress
-line with its ETA, and the run's summary."""
+"""What rank 0 makes of the gathered step windows: the sink's per-step series, the progress
+line with its ETA, and the run's summary (from the run's timing file)."""
 from __future__ import annotations
 
 import collections
@@ -78,7 +78,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
-def step_losses(table: np.ndarray) -> np.ndarray:
+def step_losses(table: bubbles.Timings) -> np.ndarray:
     """Global loss per step: the sum of target losses over all ranks / all targets."""
     if len(table) == 0:
         return np.zeros(0)
@@ -88,8 +88,9 @@ def step_losses(table: np.ndarray) -> np.ndarray:
         return np.nan_to_num(loss_sum / targets)
 
 
-def run_summary(table: np.ndarray) -> dict[str, float]:
-    """Bubbles and timings past the warm-up, the loss of the last tenth of the steps, throughput."""
+def run_summary(table: bubbles.Timings) -> dict[str, float]:
+    """Bubbles and timings past the warm-up, the loss of the last tenth of the steps, throughput
+    (from a table or, column by column, from the run's timing file)."""
     summary = bubbles.summarize(table, skip_steps=min(WARMUP_STEPS, max(0, len(table) - 1)))
     losses = step_losses(table)
     summary["loss"] = float(np.mean(losses[-max(1, len(losses) // 10):])) if len(losses) else float("nan")

@@ -456,10 +456,11 @@ class Capture:
             except (OSError, ValueError) as error:
                 self.failed(f"losses/{case}.json", f"summary of {case}", error, case=case)
                 continue
-            fields = data["timings"]["fields"]
-            table = data["timings"]["steps_ranks_fields"]
-            per_step = {name: [[row[fields.index(name)] for row in step] for step in table]
-                        for name in STEP_FIELDS if name in fields}
+            from freescale.costs.run_summary import timing_table
+
+            timings = timing_table(data, summary_path)
+            fields = timings.fields
+            per_step = {name: timings.column(name).tolist() for name in STEP_FIELDS if name in fields}
             summary = data["summary"]
             kept = {k: v for k, v in sorted(summary.items()) if DETERMINISTIC_METRIC.match(k)}
             record = {
