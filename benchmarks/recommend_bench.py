@@ -9,7 +9,8 @@ Usage (from the repository root):
 thread as a worker runs it: the job's ``mapInArrow`` function (``spark_recommend.scorer``) on Arrow
 record batches of ``--batch-users`` (Spark's ``maxRecordsPerBatch``, 10,000) synthetic prepared
 sequences -- histories built, scored, top k, the output batch -- the seconds of the calls summed over
-every batch, the median of ``--repeats``. The sequences are made batch by batch from a seed (not
+every batch (wall-clock, and the process's CPU time: on a shared machine the steadier of the two), the
+median of ``--repeats``. The sequences are made batch by batch from a seed (not
 timed): prepare's synthetic lengths (log-normal, median ~67, 20..1024) and Zipf items over
 ``--items`` items; the model a random export folder of ``configs/demo.toml``'s shape (the speed does
 not depend on the weights' values). ``--baseline REV`` times REV's `freescale` package on the same
@@ -17,6 +18,10 @@ batches in the same run (``git archive REV freescale`` into ``--workdir``; a REV
 ``mapInPandas`` gets its batches as pandas and its output converted back to Arrow, as Spark's worker
 does for it), at the sizes of ``--baseline-users``, and says whether its output is bitwise this tree's.
 ``--profile`` splits one pass of each tree's work into its phases.
+
+``--same-as REV`` (with ``--model`` and ``--input``): runs the whole job, `freescale recommend`, with this
+tree's code and with REV's on local Spark, and compares the two Parquet outputs: schema, rows, order, score
+bits (``--k``, and ``--exclude-history false`` too).
 
 Without ``--worker-users`` each row times the job's Spark work -- ship the model, score every user and
 write the Parquet output -- on ``local[c]`` (c executor cores), the median of ``--repeats``; the JVM's
@@ -192,19 +197,20 @@ def worker_run(spec: dict) -> dict:
     arrow_native = hasattr(spark_recommend, "history_batch")
     call = batch_call(spark_recommend.scorer("bench", spec["k"], True), arrow_native)
     sizes = [min(spec["batch_users"], spec["users"] - start) for start in range(0, spec["users"], spec["batch_users"])]
-    seconds, digest = [], hashlib.sha256()
+    seconds, cpu_seconds, digest = [], [], hashlib.sha256()
     for repeat in range(spec["repeats"]):
-        took = 0.0
+        took = cpu = 0.0
         for index, size in enumerate(sizes):
             batch = synthetic_batch(index, size, spec["items"], spec["seed"])
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             out = call(batch)
-            took += time.perf_counter() - started
+            took, cpu = took + time.perf_counter() - started, cpu + time.process_time() - cpu_started
             if repeat == 0:
                 digest.update(output_bytes(out))
         seconds.append(took)
+        cpu_seconds.append(cpu)
     phases = (new_phases if arrow_native else old_phases)(spec, sizes) if spec["profile"] else {}
-    return {"seconds": seconds, "digest": digest.hexdigest(), "phases": phases, "arrow_native": arrow_native}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "digest": digest.hexdigest(), "phases": phases}
 
 
 def batch_call(score, arrow_native: bool):
@@ -234,6 +240,13 @@ def output_bytes(table) -> bytes:
 
 def new_phases(spec: dict, sizes: list[int]) -> dict[str, float]:
     """One pass of the Arrow path, phase by phase (the job's own functions, called one after the other)."""
+    import torch
+
+    with torch.no_grad():
+        return _new_phases(spec, sizes)
+
+
+def _new_phases(spec: dict, sizes: list[int]) -> dict[str, float]:
     import pyarrow as pa
     import torch
 
@@ -245,7 +258,7 @@ def new_phases(spec: dict, sizes: list[int]) -> dict[str, float]:
     width = min(spec["k"], model.num_items)
     for index, size in enumerate(sizes):
         batch = synthetic_batch(index, size, spec["items"], spec["seed"])
-        clock = time.perf_counter()
+        clock = time.process_time()
         histories = history_batch(batch, model.max_history)
         clock = _lap(phases, "histories (Arrow/NumPy)", clock)
         found = []
@@ -272,7 +285,7 @@ def old_phases(spec: dict, sizes: list[int]) -> dict[str, float]:
                             "output to Arrow"), 0.0)
     for index, size in enumerate(sizes):
         batch = synthetic_batch(index, size, spec["items"], spec["seed"])
-        clock = time.perf_counter()
+        clock = time.process_time()
         frame = batch.to_pandas()
         clock = _lap(phases, "input to pandas", clock)
         found = histories(frame, model.max_history)
@@ -287,7 +300,7 @@ def old_phases(spec: dict, sizes: list[int]) -> dict[str, float]:
 
 
 def _lap(phases: dict[str, float], name: str, started: float) -> float:
-    now = time.perf_counter()
+    now = time.process_time()
     phases[name] += now - started
     return now
 
@@ -322,17 +335,17 @@ def worker_table(args: argparse.Namespace) -> None:
     runs += [(f"{args.baseline} (baseline)", baseline, users) for users in args.baseline_users] if baseline else []
     print(f"model: demo shape (HSTU 1 layer, dim 32), {args.items} items, max_history {DEMO_MAX_HISTORY}; k {args.k}, "
           f"history excluded; batches of {args.batch_users} users; torch at 1 thread\n")
-    print("| code | users | seconds (median) | [min, max] | users/s per core | output sha256 |\n"
-          "| --- | --- | --- | --- | --- | --- |")
+    print("| code | users | seconds (median) | [min, max] | users/s per core | CPU seconds (median) | "
+          "users per CPU second | output sha256 |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     results = {}
     for name, code, users in runs:
         spec = {"model": str(model), "users": users, "items": args.items, "batch_users": args.batch_users,
                 "repeats": args.repeats, "k": args.k, "seed": 0, "profile": args.profile and users == min(
                     u for n, _, u in runs if n == name)}
         result = results[name, users] = in_subprocess(code, spec)
-        median = statistics.median(result["seconds"])
+        median, cpu = statistics.median(result["seconds"]), statistics.median(result["cpu_seconds"])
         print(f"| {name} | {users:,} | {median:.2f} | [{min(result['seconds']):.2f}, {max(result['seconds']):.2f}] | "
-              f"{users / median:,.0f} | {result['digest'][:16]} |", flush=True)
+              f"{users / median:,.0f} | {cpu:.2f} | {users / cpu:,.0f} | {result['digest'][:16]} |", flush=True)
     for (name, users), result in results.items():
         if name != "this tree" and ("this tree", users) in results:
             same = result["digest"] == results["this tree", users]["digest"]
@@ -340,10 +353,37 @@ def worker_table(args: argparse.Namespace) -> None:
     for (name, users), result in results.items():
         if result["phases"]:
             total = sum(result["phases"].values())
-            print(f"\nPhases of {name} at {users:,} users (one pass, {total:.1f} s):\n\n| phase | seconds | share |\n"
+            print(f"\nPhases of {name} at {users:,} users (one pass, {total:.1f} CPU s):\n\n| phase | CPU seconds | share |\n"
                   "| --- | --- | --- |")
             for phase, took in result["phases"].items():
                 print(f"| {phase} | {took:.2f} | {took / total:.0%} |")
+
+
+def same_as(args: argparse.Namespace) -> None:
+    """The job's output with this tree's code and with ``--same-as``'s, on the same model and input."""
+    import pyarrow.parquet as pq
+
+    trees = {"this tree": REPO, args.same_as: baseline_tree(args.same_as, args.workdir)}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for exclude in ("true", "false"):
+        tables = {}
+        for name, tree in trees.items():
+            out = args.workdir / f"same-as-{name.replace(' ', '-')}-{exclude}"
+            shutil.rmtree(out, ignore_errors=True)
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "freescale.jobs.cli", "recommend", "--model", str(args.model.resolve()),
+                            "--input", str(args.input.resolve()), "--output", str(out), "--k", str(args.k),
+                            "--exclude-history", exclude, "--tracking-uri", "none"],
+                           cwd=tree, env={**env, "PYTHONPATH": str(tree)}, check=True, capture_output=True)
+            tables[name] = pq.read_table(out)
+            print(f"{name}: {tables[name].num_rows} users, --exclude-history {exclude}, "
+                  f"{time.perf_counter() - started:.0f} s (the JVM's start included)")
+        ours, theirs = tables.values()
+        same = (ours.schema.equals(theirs.schema, check_metadata=True) and ours.equals(theirs)
+                and output_bytes(ours) == output_bytes(theirs))
+        print(f"--exclude-history {exclude}: schema, rows, order and score bits "
+              f"{'identical' if same else 'DIFFERENT'} ({ours.num_rows} rows, "
+              f"{sum(len(i) for i in ours.column('items').to_pylist())} items)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", help="with --worker-users: also this git revision's code, in the same run")
     p.add_argument("--baseline-users", help="the sizes to time the baseline at (default: the smallest)")
     p.add_argument("--profile", action="store_true", help="with --worker-users: the phases of one pass")
+    p.add_argument("--same-as", metavar="REV", help="with --model and --input: the job's output equals REV's?")
     p.add_argument("--items", type=int, default=10_000, help="with --worker-users: the catalog's size")
     p.add_argument("--batch-users", type=int, default=10_000, help="users per Arrow batch (Spark's default)")
     p.add_argument("--repeats", type=int, default=3)
@@ -371,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         args.baseline_users = ([int(u) for u in args.baseline_users.split(",")] if args.baseline_users
                                else [min(args.worker_users)])
         worker_table(args)
+    elif args.same_as:
+        same_as(args)
     else:
         spark_table(args)
     return 0

@@ -176,8 +176,6 @@ def ragged_sequences(lengths: list[int], features: int = 2, seed: int = 0):
     NaN or fractional here and there, validation ratings null for some."""
     import random
 
-    import pyarrow as pa
-
     rng = random.Random(seed)
 
     def rating():
@@ -190,12 +188,18 @@ def ragged_sequences(lengths: list[int], features: int = 2, seed: int = 0):
              "test_timestamp": 2 * 10**9 + n, **({"user_features": [rng.randint(0, 9) for _ in range(features)]}
                                                  if features else {})}
             for n, length in enumerate(lengths)]
+    return rows, sequences_batch(rows)
+
+
+def sequences_batch(rows: list[dict]):
+    import pyarrow as pa
+
     types = {"user_id": pa.string(), "items": pa.list_(pa.int32()), "timestamps": pa.list_(pa.int64()),
              "ratings": pa.list_(pa.float32()), "valid_item": pa.int32(), "valid_timestamp": pa.int64(),
              "valid_rating": pa.float32(), "test_item": pa.int32(), "test_timestamp": pa.int64(),
              "user_features": pa.list_(pa.int32())}
     schema = pa.schema([(name, types[name]) for name in rows[0]])
-    return rows, pa.RecordBatch.from_pylist(rows, schema=schema)
+    return pa.RecordBatch.from_pylist(rows, schema=schema)
 
 
 def assert_same_batch(ours, reference) -> None:
@@ -227,25 +231,29 @@ def test_history_batches_are_the_per_user_histories_on_ragged_data(features):
 
 
 def test_batches_score_as_histories_one_by_one_and_trim_what_is_left(tmp_path):
-    """``ExportedModel.top`` in chunks of any size ranks as each history scored alone (the same items, the
-    same scores bitwise), and the output rows keep only the items left to rank (30 items, up to 26 seen)."""
+    """``ExportedModel.top`` in chunks of any size ranks as each history scored alone (the same items; the
+    scores to float rounding: a matmul's may depend on its row count), its chunks bound the score matrix,
+    and the output rows are ``rank``'s, keeping only the items left to rank (30 items, up to 26 seen)."""
     import numpy as np
     import pyarrow as pa
 
-    from freescale.training.export.exported_model import ExportedModel, HistoryBatch
+    from freescale.training.export.exported_model import ExportedModel, HistoryBatch, users_per_chunk
     from freescale.training.export.spark_recommend import history_batch, recommendation_batch
     from tests.training.test_export import small_folder
 
+    assert users_per_chunk(30) == users_per_chunk(65_535) == 256 and users_per_chunk(10**6) == 16
+    assert users_per_chunk(10**9) == 1
     model = ExportedModel(small_folder(tmp_path)[0])
-    rows, batch = ragged_sequences([0, 3, 24, 9, 1, 30, 2, 5], features=0, seed=1)
+    rows, _ = ragged_sequences([0, 3, 24, 9, 1, 30, 2, 5], features=0, seed=1)
+    rows[5]["items"] = [*range(1, 29), 1, 2]  # 28 of the 30 items seen
+    batch = sequences_batch(rows)
     histories = history_batch(batch, model.max_history)
-    model.chunk_users = 1
     alone = [model.top(HistoryBatch.of([h], 0), 10) for h in reference_histories(rows, model.max_history)]
     for chunk in (3, 1000):
         model.chunk_users = chunk
         scores, ids = model.top(histories, 10)
         assert np.array_equal(ids, np.concatenate([i for _, i in alone]))
-        assert np.array_equal(scores, np.concatenate([s for s, _ in alone]))
+        assert np.allclose(scores, np.concatenate([s for s, _ in alone]), rtol=0, atol=1e-6, equal_nan=False)
     table = pa.Table.from_batches([recommendation_batch(batch.column("user_id"), scores, ids,
                                                         pa.array(model.raw_items, pa.string()))])
     found = model.rank(reference_histories(rows, model.max_history), 10)

@@ -64,9 +64,16 @@ FALLBACK = "fallback"
 DEFAULT_K = 10
 ARTIFACT = "freescale_model"
 """The folder's name in the MLflow model (``artifacts/freescale_model``)."""
+QUERY_CHUNK = 256
+"""Users scored at once, at most: larger chunks score no faster on a CPU (the encoder's work is per user),
+and the same chunks keep the scores' bits (a matmul's rounding may depend on its row count)."""
 SCORE_BUDGET = 64 << 20
-"""Bytes one chunk's ``[users, N+1]`` fp32 score matrix may take: how many users are scored at once
-(``ExportedModel.chunk_users``; a 10,000-item catalog: 1,677 users)."""
+"""Bytes one chunk's ``[users, N+1]`` fp32 score matrix may take: above 65,535 items, fewer users at once."""
+
+
+def users_per_chunk(num_items: int) -> int:
+    """How many users ``ExportedModel.top`` scores at once over ``num_items`` items."""
+    return max(1, min(QUERY_CHUNK, SCORE_BUDGET // (4 * (num_items + 1))))
 
 
 @dataclass
@@ -191,7 +198,7 @@ class ExportedModel:
         self.user_tables = [weights.pop(USER_TABLE.format(index=i)).float() for i in range(len(self.user_features))]
         self.model.load_state_dict(weights, strict=True)
         self.device = torch.device(device)
-        self.chunk_users = max(1, SCORE_BUDGET // (4 * (self.num_items + 1)))
+        self.chunk_users = users_per_chunk(self.num_items)
 
     def _json(self, name: str) -> Any:
         path = self.folder / name
