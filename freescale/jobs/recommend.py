@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 from freescale.jobs.spark_job import SparkJob, SparkJobRun
+from freescale.runtime.errors import InputError
 from freescale.training.export.recommend_spec import RecommendSpec, check_arguments  # standard library only
 
 
@@ -54,8 +55,8 @@ def recommend(spec: RecommendSpec, job: SparkJobRun) -> str:
 
 
 def read_input(spark, fs, source, input_uri: str, spec: RecommendSpec):
-    """The input's sequences (only --users' when given) and its prepare.json, once the input's vocabulary is
-    checked against the model's."""
+    """The input's sequences (only --users' when given: one line when it names none of them) and its
+    prepare.json, once the input's vocabulary is checked against the model's."""
     from pyspark.sql import functions as F
 
     from freescale.prepare.prepared import METADATA_NAME, SEQUENCES_DIR, parse_metadata
@@ -69,7 +70,12 @@ def read_input(spark, fs, source, input_uri: str, spec: RecommendSpec):
     check_vocabulary(source, vocab, features, spec.input)
     sequences = spark.read.parquet(f"{input_uri}/{SEQUENCES_DIR}")
     users = spec.user_ids()
-    return (sequences if users is None else sequences.where(F.col("user_id").isin(users))), metadata
+    if users is None:
+        return sequences, metadata
+    chosen = sequences.where(F.col("user_id").isin(users))
+    if chosen.select("user_id").limit(1).count() == 0:
+        raise InputError(f"--users {spec.users}: none of the {len(users)} users it names is in --input {spec.input}")
+    return chosen, metadata
 
 
 def datasets(input_uri: str, metadata: str, output_uri: str, model_uri: str, spec: RecommendSpec, users: int):

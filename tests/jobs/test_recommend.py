@@ -149,6 +149,120 @@ def test_a_subset_of_users_and_the_history_kept(spark, model, movielens_prepared
     assert [list(items) for items in top["items"]] == list(predicted["items"])
 
 
+# ------------------------------------------------------------------ the workers' batch path, without Spark
+
+MAX_HISTORY = 8
+
+
+def reference_histories(rows: list[dict], max_history: int):
+    """Each row's history one user at a time, as the job built them before it worked on whole batches."""
+    from freescale.training.export.exported_model import History
+
+    def rating(value) -> int:
+        return 0 if value is None or value != value else int(value)
+
+    found = []
+    for r in rows:
+        events = [(int(i), int(t), rating(x)) for i, t, x in zip([*r["items"], r["valid_item"], r["test_item"]],
+                                                                 [*r["timestamps"], r["valid_timestamp"],
+                                                                  r["test_timestamp"]],
+                                                                 [*r["ratings"], r["valid_rating"], None])]
+        found.append(History.of(events, max_history, 0, [int(f) for f in r.get("user_features") or []]))
+    return found
+
+
+def ragged_sequences(lengths: list[int], features: int = 2, seed: int = 0):
+    """Prepared sequences (prepare's column types) of users with these training lengths: ratings null,
+    NaN or fractional here and there, validation ratings null for some."""
+    import random
+
+    rng = random.Random(seed)
+
+    def rating():
+        return rng.choice([None, float("nan"), 1.0, 2.5, 3.7, 5.0])
+
+    rows = [{"user_id": f"u{n}", "items": [rng.randint(1, 30) for _ in range(length)],
+             "timestamps": sorted(rng.randint(0, 10**9) for _ in range(length)),
+             "ratings": [rating() for _ in range(length)], "valid_item": rng.randint(1, 30),
+             "valid_timestamp": 10**9 + n, "valid_rating": rating(), "test_item": rng.randint(1, 30),
+             "test_timestamp": 2 * 10**9 + n, **({"user_features": [rng.randint(0, 9) for _ in range(features)]}
+                                                 if features else {})}
+            for n, length in enumerate(lengths)]
+    return rows, sequences_batch(rows)
+
+
+def sequences_batch(rows: list[dict]):
+    import pyarrow as pa
+
+    types = {"user_id": pa.string(), "items": pa.list_(pa.int32()), "timestamps": pa.list_(pa.int64()),
+             "ratings": pa.list_(pa.float32()), "valid_item": pa.int32(), "valid_timestamp": pa.int64(),
+             "valid_rating": pa.float32(), "test_item": pa.int32(), "test_timestamp": pa.int64(),
+             "user_features": pa.list_(pa.int32())}
+    schema = pa.schema([(name, types[name]) for name in rows[0]])
+    return pa.RecordBatch.from_pylist(rows, schema=schema)
+
+
+def assert_same_batch(ours, reference) -> None:
+    import numpy as np
+
+    for name in ("ids", "timestamps", "ratings", "offsets", "seen", "seen_offsets", "features"):
+        mine, theirs = getattr(ours, name), getattr(reference, name)
+        assert mine.dtype == theirs.dtype == np.int64, name
+        assert mine.shape == theirs.shape and np.array_equal(mine, theirs), name
+
+
+@pytest.mark.parametrize("features", [2, 0])
+def test_history_batches_are_the_per_user_histories_on_ragged_data(features):
+    """Empty training lists (a history of the two targets), shorter than, as long as, and longer than
+    max_history (the query keeps the most recent, the exclusion every item), a sliced batch (Arrow offsets
+    not from 0), no rows at all."""
+    from freescale.training.export.exported_model import HistoryBatch
+    from freescale.training.export.spark_recommend import history_batch
+
+    lengths = [0, 1, 0, 5, 6, 7, 40, 3, 0, 13, 2]
+    rows, batch = ragged_sequences(lengths, features)
+    built = history_batch(batch, MAX_HISTORY)
+    assert_same_batch(built, HistoryBatch.of(reference_histories(rows, MAX_HISTORY), features))
+    assert built.offsets.tolist()[:3] == [0, 2, 5] and built.offsets[7] - built.offsets[6] == MAX_HISTORY
+    assert built.seen_offsets[7] - built.seen_offsets[6] == 42 and set(built.ratings) - {0} <= {1, 2, 3, 5}
+    assert_same_batch(history_batch(batch.slice(3, 5), MAX_HISTORY),
+                      HistoryBatch.of(reference_histories(rows[3:8], MAX_HISTORY), features))
+    assert len(history_batch(batch.slice(0, 0), MAX_HISTORY)) == 0
+
+
+def test_batches_score_as_histories_one_by_one_and_trim_what_is_left(tmp_path):
+    """``ExportedModel.top`` in chunks of any size ranks as each history scored alone (the same items; the
+    scores to float rounding: a matmul's may depend on its row count), its chunks bound the score matrix,
+    and the output rows are ``rank``'s, keeping only the items left to rank (30 items, up to 26 seen)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from freescale.training.export.exported_model import ExportedModel, HistoryBatch, users_per_chunk
+    from freescale.training.export.spark_recommend import history_batch, recommendation_batch
+    from tests.training.test_export import small_folder
+
+    assert users_per_chunk(30) == users_per_chunk(65_535) == 256 and users_per_chunk(10**6) == 16
+    assert users_per_chunk(10**9) == 1
+    model = ExportedModel(small_folder(tmp_path)[0])
+    rows, _ = ragged_sequences([0, 3, 24, 9, 1, 30, 2, 5], features=0, seed=1)
+    rows[5]["items"] = [*range(1, 29), 1, 2]  # 28 of the 30 items seen
+    batch = sequences_batch(rows)
+    histories = history_batch(batch, model.max_history)
+    alone = [model.top(HistoryBatch.of([h], 0), 10) for h in reference_histories(rows, model.max_history)]
+    for chunk in (3, 1000):
+        model.chunk_users = chunk
+        scores, ids = model.top(histories, 10)
+        assert np.array_equal(ids, np.concatenate([i for _, i in alone]))
+        assert np.allclose(scores, np.concatenate([s for s, _ in alone]), rtol=0, atol=1e-6, equal_nan=False)
+    table = pa.Table.from_batches([recommendation_batch(batch.column("user_id"), scores, ids,
+                                                        pa.array(model.raw_items, pa.string()))])
+    found = model.rank(reference_histories(rows, model.max_history), 10)
+    assert table.column("user_id").to_pylist() == [r["user_id"] for r in rows]
+    assert table.column("items").to_pylist() == [r.items for r in found]
+    assert table.column("scores").to_pylist() == [r.scores for r in found]
+    assert min(len(r.items) for r in found) < 10 <= max(len(r.items) for r in found)  # some had < 10 items left
+
+
 def bad_inputs(root: Path, model, prepared: Path) -> dict[str, tuple[list[str], str]]:
     """Arguments the job must refuse (one line, exit 2, nothing written), with the words of its line."""
     other = root / "other"
@@ -163,7 +277,12 @@ def bad_inputs(root: Path, model, prepared: Path) -> dict[str, tuple[list[str], 
                              "count": pa.array([2, 1], pa.int64())}), other / "item_vocab" / "part-0.parquet")
     taken = root / "taken"
     taken.mkdir()
-    return {"no model": (["--model", str(root / "nothing")], "--model"),
+    (root / "users.txt").write_text("nobody\n\nnor-me\n")
+    return {"no user of the input": (["--users", "nobody,nor-me"],
+                                     f"--users nobody,nor-me: none of the 2 users it names is in --input {prepared}"),
+            "no user of the file": (["--users", f"@{root / 'users.txt'}"],
+                                    f"--users @{root / 'users.txt'}: none of the 2 users it names is in"),
+            "no model": (["--model", str(root / "nothing")], "--model"),
             "not a model": (["--model", str(prepared)], "neither a `freescale export` folder"),
             "another vocabulary": (["--model", str(model.folder), "--input", str(other)],
                                    "another item vocabulary than --input"),
@@ -172,7 +291,8 @@ def bad_inputs(root: Path, model, prepared: Path) -> dict[str, tuple[list[str], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["no model", "not a model", "another vocabulary", "output exists", "not prepared"])
+@pytest.mark.parametrize("case", ["no model", "not a model", "another vocabulary", "output exists", "not prepared",
+                                  "no user of the input", "no user of the file"])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(spark, model, movielens_prepared, tmp_path, fresh_log,
                                                           capsys, case):
     argv, words = bad_inputs(tmp_path, model, movielens_prepared)[case]

@@ -38,9 +38,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,7 +51,7 @@ from freescale.runtime.errors import InputError
 from freescale.training.config import ModelConfig, apply_table
 from freescale.training.export.layout import (FORMAT, ITEM_TABLE, ITEMS_FILE, MODEL_FILE, USER_FEATURES_FILE, USER_TABLE,
                                               WEIGHTS_FILE)
-from freescale.training.ops.jagged import last_positions, offsets_from_lengths
+from freescale.training.ops.jagged import last_positions
 from freescale.training.model.recommender import SequentialRecommender
 
 ITEMS, TIMESTAMPS, RATINGS = "items", "timestamps", "ratings"
@@ -59,7 +61,16 @@ FALLBACK = "fallback"
 DEFAULT_K = 10
 ARTIFACT = "freescale_model"
 """The folder's name in the MLflow model (``artifacts/freescale_model``)."""
-QUERY_CHUNK = 256  # users scored at once: bounds the [chunk, N+1] score matrix
+QUERY_CHUNK = 256
+"""Users scored at once, at most: larger chunks score no faster on a CPU (the encoder's work is per user),
+and the same chunks keep the scores' bits (a matmul's rounding may depend on its row count)."""
+SCORE_BUDGET = 64 << 20
+"""Bytes one chunk's ``[users, N+1]`` fp32 score matrix may take: above 65,535 items, fewer users at once."""
+
+
+def users_per_chunk(num_items: int) -> int:
+    """How many users ``ExportedModel.top`` scores at once over ``num_items`` items."""
+    return max(1, min(QUERY_CHUNK, SCORE_BUDGET // (4 * (num_items + 1))))
 
 
 @dataclass
@@ -184,6 +195,7 @@ class ExportedModel:
         self.user_tables = [weights.pop(USER_TABLE.format(index=i)).float() for i in range(len(self.user_features))]
         self.model.load_state_dict(weights, strict=True)
         self.device = torch.device(device)
+        self.chunk_users = users_per_chunk(self.num_items)
 
     def _json(self, name: str) -> Any:
         path = self.folder / name
@@ -207,23 +219,34 @@ class ExportedModel:
                   exclude_history: bool = True) -> list[Recommendation]:
         return self.rank([self.history(query) for query in queries], k, exclude_history)
 
-    # Every caller scores through here (the pyfunc's predict and the recommend job's workers): no graph.
     @torch.no_grad()
     def rank(self, histories: Sequence[History], k: int = DEFAULT_K,
              exclude_history: bool = True) -> list[Recommendation]:
-        """Each history's top k (a history with no known item: the fallback), scored QUERY_CHUNK at a time."""
+        """Each history's top k (a history with no known item: the fallback)."""
         if int(k) < 1:
             raise InputError(f"k must be a positive integer, got {k}")
         scored = [i for i, history in enumerate(histories) if history.ids]
         results = [None if history.ids else self._fallback(int(k), history.unknown) for history in histories]
-        for start in range(0, len(scored), QUERY_CHUNK):
-            rows = scored[start:start + QUERY_CHUNK]
-            top_scores, top_ids = self._top([histories[i] for i in rows], int(k), exclude_history)
-            for row, scores, ids in zip(rows, top_scores.tolist(), top_ids.tolist()):
-                kept = [(s, i) for s, i in zip(scores, ids) if math.isfinite(s)]
-                results[row] = Recommendation([self.raw_items[i] for _, i in kept], [s for s, _ in kept],
-                                              histories[row].unknown)
+        top_scores, top_ids = self.top(HistoryBatch.of([histories[i] for i in scored], len(self.user_features)),
+                                       int(k), exclude_history)
+        for row, scores, ids in zip(scored, top_scores.tolist(), top_ids.tolist()):
+            kept = [(s, i) for s, i in zip(scores, ids) if math.isfinite(s)]
+            results[row] = Recommendation([self.raw_items[i] for _, i in kept], [s for s, _ in kept],
+                                          histories[row].unknown)
         return results
+
+    # Every caller scores through here (the pyfunc's predict and the recommend job's workers): no graph.
+    @torch.no_grad()
+    def top(self, batch: HistoryBatch, k: int, exclude_history: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """The top-k ``(scores, ids)``, ``[B, min(k, N)]`` float32 and int64 arrays, of every row of ``batch`` (none
+        empty), ``chunk_users`` rows at a time; a row's score is -inf past the items left to rank."""
+        width = min(int(k), self.num_items)
+        scores, ids = np.empty((len(batch), width), np.float32), np.empty((len(batch), width), np.int64)
+        for start in range(0, len(batch), self.chunk_users):
+            stop = min(start + self.chunk_users, len(batch))
+            found = torch.topk(self.scores(batch.rows(start, stop), exclude_history), width, dim=1)
+            scores[start:stop], ids[start:stop] = found.values.cpu().numpy(), found.indices.cpu().numpy()
+        return scores, ids
 
     def _fallback(self, k: int, unknown: int) -> Recommendation:
         """A history without a known item: the ``k`` most popular items, marked."""
@@ -243,28 +266,24 @@ class ExportedModel:
         ids = self.feature_ids[name]
         return next((ids[key] for key in _feature_keys(value) if key in ids), 0)
 
-    def _top(self, histories: list[History], k: int, exclude_history: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-k ``(scores, ids)`` of a chunk of non-empty histories (``score_queries``' query)."""
-        device = self.device
+    def scores(self, batch: HistoryBatch, exclude_history: bool) -> torch.Tensor:
+        """``[B, N+1]``: each row's query (``score_queries``' query: the encoder's output at its last position)
+        against every item; -inf at the padding id 0 and, with ``exclude_history``, at the row's seen items."""
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(self.device)
 
-        def flat(name: str) -> torch.Tensor:
-            return torch.tensor([v for history in histories for v in getattr(history, name)], dtype=torch.int64,
-                                device=device)
-
-        lengths = torch.tensor([len(history.ids) for history in histories], dtype=torch.int64, device=device)
-        offsets = offsets_from_lengths(lengths)
-        user_ids = (torch.tensor([history.features for history in histories], dtype=torch.int64, device=device)
-                    if self.user_features else None)
+        offsets = tensor(batch.offsets)
+        user_ids = tensor(batch.features) if self.user_features else None
         users = self.model.user_vectors(self.model.lookup_users(user_ids, self.user_tables))
-        hidden = self.model.encode_rows(self.item_table[flat("ids")], offsets, flat("timestamps"), flat("ratings"),
-                                        users)
+        hidden = self.model.encode_rows(self.item_table[tensor(batch.ids)], offsets, tensor(batch.timestamps),
+                                        tensor(batch.ratings), users)
         scores = hidden[last_positions(offsets)] @ self.normalized_table.t()
         scores[:, 0] = float("-inf")
         if exclude_history:
-            seen = torch.tensor([len(history.seen) for history in histories], device=device)
-            rows = torch.repeat_interleave(torch.arange(len(histories), device=device), seen)
-            scores[rows, flat("seen")] = -math.inf
-        return torch.topk(scores, min(k, self.num_items), dim=1)
+            rows = torch.repeat_interleave(torch.arange(len(batch), device=self.device),
+                                           tensor(np.diff(batch.seen_offsets)))
+            scores[rows, tensor(batch.seen)] = -math.inf
+        return scores
 
 
 @dataclass
@@ -287,6 +306,53 @@ class History:
         recent = events[-max_history:]
         return cls([i for i, _, _ in recent], [t for _, t, _ in recent], [r for _, _, r in recent], unknown,
                    [i for i, _, _ in events], list(features))
+
+
+@dataclass(frozen=True)
+class HistoryBatch:
+    """Histories side by side as the model scores them: jagged int64 arrays. Row ``b`` (a user) reads
+    ``ids[offsets[b]:offsets[b + 1]]`` (its most recent ``max_history`` known items) with their ``timestamps``
+    and ``ratings``; ``seen[seen_offsets[b]:seen_offsets[b + 1]]`` are all its known items (what
+    ``exclude_history`` leaves out) and ``features[b]`` its feature ids (``[B, F]``)."""
+
+    ids: np.ndarray
+    timestamps: np.ndarray
+    ratings: np.ndarray
+    offsets: np.ndarray
+    seen: np.ndarray
+    seen_offsets: np.ndarray
+    features: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def rows(self, start: int, stop: int) -> HistoryBatch:
+        """Rows ``start`` to ``stop - 1``, their offsets from 0."""
+        first, last = self.offsets[start], self.offsets[stop]
+        seen_first, seen_last = self.seen_offsets[start], self.seen_offsets[stop]
+        return HistoryBatch(self.ids[first:last], self.timestamps[first:last], self.ratings[first:last],
+                            self.offsets[start:stop + 1] - first, self.seen[seen_first:seen_last],
+                            self.seen_offsets[start:stop + 1] - seen_first, self.features[start:stop])
+
+    @classmethod
+    def of(cls, histories: Sequence[History], num_features: int) -> HistoryBatch:
+        """``History`` objects side by side."""
+        def flat(name: str) -> np.ndarray:
+            return np.fromiter(chain.from_iterable(getattr(h, name) for h in histories), np.int64)
+
+        def offsets(name: str) -> np.ndarray:
+            return offsets_of(np.array([len(getattr(h, name)) for h in histories], np.int64))
+
+        features = np.array([h.features for h in histories], np.int64).reshape(len(histories), num_features)
+        return cls(flat("ids"), flat("timestamps"), flat("ratings"), offsets("ids"), flat("seen"), offsets("seen"),
+                   features)
+
+
+def offsets_of(lengths: np.ndarray) -> np.ndarray:
+    """``[B]`` lengths -> ``[B+1]`` int64 offsets from 0."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
 
 
 def popularity(counts: list[int | None] | None, num_items: int) -> tuple[list[int], list[float]]:

@@ -5,11 +5,14 @@
 
 The model is scored as MLflow's batch scoring does on Spark (``mlflow.pyfunc.spark_udf``): its folder is
 shipped to the executors as an archive (``SparkContext.addArchive``) and loaded once per Python worker (Spark reuses
-its workers: one load per executor core), and ``mapInPandas`` hands it the users a batch at a time.
+its workers: one load per executor core), and ``mapInArrow`` hands it the users a batch at a time (an
+Arrow record batch, ``spark.sql.execution.arrow.maxRecordsPerBatch`` users: 10,000 by default).
 What is scored is the model's own ``ExportedModel.rank``, the pyfunc's ``predict`` without the raw-id
 lookups: the input was prepared with the model's vocabulary (``check_vocabulary``), so its dense ids
 are the model's. A user's history is the whole prepared sequence -- the training items, then the
-validation and test items -- with its timestamps, ratings and user feature ids.
+validation and test items -- with its timestamps, ratings and user feature ids, built for a whole batch at
+once with Arrow and NumPy (``history_batch``), and the recommendations go back as Arrow arrays
+(``recommendation_batch``): no Python object per user or item.
 """
 from __future__ import annotations
 
@@ -22,10 +25,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from freescale.runtime.errors import InputError
 
 if TYPE_CHECKING:
-    import pandas as pd
+    import numpy as np
+    import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
-    from freescale.training.export.exported_model import ExportedModel, History
+    from freescale.training.export.exported_model import ExportedModel, HistoryBatch
 
 OUTPUT_SCHEMA = "user_id string, items array<string>, scores array<float>"
 SEQUENCE_COLUMNS = ("user_id", "items", "timestamps", "ratings", "valid_item", "valid_timestamp", "valid_rating",
@@ -122,7 +126,7 @@ def recommendations(spark: SparkSession, sequences: DataFrame, source: ModelSour
     (shipped from ``scratch``, which must outlive the frame's actions)."""
     name = ship(spark, source.folder, scratch)
     columns = [*SEQUENCE_COLUMNS, *(["user_features"] if "user_features" in sequences.columns else [])]
-    return sequences.select(*columns).mapInPandas(scorer(name, k, exclude), OUTPUT_SCHEMA)
+    return sequences.select(*columns).mapInArrow(scorer(name, k, exclude), OUTPUT_SCHEMA)
 
 
 def ship(spark: SparkSession, folder: Path, scratch: Path) -> str:
@@ -140,16 +144,16 @@ def ship(spark: SparkSession, folder: Path, scratch: Path) -> str:
     return archive.name
 
 
-def scorer(name: str, k: int, exclude: bool) -> Callable[[Iterator[pd.DataFrame]], Iterator[pd.DataFrame]]:
-    """The ``mapInPandas`` function: each batch of sequences to its users' recommendations."""
-    def score(batches: Iterator[pd.DataFrame]) -> Iterator[pd.DataFrame]:
-        import pandas as pd
+def scorer(name: str, k: int, exclude: bool) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The ``mapInArrow`` function: each batch of sequences to its users' recommendations."""
+    def score(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        import pyarrow as pa
 
         model = loaded(name)
+        raw_items = pa.array(model.raw_items, pa.string())
         for batch in batches:
-            found = model.rank(histories(batch, model.max_history), k, exclude)
-            yield pd.DataFrame({"user_id": batch["user_id"].astype(str), "items": [r.items for r in found],
-                                "scores": [r.scores for r in found]})
+            scores, ids = model.top(history_batch(batch, model.max_history), k, exclude)
+            yield recommendation_batch(batch.column("user_id"), scores, ids, raw_items)
     return score
 
 
@@ -169,21 +173,79 @@ def loaded(name: str) -> ExportedModel:
     return _LOADED[name]
 
 
-def histories(batch: pd.DataFrame, max_history: int) -> list[History]:
-    """Each row's whole sequence (training items, then the validation and test items) as the model reads it."""
-    from freescale.training.export.exported_model import History
+def history_batch(batch: pa.RecordBatch, max_history: int) -> HistoryBatch:
+    """Each row's whole sequence (training items, then the validation and test items) as the model reads it:
+    the list columns flattened, the two targets placed after each row's items by offset."""
+    import numpy as np
 
-    found = []
-    features = batch["user_features"] if "user_features" in batch.columns else None
-    for row, record in enumerate(batch.itertuples(index=False)):
-        ids = [*record.items, record.valid_item, record.test_item]
-        times = [*record.timestamps, record.valid_timestamp, record.test_timestamp]
-        ratings = [*record.ratings, record.valid_rating, None]  # the test item's rating is not kept
-        events = [(int(i), int(t), _rating(r)) for i, t, r in zip(ids, times, ratings)]
-        found.append(History.of(events, max_history, 0, [] if features is None else [int(f) for f in features[row]]))
-    return found
+    from freescale.training.export.exported_model import HistoryBatch, offsets_of
+
+    lengths = _lengths(batch.column("items"))
+    for name in ("timestamps", "ratings"):
+        if not np.array_equal(_lengths(batch.column(name)), lengths):
+            raise InputError(f"the input's {name} and items differ in length: not a `freescale prepare` output")
+    full = lengths + 2
+    offsets = offsets_of(full)
+    # Row b's list values go to offsets[b]..: past the 2 targets of each row before it.
+    listed = np.arange(offsets[-1] - 2 * len(lengths)) + np.repeat(2 * np.arange(len(lengths)), lengths)
+
+    def sequence(name: str, valid: np.ndarray, test: np.ndarray | int, read=_ints) -> np.ndarray:
+        values = np.empty(offsets[-1], np.int64)
+        values[listed] = read(batch.column(name).flatten())
+        values[offsets[1:] - 2], values[offsets[1:] - 1] = valid, test
+        return values
+
+    ids = sequence("items", _ints(batch.column("valid_item")), _ints(batch.column("test_item")))
+    times = sequence("timestamps", _ints(batch.column("valid_timestamp")), _ints(batch.column("test_timestamp")))
+    ratings = sequence("ratings", _ratings(batch.column("valid_rating")), 0, _ratings)  # the test's is not kept
+    recent = np.repeat(offsets[1:], full) - np.arange(offsets[-1]) <= max_history
+    return HistoryBatch(ids[recent], times[recent], ratings[recent], offsets_of(np.minimum(full, max_history)), ids,
+                        offsets, _features(batch))
 
 
-def _rating(value: Any) -> int:
-    """A prepared rating (a float, null when unknown) as the model reads one: 0 unknown."""
-    return 0 if value is None or value != value else int(value)
+def _lengths(column: pa.Array) -> np.ndarray:
+    """A list column's lengths (a null list: 0)."""
+    import numpy as np
+
+    return np.asarray(column.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), np.int64)
+
+
+def _ints(values: pa.Array) -> np.ndarray:
+    import numpy as np
+
+    return np.array(values.to_numpy(zero_copy_only=False), np.int64)  # a copy: torch wants writable arrays
+
+
+def _ratings(values: pa.Array) -> np.ndarray:
+    """Prepared ratings (floats, null when unknown) as the model reads them: 0 unknown, else truncated."""
+    import numpy as np
+
+    return np.nan_to_num(values.to_numpy(zero_copy_only=False).astype(np.float64), nan=0.0).astype(np.int64)
+
+
+def _features(batch: pa.RecordBatch) -> np.ndarray:
+    """``[B, F]`` user feature ids (``F`` 0 without the column)."""
+    import numpy as np
+
+    if "user_features" not in batch.schema.names:
+        return np.zeros((batch.num_rows, 0), np.int64)
+    column = batch.column("user_features")
+    lengths = _lengths(column)
+    if len(set(lengths.tolist())) > 1:
+        raise InputError("the input's user_features differ in length: not a `freescale prepare` output")
+    return _ints(column.flatten()).reshape(batch.num_rows, int(lengths[0]) if len(lengths) else 0)
+
+
+def recommendation_batch(users: pa.Array, scores: np.ndarray, ids: np.ndarray, raw_items: pa.Array) -> pa.RecordBatch:
+    """The output's rows (``OUTPUT_SCHEMA``) from ``ExportedModel.top``'s arrays: a row keeps its finite scores
+    (all k, unless fewer items were left to rank); ``raw_items``: the raw id of every dense id."""
+    import numpy as np
+    import pyarrow as pa
+
+    from freescale.training.export.exported_model import offsets_of
+
+    kept = np.isfinite(scores)
+    offsets = pa.array(offsets_of(kept.sum(axis=1)).astype(np.int32))
+    items = pa.ListArray.from_arrays(offsets, raw_items.take(pa.array(ids[kept])))
+    values = pa.ListArray.from_arrays(offsets, pa.array(scores[kept], pa.float32()))
+    return pa.RecordBatch.from_arrays([users.cast(pa.string()), items, values], names=["user_id", "items", "scores"])
