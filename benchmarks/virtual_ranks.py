@@ -13,7 +13,10 @@ For K ranks x B samples and a window of steps, sample lengths are drawn (log-nor
 tail, capped; and MovieLens-100K's history lengths) and planned three ways: ``contiguous`` (what
 data parallelism does), ``flops_kk`` (the online FLOP balancer of NVIDIA recsys-examples:
 Karmarkar-Karp on L^2 + 2.5 d L per global batch, equal counts) and ``kk`` (FreeScale: the
-calibrated cost model, the whole window). A fourth plan, ``control`` (the mirror control), gives
+calibrated cost model, the whole window, equal counts: B +-1 samples a rank, so a batch's
+per-step and per-sample constants weigh alike on every rank; with free counts kk gave short
+histories' ranks many samples whose lengths collide, cheaper than the model predicts, and on
+one CPU core at K = 64 its bubble was 7 points above the control's). A fourth plan, ``control`` (the mirror control), gives
 every rank of a step the same batch (kk's batch of median predicted cost in that step): any
 difference between its ranks is the device's noise, so its bubble is the floor no plan can go below
 at this K, measured in the same run.
@@ -249,8 +252,11 @@ class Bench(Markdown):
                   f"{training.cuda_graphs}; dense forward+backward "
                   f"with {self.config.loss.kind} ({self.config.loss.num_negatives} negatives), as calibrate times it")
         model = self.cost_model
-        self.emit(f"- cost model: {model.provenance.get('source', 'analytic')} ({model.kind}; a={model.a:.3e}, "
-                  f"b={model.b:.3e}, c={model.c:.3e}; per-step constant {self.step_constant:.3e} s)"
+        shape = f"a={model.a:.3e}, b={model.b:.3e}, c={model.c:.3e}" if model.kind == "quadratic" else \
+            f"{len(model.lengths)} knots, {model.costs[0] * 1e3:.3f} ms at L={model.lengths[0]:.0f} to " \
+            f"{model.costs[-1] * 1e3:.3f} ms at L={model.lengths[-1]:.0f}"
+        self.emit(f"- cost model: {model.provenance.get('source', 'analytic')} ({model.kind}; {shape}; "
+                  f"per-step constant {self.step_constant:.3e} s)"
                   + ("" if self.args.cost_model else " -- NOT calibrated on this device"))
         self.emit(f"- B = {self.sizes.batch_size} per rank; every batch's median of {self.repeats} round-robin "
                   "passes; simulate's noise from the control")
@@ -280,7 +286,7 @@ class Bench(Markdown):
         width = self.config.model.embedding_dim
         plans = {"contiguous": plan(costs, k, b, strategy="contiguous"),
                  "flops_kk": plan(costs, k, b, strategy="flops_kk", lengths=lengths, flop_width=width),
-                 "kk": plan(costs, k, b, strategy="kk", lengths=lengths, window_steps=steps)}
+                 "kk": plan(costs, k, b, strategy="kk", lengths=lengths, window_steps=steps, equal_counts=True)}
         out = {label: ([lengths[(p.step == s) & (p.rank == r)] for s in range(p.num_steps) for r in range(k)],
                        p.loads) for label, p in plans.items()}
         # The mirror control: every rank of step s computes kk's batch of median predicted cost there.
