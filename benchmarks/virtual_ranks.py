@@ -13,10 +13,10 @@ For K ranks x B samples and a window of steps, sample lengths are drawn (log-nor
 tail, capped; and MovieLens-100K's history lengths) and planned three ways: ``contiguous`` (what
 data parallelism does), ``flops_kk`` (the online FLOP balancer of NVIDIA recsys-examples:
 Karmarkar-Karp on L^2 + 2.5 d L per global batch, equal counts) and ``kk`` (FreeScale: the
-calibrated cost model, the whole window, equal counts: B +-1 samples a rank, so a batch's
-per-step and per-sample constants weigh alike on every rank; with free counts kk gave short
-histories' ranks many samples whose lengths collide, cheaper than the model predicts, and on
-one CPU core at K = 64 its bubble was 7 points above the control's). A fourth plan, ``control`` (the mirror control), gives
+calibrated cost model, the whole window, equal counts: B samples a rank, so whatever the cost
+model misses per batch and per sample weighs alike on every rank; with free counts, on one CPU
+core at K = 64, kk's log-normal bubble was 7 points above the control's and 8 above flops_kk's,
+docs/results/virtual_ranks_cpu.md). A fourth plan, ``control`` (the mirror control), gives
 every rank of a step the same batch (kk's batch of median predicted cost in that step): any
 difference between its ranks is the device's noise, so its bubble is the floor no plan can go below
 at this K, measured in the same run.
@@ -178,7 +178,8 @@ def row_cells(r: dict) -> list[str]:
 def json_rows(r: dict) -> list[dict]:
     return [{"lengths": r["lengths"], "ranks": r["K"], "steps": r["steps"], "batch_size": r["B"], "plan": label,
              "bubble_measured": r[label]["bubble"], "bubble_predicted": r[label]["predicted_bubble"],
-             "step_s_measured": r[label]["step_s"], "step_s_predicted": r[label]["predicted_step_s"]}
+             "step_s_measured": r[label]["step_s"], "step_s_predicted": r[label]["predicted_step_s"],
+             "rank_s_measured": r[label]["rank_s"]}
             for label in PLANS]
 
 
@@ -311,7 +312,7 @@ class Bench(Markdown):
         noise = self.noise(measured["control"])
         for label in PLANS:
             times = measured[label]
-            out[label] = {"bubble": bubble(times), "step_s": float(times.max(axis=1).mean()),
+            out[label] = {"bubble": bubble(times), "step_s": float(times.max(axis=1).mean()), "rank_s": times.tolist(),
                           "total_s": float(times.max(axis=1).sum()), **self.predict(plans[label][1], noise)}
         # Printed as soon as measured: a run cut short by its time budget still leaves every finished case.
         self.emit(f"- {name}, K={k}: done ({time.perf_counter() - self.started:.0f} s, load average "

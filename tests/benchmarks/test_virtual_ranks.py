@@ -55,6 +55,9 @@ def test_json_rows_name_every_plan_at_every_k(smoke) -> None:
     assert len(rows) == 2 * len(SMOKE.ranks) * len(PLANS)
     for r in rows:
         assert 0.0 <= r["bubble_measured"] < 1.0 and r["step_s_measured"] > 0 and r["step_s_predicted"] > 0
+        times = r["rank_s_measured"]  # every rank of every step timed; a step takes its slowest
+        assert len(times) == SMOKE.steps[r["ranks"]] and all(len(step) == r["ranks"] for step in times)
+        assert r["step_s_measured"] == pytest.approx(sum(map(max, times)) / len(times))
     # the control's ranks all computed one batch: simulate predicts it from that batch's cost and the noise alone
     control = [r for r in rows if r["plan"] == "control"]
     assert all(r["bubble_predicted"] <= max(c["bubble_predicted"] for c in rows if c["plan"] == "contiguous")
