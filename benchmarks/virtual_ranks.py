@@ -18,8 +18,8 @@ model misses per batch and per sample weighs alike on every rank; with free coun
 core at K = 64, kk's log-normal bubble was 7 points above the control's and 8 above flops_kk's,
 docs/results/virtual_ranks_cpu.md). A fourth plan, ``control`` (the mirror control), gives
 every rank of a step the same batch (kk's batch of median predicted cost in that step): any
-difference between its ranks is the device's noise, so its bubble is the floor no plan can go below
-at this K, measured in the same run.
+difference between its ranks is the device's noise, so its bubble is the floor no plan can be
+expected to go below at this K, measured in the same run.
 
 Each (step, rank) batch is timed, the model's dense forward+backward as ``freescale calibrate``
 times it (freescale/training/calibration/calibrate.py: the model of ``--config``, at its
