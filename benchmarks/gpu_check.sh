@@ -6,8 +6,8 @@
 #    next two parts run with training.cuda_graphs = "off" and say so;
 # 2. `freescale calibrate --device cuda` on the GPU model (benchmarks/configs/gpu_virtual_ranks.toml,
 #    bf16, CUDA graphs): the cost model the virtual ranks plan with;
-# 3. virtual ranks: contiguous, flops_kk and kk at K = 64 and 256, every rank's batch timed (each
-#    case's table printed as it finishes);
+# 3. virtual ranks: contiguous, flops_kk, kk and the mirror control at K = 64 and 256, every rank's batch
+#    timed (each case's table printed as it finishes);
 # 4. the kernel benchmark in bf16 (numerics, cost curve, where a step goes, CUDA graphs, issue 24's targets);
 # 5. the CUDA comm tests and the compiled kernel's tests.
 set -uo pipefail
@@ -35,7 +35,7 @@ timeout 60 python -m freescale.jobs.cli calibrate --device cuda --config "$confi
   > "$out/calibrate.log" 2>&1 || { status=1; tail -n 20 "$out/calibrate.log"; }
 if [ -f "$out/cost_model.json" ]; then
   mark "virtual ranks"
-  timeout 240 python -m benchmarks.virtual_ranks_gpu --config "$config" --cost-model "$out/cost_model.json" \
+  timeout 240 python -m benchmarks.virtual_ranks --device cuda --config "$config" --cost-model "$out/cost_model.json" \
     --output "$out/virtual_ranks.md" --training.cuda_graphs "$graphs" > "$out/virtual_ranks.log" 2>&1 \
     || { status=1; tail -n 20 "$out/virtual_ranks.log"; }
   cat "$out/virtual_ranks.md" 2>/dev/null

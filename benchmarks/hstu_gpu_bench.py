@@ -11,7 +11,7 @@ a. Numerics: triton against grouped on one mixed batch -- the attention op's out
 b. Cost curve: encoder forward+backward time against L (8 ... 2048), triton and grouped side by
    side; then ``t = d + sum_i (a L_i^2 + b L_i + c)`` fitted (``freescale.costs.calibration.fit_form``)
    on mixed batches, its held-out error, and the per-sample constant's share at L = 50.
-c. Virtual ranks: moved to benchmarks/virtual_ranks_gpu.py (contiguous, flops_kk and kk at
+c. Virtual ranks: moved to ``benchmarks/virtual_ranks.py --device cuda`` (contiguous, flops_kk and kk at
    realistic work, with the cost model `freescale calibrate --device cuda` writes).
 d. Where a target batch's step goes: the host's time to issue it, the encoder's forward, and the
    attention op's forward and backward alone (times the layers), so a missed target says whether

@@ -30,7 +30,7 @@ What the forms are fitted to: times of realistic batches
     Each profiled length L gets batches of a few *probe* samples around L
     (about 256 tokens, distinct lengths within +-25% of L, mean exactly L) on
     top of a random *background* of 8-16 heavy-tailed histories, i.e. batches
-    like a rank's step. Both forms are fitted to their times as
+    like a rank's step (each length's first batch has no background, see below). Both forms are fitted to their times as
     ``t(batch) = d + sum_i cost(L_i)`` (freescale/costs/calibration.py), ``d`` being
     the step's constant. Why not time batches of equal lengths and divide
     (measured here):
@@ -42,6 +42,12 @@ What the forms are fitted to: times of realistic batches
       lengths make a short sample look ~4x cheaper than it is in a real batch,
       where diverse histories rarely share lengths. Probes have distinct
       lengths; backgrounds collide as often as real batches do.
+    * A step has a constant cost whatever its samples (the loss's and the layers' fixed ops,
+      whatever the lengths): measured with the CPU virtual-ranks model (benchmarks/configs/cpu_virtual_ranks.toml),
+      one history of 40 takes 6.5 ms and 16 histories of 40-70 take 36 ms. Batches of 9-32 samples
+      cannot tell that constant from a per-sample one, and the fit put it all on the samples
+      (``d`` = 0), under-predicting a batch of 8 by 18% and one of 1 by 70%; so the first replicate
+      of each length is its probes alone (1-16 samples), which separates the two.
     * The loss's in-batch negatives make a step cost ``~ T * (negatives + U)``
       for T tokens and U distinct targets: the one part of a step that is not a
       sum over samples (1024 tokens of 16-long histories: 22 ms with in-batch
@@ -273,14 +279,16 @@ def heavy_tailed_batches(num_batches: int, min_length: int, max_length: int, see
 
 def calibration_batches(lengths: Sequence[int], min_length: int, max_length: int, replicates: int,
                         seed: int, probe_tokens: int = PROBE_TOKENS) -> list[CalibrationBatch]:
-    """``replicates`` batches per length, each with its own background (see the module docstring)."""
+    """``replicates`` batches per length, each with its own background (see the module docstring);
+    with two or more, the first of each length is its probes alone."""
     rng = np.random.default_rng(seed)
     low, high = MIX_SAMPLES
     batches = []
     for length in lengths:
         probes = probe_lengths(length, max(1, round(probe_tokens / length)))
-        for _ in range(replicates):
-            background = heavy_tailed_lengths(rng, int(rng.integers(low, high + 1)), min_length, max_length)
+        for r in range(replicates):
+            count = 0 if r == 0 and replicates > 1 else int(rng.integers(low, high + 1))
+            background = heavy_tailed_lengths(rng, count, min_length, max_length)
             batches.append(CalibrationBatch(length, probes, background))
     return batches
 
@@ -470,7 +478,7 @@ def build_provenance(result: CalibrationResult, config_record: dict) -> dict:
         "timed": "dense forward+backward (lookup returned -> gradient at the lookup), like the trainer's "
                  "dense_compute_s; per_id = 0 because the lookup is an all-to-all in the sharded trainer",
         "method": ("t(batch) = d + sum cost(L_i), non-negative least squares on relative error, over batches of "
-                   f"probe samples at each length on random Pareto({PARETO_ALPHA}) backgrounds of "
+                   f"probe samples at each length, alone and on random Pareto({PARETO_ALPHA}) backgrounds of "
                    f"{MIX_SAMPLES[0]}-{MIX_SAMPLES[1]} samples"),
         "clock": (f"{FIT_CLOCK}: thread CPU time, 1 intra-op thread (the wall-clock fit is under fits.wall)"
                   if torch.device(s.device).type == "cpu" else "CUDA events around forward+backward (both fits)"),
