@@ -129,6 +129,7 @@ def test_first_run_runs_every_stage_and_a_rerun_skips_them(first_run, copy, caps
                                 "balance": ("ran", "upstream prepare ran"), "train": ("ran", "upstream balance ran"),
                                 "compare": ("off", "[compare] enabled = false"),
                                 "export": ("ran", "upstream train ran"),
+                                "promote": ("off", "[pipeline] incremental = false"),
                                 "recommend": ("ran", "upstream prepare, export ran")}
     # a scheduled run ends with every prepared user's recommendations, from the exported model
     import pyarrow.parquet as pq
@@ -307,7 +308,7 @@ def test_every_stage_calls_its_job_with_its_own_arguments(tmp_path):
     text = config.read_text().replace("[balance]", "[calibrate]\nenabled = true\nrank_speeds = true\n[balance]")
     config.write_text(text + "[compare]\nenabled = true\ncontrol = true\n")
     loaded = workflow.load_workflow_config(str(config), ["--export.register", "m"])
-    assert all(s.off is None for s in workflow.build_stages(loaded))
+    assert [s.name for s in workflow.build_stages(loaded) if s.off is not None] == ["promote"]  # incremental only
     work = table.Workdir(tmp_path / "work")
     prepared = options.from_values(PrepareSpec, table.prepare_values(loaded, work))
     assert (prepared.input, prepared.synthetic_users, prepared.output) == (None, 300, str(work.prepared))
@@ -361,7 +362,7 @@ def _every_stage_on(tmp_path: Path):
     config = write_config(tmp_path, tmp_path / "work", extra='[train.overrides]\n"model.hstu.num_layers" = 1\n')
     config.write_text(config.read_text() + "[calibrate]\nenabled = true\nrank_speeds = true\n"
                                            "[compare]\nenabled = true\n")
-    loaded = workflow.load_workflow_config(str(config), [])
+    loaded = workflow.load_workflow_config(str(config), ["--pipeline.incremental", "true"])  # promote too
     assert all(stage.off is None for stage in workflow.build_stages(loaded))
     return loaded
 

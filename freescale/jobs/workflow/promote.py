@@ -145,11 +145,12 @@ def report(result: dict[str, Any]) -> str:
 
 
 def run(values: dict[str, Any], tracking) -> int:
-    """The stage's job: promote with ``values`` (model, prepared, alias, metric, max_users, day, output),
-    recorded as its own MLflow run."""
+    """The stage's job: promote with ``values`` (model, prepared, alias, metric, max_users, output), recorded as
+    its own MLflow run. The day is the name of the day's working directory, the output's folder."""
     from freescale.tracking.runs import job_run
 
     uri = tracking.resolved_uri()
+    values = {**values, "day": Path(values["output"]).parent.name}
     with job_run("promote", tracking_uri=uri, experiment=tracking.experiment,
                  params={k: values[k] for k in ("alias", "metric", "max_users", "day")},
                  run_name=f"promote {values['day']}") as job:

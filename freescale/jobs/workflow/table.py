@@ -191,7 +191,7 @@ def recommend_values(config: WorkflowConfig, work: Workdir) -> Values:
 def promote_values(config: WorkflowConfig, work: Workdir) -> Values:
     """The promote stage's values: [promote]'s, the day's exported model and held-out data."""
     return {**dataclasses.asdict(config.promote), "model": str(work.model), "prepared": str(work.prepared),
-            "day": work.root.name, "output": str(work.promotion)}
+            "output": str(work.promotion)}
 
 
 # ------------------------------------------------------------------------------ each stage's job
