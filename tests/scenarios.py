@@ -223,12 +223,12 @@ def epochs_run(e2e_dir):
                            resumed=helpers.read_summary(e2e_dir / "epochs-resumed.json"))
 
 
-RESTART_STEPS, RESTART_EVERY, RESTART_KILL_AT = 40, 10, 15  # a kill between two checkpoints
+RESTART_STEPS, RESTART_EVERY, RESTART_KILL_AT = 25, 10, 15  # a kill between two checkpoints, 10 steps before the end
 
 
 @scenario
 def restarted_run(movielens_shards, e2e_dir):
-    """Two launches at once of the same 40-step training, checkpointed every 10 steps, each recorded
+    """Two launches at once of the same 25-step training, checkpointed every 10 steps, each recorded
     in its own sqlite store, both with --max-restarts 1. One whose rank 1 is killed (kill -9) at step
     15: torchrun restarts both ranks from the step-10 checkpoint. The other uninterrupted, then stopped
     by SIGTERM to its process group as soon as its summary line is out (its summary file is written

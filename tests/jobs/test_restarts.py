@@ -22,7 +22,7 @@ def _lines(output: str, prefix: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_run_restarts_from_the_newest_checkpoint_with_the_same_losses_and_run(restarted_run):
-    """kill -9 of rank 1 (a process torchrun started, not the launcher) at step 15 of 40, checkpoints
+    """kill -9 of rank 1 (a process torchrun started, not the launcher) at step 15 of 25, checkpoints
     every 10: the job goes on from step 10 and exits 0; its losses are the uninterrupted run's; one
     line said the restart; the summary and the one MLflow run count it."""
     run, reference = restarted_run.restarted, restarted_run.stopped

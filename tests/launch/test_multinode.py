@@ -14,7 +14,7 @@ import pytest
 from tests import helpers
 from tests.scenarios import LONE_NODE_TIMEOUT_S
 
-STEPS = 20
+STEPS = 8
 
 
 class NoProcesses:
@@ -134,7 +134,7 @@ def test_a_node_alone_gives_up_at_the_rdzv_timeout(lone_node):
 
 def train_nodes(shards, tmp_path, name: str, nodes: list[list[str]]) -> tuple[list[subprocess.CompletedProcess],
                                                                                dict[int, dict[str, str]]]:
-    """`freescale train` once per entry of `nodes` (that node's own options), all at once, 20 steps of
+    """`freescale train` once per entry of `nodes` (that node's own options), all at once, STEPS steps of
     a small model on one thread per rank; the finished launches, and each rank's environment as
     torchrun started it (read while it ran)."""
     marker = str(tmp_path / name)

@@ -128,18 +128,24 @@ def test_the_model_trains_it_and_its_outputs_are_causal(registered):
     torch.testing.assert_close(whole[:3], prefix)
 
 
-def _rank(rank: int, port: int, argv: list[str], logs: str) -> None:
+def _rank(rank: int, runs: list[tuple[int, list[str]]], logs: str, copy: tuple[str, str]) -> None:
     """One of 2 training ranks, as torchrun would start ``freescale.jobs.train``, in a process that imported
-    this file: the encoder is registered here, not in any module the trainer knows."""
+    this file: the encoder is registered here, not in any module the trainer knows. It trains each of
+    ``runs`` (its own port, its arguments) in turn, one process group each; after the first, rank 0
+    copies ``copy``'s checkpoint (source, destination) before it meets rank 1 again, so the second
+    run finds it. One pair of processes for every run: each start imports torch and TorchRec."""
     from freescale.runtime.logs import LOG_DIR_ENV
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                       LOG_DIR_ENV: logs})
+                       "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", LOG_DIR_ENV: logs})
     register()
     from freescale.jobs import train
 
-    assert train.train(argv) == 0
+    for index, (port, argv) in enumerate(runs):
+        os.environ["MASTER_PORT"] = str(port)
+        assert train.train(argv) == 0
+        if index == 0 and rank == 0:
+            shutil.copytree(*copy)
 
 
 @pytest.mark.spawns
@@ -148,22 +154,26 @@ def test_it_trains_on_two_ranks_checkpoints_and_resumes_exactly(tmp_path):
 
     shards = write_shards(tmp_path / "shards", world_size=2, num_steps=4, local_batch=3)
 
-    def run(name: str, *extra: str) -> dict:
-        argv = ["--data.shards", str(shards), "--tracking.uri", "none", "--summary-json", str(tmp_path / name),
+    def argv(name: str, *extra: str) -> list[str]:
+        return ["--data.shards", str(shards), "--tracking.uri", "none", "--summary-json", str(tmp_path / name),
                 "--model.encoder", NAME, "--model.embedding_dim", "16", f"--model.{NAME}.num_layers", "1",
                 "--loss.num_negatives", "8", "--training.eval_max_samples", "4", *extra]
-        mp.spawn(_rank, args=(free_port(), argv, str(tmp_path / "logs")), nprocs=2, join=True)
-        return json.loads((tmp_path / name).read_text())
 
     # The uninterrupted run checkpoints at step 2; a folder holding that checkpoint alone resumes
     # there and must train the last 2 steps as it did.
     ran, folder = tmp_path / "ckpt", tmp_path / "resume"
-    reference = run("reference.json", "--training.max_steps", "4", "--checkpoint.folder", str(ran),
-                    "--checkpoint.every_steps", "2")
-    assert reference["steps"] == [0, 1, 2, 3] and (ran / "step_2" / "COMPLETE").exists()
     folder.mkdir()
-    shutil.copytree(ran / "step_2", folder / "step_2")
-    resumed = run("resumed.json", "--training.max_steps", "4", "--checkpoint.folder", str(folder))
+    ports = {free_port()}
+    while len(ports) < 2:  # a port of its own for each run's rendezvous
+        ports.add(free_port())
+    ports = sorted(ports)
+    runs = [(ports[0], argv("reference.json", "--training.max_steps", "4", "--checkpoint.folder", str(ran),
+                            "--checkpoint.every_steps", "2")),
+            (ports[1], argv("resumed.json", "--training.max_steps", "4", "--checkpoint.folder", str(folder)))]
+    mp.spawn(_rank, args=(runs, str(tmp_path / "logs"), (str(ran / "step_2"), str(folder / "step_2"))), nprocs=2,
+             join=True)
+    reference, resumed = (json.loads((tmp_path / name).read_text()) for name in ("reference.json", "resumed.json"))
+    assert reference["steps"] == [0, 1, 2, 3] and (ran / "step_2" / "COMPLETE").exists()
     assert resumed["steps"] == [2, 3]
     assert resumed["losses"] == reference["losses"][2:]  # to the bit
     # Its marked field is a shape key: the checkpoint refuses a resume into two layers.
