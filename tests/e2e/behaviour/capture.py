@@ -130,13 +130,13 @@ def answer(query):
         return {"refused": type(exc).__name__ + ": " + str(exc).split(" with schema ")[0][:80]}
 
 q["lists_default"] = answer(lambda: model.predict(histories))
-q["frame_items_default"] = rows(model.predict(pd.DataFrame({"items": histories})))
-q["frame_items_k10_keep_history"] = rows(model.predict(pd.DataFrame({"items": histories}),
+q["frame_items_default"] = answer(lambda: model.predict(pd.DataFrame({"items": histories})))
+q["frame_items_k10_keep_history"] = answer(lambda: model.predict(pd.DataFrame({"items": histories}),
                                                    params={"k": 10, "exclude_history": False}))
-q["frame_full_k10"] = rows(model.predict(pd.DataFrame({"items": histories, "timestamps": timestamps,
+q["frame_full_k10"] = answer(lambda: model.predict(pd.DataFrame({"items": histories, "timestamps": timestamps,
                                                        "ratings": ratings}), params={"k": 10}))
 odd = [histories[5] + ["no-such-item"], ["no-such-item"], [int(x) if str(x).isdigit() else x for x in histories[9]]]
-q["frame_odd_k5"] = rows(model.predict(pd.DataFrame({"items": odd}), params={"k": 5}))
+q["frame_odd_k5"] = answer(lambda: model.predict(pd.DataFrame({"items": odd}), params={"k": 5}))
 import os
 tree = os.path.realpath(os.environ["PYTHONPATH"].split(os.pathsep)[0])
 project = ("freescale",)
