@@ -12,8 +12,8 @@ day 2 (the next 10%) and the test part (the last 10%). For each seed:
   from random weights, export. Its wall time is the full re-run's cost.
 
 Both train the same model and recipe (``--config``, default configs/ml100k.toml) for the same number
-of epochs over their samples (``--epochs``); day by day trains day 1's samples, then day 2's touched
-users. Both models are scored on the test part by the same code (freescale/jobs/workflow/promote.py's
+of epochs over their samples (``--epochs``, ``training.max_epochs``); day by day trains day 1's samples,
+then day 2's touched users. Each stage's seconds come from its MLflow run. Both models are scored on the test part by the same code (freescale/jobs/workflow/promote.py's
 ``ranking_metrics``): every user with an event in it and one before it; the history is all of that
 user's events before the test part, the target their first event in it, ranked among the whole
 catalog with the history left out (full-catalog HR@10 and NDCG@10). Each model reads the raw ids
@@ -80,8 +80,8 @@ def held_out(paths: dict[str, Path]):
                    [[r for _, _, r in before[u]] for u in users], [str(after[u][0][1]) for u in users])
 
 
-def pipeline_toml(work: Path, uri: str, input_path: Path, args, seed: int, incremental: bool, steps: int) -> Path:
-    overrides = {**TRAIN_KEYS, "training.seed": seed, "training.max_steps": steps}
+def pipeline_toml(work: Path, uri: str, input_path: Path, args, seed: int, incremental: bool) -> Path:
+    overrides = {**TRAIN_KEYS, "training.seed": seed, "training.max_epochs": args.epochs}
     lines = ["[pipeline]", f'workdir = "{work}"', f'tracking_uri = "{uri}"', "world_size = 2",
              f"local_batch_size = {args.local_batch_size}", f"incremental = {str(incremental).lower()}",
              "[prepare]", f'input = "{input_path}"', "[balance]", 'strategy = "kk"', 'leftover = "keep"',
@@ -93,21 +93,10 @@ def pipeline_toml(work: Path, uri: str, input_path: Path, args, seed: int, incre
     return path
 
 
-def epochs_steps(prepared_users: int, args) -> int:
-    return max(1, args.epochs * -(-prepared_users // (2 * args.local_batch_size)))
-
-
 def timed_pipeline(config: Path, log: Path) -> float:
     started = time.perf_counter()
     run(freescale("pipeline", "--config", str(config)), log)
     return time.perf_counter() - started
-
-
-def users_of(path: Path) -> int:
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    return len(pc.unique(pq.read_table(path, columns=["user_id"])["user_id"]))
 
 
 def one_seed(seed: int, paths: dict[str, Path], queries, args, root: Path) -> dict:
@@ -118,21 +107,18 @@ def one_seed(seed: int, paths: dict[str, Path], queries, args, root: Path) -> di
     logs = root / "logs"
     logs.mkdir(exist_ok=True)
     shutil.copy2(paths["day1"], logs / "2026-12-01.parquet")
-    inc = pipeline_toml(root / "daily", uri, logs, args, seed, True, epochs_steps(users_of(paths["day1"]), args))
+    inc = pipeline_toml(root / "daily", uri, logs, args, seed, True)
     day1_s = timed_pipeline(inc, root / "day1.log")
     shutil.copy2(paths["day2"], logs / "2026-12-02.parquet")
-    day2_steps = epochs_steps(users_of(paths["day2"]), args)
-    inc = pipeline_toml(root / "daily", uri, logs, args, seed, True, day2_steps)
     day2_s = timed_pipeline(inc, root / "day2.log")
-    scratch = pipeline_toml(root / "scratch", uri, paths["both"], args, seed, False,
-                            epochs_steps(users_of(paths["both"]), args))
+    scratch = pipeline_toml(root / "scratch", uri, paths["both"], args, seed, False)
     full_s = timed_pipeline(scratch, root / "scratch.log")
     daily = ranking_metrics(root / "daily" / "days" / "2026-12-02" / "model", queries)
     fresh = ranking_metrics(root / "scratch" / "model", queries)
     return {"seed": seed, "day1_s": day1_s, "day2_s": day2_s, "full_rerun_s": full_s,
             "daily_hr_at_10": daily["hr_at_10"], "daily_ndcg_at_10": daily["ndcg_at_10"],
             "scratch_hr_at_10": fresh["hr_at_10"], "scratch_ndcg_at_10": fresh["ndcg_at_10"],
-            "test_users": int(daily["users"])}
+            "test_users": int(daily["users"]), "stage_s": stage_seconds(root)}
 
 
 def table(rows: list[dict]) -> str:
@@ -147,7 +133,12 @@ def table(rows: list[dict]) -> str:
     out.append("| median | " + " | ".join(f"{med[k]:.1f}" if k.endswith("_s") else f"{med[k]:.4f}" for k in keys)
                + " |")
     out.append(f"\nday 2 / full re-run wall time: {med['day2_s'] / med['full_rerun_s']:.2f}x "
-               f"(medians); test users: {rows[0]['test_users']}")
+               f"(medians); test users: {rows[0]['test_users']}\n")
+    jobs = ("prepare", "balance", "train", "export", "promote")
+    out += ["| seconds per stage (median of seeds) | " + " | ".join(jobs) + " |", "|---|" + "---|" * len(jobs)]
+    for run_name in ("day 1", "day 2", "full re-run"):
+        cells = [statistics.median(r["stage_s"].get(run_name, {}).get(job, 0.0) for r in rows) for job in jobs]
+        out.append(f"| {run_name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     return "\n".join(out)
 
 
@@ -177,3 +168,21 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def stage_seconds(seed_dir: Path) -> dict[str, dict[str, float]]:
+    """Each pipeline's stages' seconds, from their MLflow runs' start and end times: {pipeline: {job: s}}
+    for day 1, day 2 and the full re-run of a seed's folder."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{seed_dir / 'mlflow.db'}")
+    names = {"daily/days/2026-12-01": "day 1", "daily/days/2026-12-02": "day 2", "scratch": "full re-run"}
+    found: dict[str, dict[str, float]] = {}
+    for experiment in client.search_experiments():
+        for found_run in client.search_runs([experiment.experiment_id], max_results=1000):
+            where = found_run.data.tags.get("freescale.pipeline", "")
+            job = found_run.data.tags.get("freescale.job", "")
+            name = next((label for suffix, label in names.items() if where.endswith(suffix)), None)
+            if name and job and job != "pipeline" and found_run.info.end_time:
+                found.setdefault(name, {})[job] = (found_run.info.end_time - found_run.info.start_time) / 1000
+    return found

@@ -108,6 +108,50 @@ def test_prepare_on_the_cluster_is_the_local_prepare(cluster_prepared, movielens
         json.loads((movielens_prepared / "prepare.json").read_text())
 
 
+PIPELINE_ON_THE_CLUSTER = """
+[pipeline]
+workdir = "{workdir}"
+tracking_uri = "none"
+master = "{master}"
+world_size = 1
+local_batch_size = 8
+[prepare]
+synthetic_users = 200
+synthetic_items = 100
+max_seq_len = 32
+[balance]
+window_steps = 4
+[train.overrides]
+"model.hstu.embedding_dim" = 16
+"model.hstu.num_layers" = 1
+"model.hstu.num_heads" = 1
+"loss.num_negatives" = 8
+"training.max_steps" = 2
+"training.eval_max_samples" = 16
+"""
+
+
+@pytest.mark.slow
+def test_the_pipelines_spark_stages_run_on_the_cluster_its_master_names(spark_cluster, tmp_path):
+    """`[pipeline] master = spark://...`: prepare and balance are applications of the cluster (their
+    executors on its workers), the rest of the pipeline as on local Spark. The executors' Python is
+    this environment's, where the project is installed."""
+    apps_before = {app.name for worker in spark_cluster.worker_dirs for app in worker.glob("app-*")}
+    config = tmp_path / "pipeline.toml"
+    config.write_text(PIPELINE_ON_THE_CLUSTER.format(workdir=tmp_path / "work", master=spark_cluster.url))
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
+           "FREESCALE_LOG_DIR": str(tmp_path / "logs")}
+    run = subprocess.run([sys.executable, "-m", "freescale.jobs.cli", "pipeline", "--config", str(config)], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = run.stdout.split("summary of", 1)[1]
+    for stage in ("prepare", "balance", "train"):
+        assert f"freescale pipeline: {stage:<9} ran" in summary, summary
+    apps = {app.name for worker in spark_cluster.worker_dirs for app in worker.glob("app-*")} - apps_before
+    assert len(apps) >= 2, apps  # prepare's and balance's applications, each with executors on a worker
+    assert helpers.load_manifest(tmp_path / "work" / "shards")["world_size"] == 1
+
+
 # The worker is killed with a task in flight once its executor has finished this many: past the
 # job's first three one-task stages (schema, counts), so it also holds results the rest of the job
 # reads (shuffle output, the first checkpointed table).

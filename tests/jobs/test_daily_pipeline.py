@@ -180,7 +180,7 @@ def test_the_second_run_runs_only_the_new_day_and_the_third_nothing(two_days):
     first, second, third = two_days.outputs
     assert ran(first) == ["prepare", "balance", "train", "export", "promote"]
     assert ran(second) == ["prepare", "balance", "train", "export", "promote"]  # day 2's: day 1's are skipped
-    assert "day 2026-12-01" in second and second.count(" skipped ") >= 5
+    assert "freescale pipeline: day 2026-12-01 done: kept as it is" in second
     assert ran(third) == [] and "0 stage(s) ran" in third
     d1, d2 = (two_days.work / day for day in ("2026-12-01", "2026-12-02"))
     prepared = json.loads((d2 / "prepared" / "prepare.json").read_text())

@@ -10,8 +10,10 @@ prepared output (``prepare --previous``: items keep their ids, returning users c
 sequences, only the users the day touched are written), balance plans those samples, train starts from
 the previous day's newest checkpoint (``--init-from``), export registers the model ([export] register),
 and promote moves the alias when the new version is not worse (freescale/jobs/workflow/promote.py).
-The previous day's prepare and train fingerprints are part of the day's own, so a day redone makes
-the days after it run again; a day whose stages are current is skipped, as any current stage is.
+A day that was promoted is final: later runs keep it as it is, whatever the config says now (a setting
+changed today applies from today on; ``--fresh`` redoes every day). A day that did not finish runs
+its stages as any pipeline run does, skipping the current ones; the previous day's prepare and train
+fingerprints are part of its own.
 
 Every day that runs is one MLflow parent run (``day <name>``, with the day's logs as its dataset
 input); the runs of its stages, the training's included, nest under it. Days are listed in name
@@ -78,16 +80,25 @@ def check_incremental(config: WorkflowConfig) -> None:
     day_partitions(config.prepare.input)
 
 
-def run_days(config: WorkflowConfig, run_day: Callable, say: Callable[[str], None]) -> tuple[list[str], object]:
+def run_days(config: WorkflowConfig, run_day: Callable, say: Callable[[str], None],
+             fresh: bool = False) -> tuple[list[str], object]:
     """Each day in order, ``run_day(day_config, previous_workdir, opener)`` running its stages (``opener``:
     called before the day's first stage runs, it opens the day's MLflow run); stops at the first day that
-    fails. Returns the ``day/stage`` names that ran and the failure (None: none)."""
+    fails. A day that was promoted is final (``--fresh`` redoes every day). Returns the ``day/stage`` names
+    that ran and the failure (None: none)."""
+    from freescale.jobs.workflow.stages import read_record
     from freescale.jobs.workflow.table import Workdir
 
     ran_all: list[str] = []
     previous = None
     for day in day_partitions(config.prepare.input):
         cfg = day_config(config, day)
+        work = Path(cfg.pipeline.workdir)
+        if not fresh and (read_record(work, "promote") or {}).get("status") == "done":
+            # Yesterday's model is what was served: a config changed today applies from today on.
+            say(f"freescale pipeline: day {day.name} done: kept as it is ({work / 'promotion.json'})")
+            previous = Workdir(work)
+            continue
         say(f"freescale pipeline: day {day.name} ({day.path})")
         with day_run(cfg, day) as opener:
             ran, failed = run_day(cfg, previous, opener)

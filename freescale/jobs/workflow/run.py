@@ -135,7 +135,7 @@ def run_days(config: WorkflowConfig, fresh: bool, say) -> tuple[list[str], Any]:
                 open_day_run()
             return run_stage(stage, work)
         return run_stages(build_stages(day_config, previous), work, fresh, run_one, say)
-    return days.run_days(config, run_day, say)
+    return days.run_days(config, run_day, say, fresh)
 
 
 def build_parser() -> argparse.ArgumentParser:
