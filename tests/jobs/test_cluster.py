@@ -133,8 +133,8 @@ window_steps = 4
 
 @pytest.mark.slow
 def test_the_pipelines_spark_stages_run_on_the_cluster_its_master_names(spark_cluster, tmp_path):
-    """`[pipeline] master = spark://...`: prepare and balance are applications of the cluster (their
-    executors on its workers), the rest of the pipeline as on local Spark. The executors' Python is
+    """`[pipeline] master = spark://...`: prepare and balance run on the cluster (an application whose
+    executors are its workers'), the rest of the pipeline as with local Spark. The executors' Python is
     this environment's, where the project is installed."""
     apps_before = {app.name for worker in spark_cluster.worker_dirs for app in worker.glob("app-*")}
     config = tmp_path / "pipeline.toml"
@@ -147,8 +147,12 @@ def test_the_pipelines_spark_stages_run_on_the_cluster_its_master_names(spark_cl
     summary = run.stdout.split("summary of", 1)[1]
     for stage in ("prepare", "balance", "train"):
         assert f"freescale pipeline: {stage:<9} ran" in summary, summary
-    apps = {app.name for worker in spark_cluster.worker_dirs for app in worker.glob("app-*")} - apps_before
-    assert len(apps) >= 2, apps  # prepare's and balance's applications, each with executors on a worker
+    # One application (the stages share the pipeline's Spark session), its tasks run by the workers' executors.
+    apps = [app for worker in spark_cluster.worker_dirs for app in worker.glob("app-*") if app.name not in apps_before]
+    assert len({app.name for app in apps}) == 1, apps
+    tasks = sum(log.read_text(errors="replace").count("Executor: Running task") for app in apps
+                for log in app.glob("*/stderr"))
+    assert tasks > 0
     assert helpers.load_manifest(tmp_path / "work" / "shards")["world_size"] == 1
 
 
