@@ -121,6 +121,24 @@ def one_seed(seed: int, paths: dict[str, Path], queries, args, root: Path) -> di
             "test_users": int(daily["users"]), "stage_s": stage_seconds(root)}
 
 
+def stage_seconds(seed_dir: Path) -> dict[str, dict[str, float]]:
+    """Each pipeline's stages' seconds, from their MLflow runs' start and end times: {pipeline: {job: s}}
+    for day 1, day 2 and the full re-run of a seed's folder."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{seed_dir / 'mlflow.db'}")
+    names = {"daily/days/2026-12-01": "day 1", "daily/days/2026-12-02": "day 2", "scratch": "full re-run"}
+    found: dict[str, dict[str, float]] = {}
+    for experiment in client.search_experiments():
+        for found_run in client.search_runs([experiment.experiment_id], max_results=1000):
+            where = found_run.data.tags.get("freescale.pipeline", "")
+            job = found_run.data.tags.get("freescale.job", "")
+            name = next((label for suffix, label in names.items() if where.endswith(suffix)), None)
+            if name and job and job != "pipeline" and found_run.info.end_time:
+                found.setdefault(name, {})[job] = (found_run.info.end_time - found_run.info.start_time) / 1000
+    return found
+
+
 def table(rows: list[dict]) -> str:
     keys = ("day1_s", "day2_s", "full_rerun_s", "daily_hr_at_10", "scratch_hr_at_10", "daily_ndcg_at_10",
             "scratch_ndcg_at_10")
@@ -169,20 +187,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def stage_seconds(seed_dir: Path) -> dict[str, dict[str, float]]:
-    """Each pipeline's stages' seconds, from their MLflow runs' start and end times: {pipeline: {job: s}}
-    for day 1, day 2 and the full re-run of a seed's folder."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{seed_dir / 'mlflow.db'}")
-    names = {"daily/days/2026-12-01": "day 1", "daily/days/2026-12-02": "day 2", "scratch": "full re-run"}
-    found: dict[str, dict[str, float]] = {}
-    for experiment in client.search_experiments():
-        for found_run in client.search_runs([experiment.experiment_id], max_results=1000):
-            where = found_run.data.tags.get("freescale.pipeline", "")
-            job = found_run.data.tags.get("freescale.job", "")
-            name = next((label for suffix, label in names.items() if where.endswith(suffix)), None)
-            if name and job and job != "pipeline" and found_run.info.end_time:
-                found.setdefault(name, {})[job] = (found_run.info.end_time - found_run.info.start_time) / 1000
-    return found
