@@ -20,26 +20,10 @@ from freescale.jobs.workflow.config import WorkflowConfig
 from freescale.runtime import logs
 from freescale.runtime.errors import InputError
 from tests.helpers import one_rank_without_torchrun, sqlite_store
+from tests.jobs.test_workflow import TRAIN_TOML  # the pipeline tests' tiny model, 6 steps
 
 MODEL_NAME = "daily"
 
-TRAIN_TOML = """
-[model.hstu]
-embedding_dim = 16
-num_layers = 1
-num_heads = 1
-attention_dim = 8
-linear_dim = 8
-max_seq_len = 64
-[loss]
-num_negatives = 16
-[training]
-max_steps = 6
-log_every = 2
-eval_max_samples = 50
-[checkpoint]
-every_steps = 3
-"""
 
 PIPELINE_TOML = """
 [pipeline]
