@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 DIST ?= dist
 
-.PHONY: install demo test test-fast fault-sweep bench dist clean
+.PHONY: install demo test test-all test-fast fault-sweep bench dist clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,7 +21,14 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/freescale demo
 
+# What CI runs: every test but the extended tier (docs/testing.md).
 test: install
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q --durations=25 -m "not extended" tests
+
+# Every test: the extended tier too (a Spark standalone cluster, spark-submit, two nodes, Chromium,
+# the demo's quality, the SASS checks, and second variants of end-to-end launches).
+test-all: install
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=25 tests
 

@@ -74,7 +74,7 @@ def pytest_collection_finish(session):
     # tier starts no process.
     # The GPU machine has neither MLflow nor Spark (benchmarks/gpu_check.sh): its spawning tests need neither.
     data_jobs_can_run = all(importlib.util.find_spec(name) is not None for name in ("mlflow", "pyspark"))
-    if (data_jobs_can_run and not session.config.getoption("fast")
+    if (data_jobs_can_run and not session.config.getoption("fast") and not session.config.option.collectonly
             and any(item.get_closest_marker("spawns") for item in session.items)):
         # MLflow imported here first, before any background thread: two threads importing it at once
         # can see it partially initialized ("no attribute 'version'"), which failed 20 tests in one run.
@@ -110,9 +110,11 @@ def fast_tier_violations() -> list[str]:
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 
-    from tests.scenarios import BACKGROUND
+    from tests.scenarios import BACKGROUND, QUEUE
 
-    for started in BACKGROUND.values():  # a run cut short (-x) leaves no launch behind
+    for queue in QUEUE:  # a run cut short (-x) starts no more and leaves no launch behind
+        queue.close()
+    for started in BACKGROUND.values():
         started.thread.join(helpers.TIMEOUT_S)
     for root in BACKGROUND_ROOT:
         shutil.rmtree(root, ignore_errors=True)
@@ -204,13 +206,15 @@ def movielens_prepared(spark, movielens_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def movielens_shards(spark, movielens_prepared, tmp_path_factory) -> Path:
+def movielens_shards(spark, movielens_prepared, tmp_path_factory, e2e_dir) -> Path:
     """2-rank balanced shards of MovieLens-100K (kk, 16 samples per rank per step)."""
-    from tests.scenarios import run_hung, start_background
+    from tests.scenarios import run_hung, start_background, start_queue
 
     shards = _balanced_shards(movielens_prepared, tmp_path_factory.mktemp("ml-shards") / "kk", world_size=2)
     # Mostly a wait: it overlaps the tests that run meanwhile.
     start_background("hung_run", lambda: run_hung(shards, tmp_path_factory.mktemp("hung")))
+    # The selected trainings that need only these shards, one at a time, beside the tests that follow.
+    start_queue(shards, e2e_dir)
     return shards
 
 

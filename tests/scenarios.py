@@ -19,9 +19,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 
@@ -36,6 +38,82 @@ def scenario(fixture):
     """Declares a session fixture as an end-to-end scenario (it launches the product)."""
     SCENARIOS[fixture.__name__] = " ".join((fixture.__doc__ or "").split("\n\n")[0].split())
     return pytest.fixture(scope="session")(helpers.spawns(fixture))
+
+
+QUEUED: dict[str, Callable[[Path, Path], SimpleNamespace]] = {}
+"""The trainings that need only the MovieLens shards and a folder (name -> body(shards, folder)), in the
+order of the queue: the tests that read them come late in the session, and while the Spark job tests
+run one core is mostly idle."""
+
+
+QUEUE_ORDER = ("failed_launches", "restarted_run", "epochs_run", "resized_run", "table_run", "killed_run")
+"""Their readers' order in the session (tests/jobs, then tests/training); tests/comm, the first, takes
+table_run and killed_run itself."""
+
+
+def queued(name: str):
+    def declare(body):
+        QUEUED[name] = body
+        return body
+    return declare
+
+
+class LaunchQueue:
+    """The selected QUEUED trainings, one after another in one background thread, started when the
+    MovieLens shards exist (conftest.py). A test that asks for one the queue has not reached runs it
+    itself, at once; one the queue is running it waits for."""
+
+    def __init__(self, shards: Path, folder: Path, names: list[str]) -> None:
+        self.shards, self.folder, self.lock = shards, folder, threading.Lock()
+        self.entries = {name: SimpleNamespace(claimed=False, done=threading.Event(), value=None, error=None)
+                        for name in names}
+        self.closed = False
+        self.thread = threading.Thread(target=lambda: [self._claim_and_run(name, queue=True) for name in names],
+                                       name="launch-queue", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        """Start nothing more (the session ends), and wait for the run in progress."""
+        with self.lock:
+            self.closed = True
+        self.thread.join(helpers.TIMEOUT_S)
+
+    def _claim_and_run(self, name: str, queue: bool = False) -> None:
+        entry = self.entries[name]
+        with self.lock:
+            if entry.claimed or (queue and self.closed):
+                return
+            entry.claimed = True
+        try:
+            entry.value = QUEUED[name](self.shards, self.folder)
+        except BaseException as exc:  # noqa: BLE001 -- handed to the test that reads the result
+            entry.error = exc
+        finally:
+            entry.done.set()
+
+    def result(self, name: str) -> SimpleNamespace:
+        self._claim_and_run(name)  # not reached yet: run it here
+        entry = self.entries[name]
+        assert entry.done.wait(helpers.TIMEOUT_S), f"the queued run {name} did not finish"
+        if entry.error is not None:
+            raise entry.error
+        return entry.value
+
+
+QUEUE: list[LaunchQueue] = []
+
+
+def start_queue(shards: Path, folder: Path) -> None:
+    names = [name for name in QUEUE_ORDER if name in helpers.SELECTED_FIXTURES]
+    if names and not QUEUE:
+        QUEUE.append(LaunchQueue(shards, folder, names))
+
+
+def queued_or_now(name: str, shards: Path | None, folder: Path) -> SimpleNamespace:
+    """The scenario ``name``'s run: the queue's, or (no queue, or not in it) run now."""
+    if QUEUE and name in QUEUE[0].entries:
+        return QUEUE[0].result(name)
+    return QUEUED[name](shards, folder)
 
 
 @scenario
@@ -100,6 +178,11 @@ def row_run(movielens_shards, mlflow_server, e2e_dir):
 @scenario
 def table_run(movielens_shards, e2e_dir):
     """Table-wise, overlap, 8 steps, untracked: the table-wise reference losses."""
+    return queued_or_now("table_run", movielens_shards, e2e_dir)
+
+
+@queued("table_run")
+def run_table(movielens_shards: Path, e2e_dir: Path) -> SimpleNamespace:
     run = helpers.freescale_train(movielens_shards, "--max-steps", str(STEPS), "--comm-mode", "overlap",
                                   *helpers.small_run_args(e2e_dir, "table", "--parallel.sharding", "table_wise"))
     assert run.returncode == 0, run.stderr[-3000:]
@@ -164,6 +247,11 @@ def row_resume(movielens_shards, stopped_run, e2e_dir):
 def killed_run(movielens_shards, e2e_dir):
     """Table-wise, prioritized, 8 steps, checkpointed every step, recorded in a sqlite store; rank
     1 is killed (kill -9, the suite's one) after step 2, then the job is resumed in plain mode."""
+    return queued_or_now("killed_run", movielens_shards, e2e_dir)
+
+
+@queued("killed_run")
+def run_killed(movielens_shards: Path, e2e_dir: Path) -> SimpleNamespace:
     folder, uri = e2e_dir / "killed-ckpt", helpers.sqlite_store(e2e_dir / "killed.db")
     common = ("--max-steps", str(STEPS), "--parallel.sharding", "table_wise", "--checkpoint.folder", str(folder),
               "--checkpoint.every_steps", "1", "--tracking-uri", uri, *helpers.SMALL_RUN)
@@ -205,6 +293,11 @@ def epochs_run(e2e_dir):
     """Two epochs on small synthetic shards (2 ranks x 4 samples, 8 steps, a short last step),
     checkpointed every 4 steps keeping the last 2; then a copy of its checkpoint of step 12 (epoch
     1, position 4) resumed to the end. Attributes: shards, folder, log and resumed (the summaries)."""
+    return queued_or_now("epochs_run", None, e2e_dir)
+
+
+@queued("epochs_run")
+def run_epochs(_shards: Path | None, e2e_dir: Path) -> SimpleNamespace:
     shards = helpers.write_shards(e2e_dir / "epochs-shards", world_size=2, local_batch=4, num_steps=EPOCH_STEPS,
                                   max_len=30, alter=short_last_step)
     folder, copy = e2e_dir / "epochs-ckpt", e2e_dir / "epochs-resume-ckpt"
@@ -235,6 +328,11 @@ def restarted_run(movielens_shards, e2e_dir):
     by then): the reference losses, and a stop that lands on the run's last barrier. Attributes:
     `restarted` and `stopped`, each with folder, uri, output, returncode, log (its --summary-json),
     seconds; `restarted.launcher_pid` and `restarted.killed_pid`."""
+    return queued_or_now("restarted_run", movielens_shards, e2e_dir)
+
+
+@queued("restarted_run")
+def run_restarted(movielens_shards: Path, e2e_dir: Path) -> SimpleNamespace:
     common = ("--max-steps", str(RESTART_STEPS), "--checkpoint.every_steps", str(RESTART_EVERY),
               "--training.log_every", "1", *helpers.SMALL_RUN)
 
@@ -406,12 +504,17 @@ def gpu_bench_smoke(tmp_path_factory):
 
 
 @scenario
-def failed_launches(tmp_path_factory, movielens_shards):
+def failed_launches(movielens_shards, e2e_dir):
     """Two failing launches, each gathered by the launcher into its last line: no manifest.json on
     either rank (--verbose), and a corrupt Parquet file on rank 1 only (rank 0 is stopped too)."""
-    root = tmp_path_factory.mktemp("failed-launches")
+    return queued_or_now("failed_launches", movielens_shards, e2e_dir)
+
+
+@queued("failed_launches")
+def run_failed_launches(movielens_shards: Path, e2e_dir: Path) -> SimpleNamespace:
+    root = e2e_dir / "failed-launches"
     empty = root / "no-shards"
-    empty.mkdir()
+    empty.mkdir(parents=True)
     env = {k: v for k, v in helpers.train_env().items()
            if k not in ("FREESCALE_LOG_FILE", "FREESCALE_VERBOSE", "FREESCALE_DEBUG")}
 
@@ -458,6 +561,11 @@ def resized_run(movielens_shards, e2e_dir):
     """A resume on another world size: 10 steps on 2 ranks with a checkpoint, then `--nproc-per-node
     3` on the same shards and checkpoint folder to the epoch's end. Attributes: first, second (the
     launches), first_log, second_log (their --summary-json), folder."""
+    return queued_or_now("resized_run", movielens_shards, e2e_dir)
+
+
+@queued("resized_run")
+def run_resized(movielens_shards: Path, e2e_dir: Path) -> SimpleNamespace:
     folder = e2e_dir / "resize-ckpt"
     common = ("--checkpoint.folder", str(folder), "--checkpoint.every_steps", "10", "--training.log_every", "1000",
               "--tracking-uri", "none", *helpers.SMALL_RUN)

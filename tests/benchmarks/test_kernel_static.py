@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.spawns  # every test compiles in a subprocess
+pytestmark = [pytest.mark.spawns, pytest.mark.extended]  # every test compiles in a subprocess
 
 
 def compile_rows(tmp_path_factory, *extra: str) -> list[dict]:

@@ -19,6 +19,8 @@ import pytest
 
 from tests import helpers
 
+pytestmark = pytest.mark.extended  # docs/testing.md: the extended tier
+
 REPO = Path(__file__).resolve().parents[2]
 BALANCE_ARGS = ("--world-size", "2", "--local-batch-size", "16", "--leftover", "drop")  # conftest's movielens_shards
 

@@ -23,6 +23,8 @@ import pytest
 
 from tests.helpers import mlflow_server, stop_group
 
+pytestmark = pytest.mark.extended  # docs/testing.md: the extended tier
+
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 BROWSER = next((found for name in BROWSERS if (found := shutil.which(name))), None)
 # The metrics the comparison exists for; the page must show each for both runs.

@@ -160,6 +160,7 @@ def ran(output: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_second_run_runs_only_the_new_day_and_the_third_nothing(two_days):
     first, second, third = two_days.outputs
     assert ran(first) == ["prepare", "balance", "train", "export", "promote"]
@@ -174,6 +175,7 @@ def test_the_second_run_runs_only_the_new_day_and_the_third_nothing(two_days):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_each_day_is_a_registered_version_and_the_alias_says_which_serves(two_days):
     from mlflow.tracking import MlflowClient
 
@@ -190,6 +192,7 @@ def test_each_day_is_a_registered_version_and_the_alias_says_which_serves(two_da
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_each_day_is_one_parent_run_naming_its_logs(two_days):
     from mlflow.tracking import MlflowClient
 
@@ -208,6 +211,7 @@ def test_each_day_is_one_parent_run_naming_its_logs(two_days):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_day_two_starts_from_day_one_below_a_cold_start_on_its_shards(two_days, tmp_path):
     from tests.helpers import train_in_process
 

@@ -23,6 +23,7 @@ def test_the_line_says_by_how_much_the_model_beats_or_trails_most_popular(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_demos_data_and_model_beat_most_popular(spark, tmp_path, monkeypatch, capsys):
     """`freescale demo`'s own config (configs/demo_pipeline.toml's [prepare]: 20,000 synthetic users in 10
     taste groups; configs/demo.toml's model and 40 steps on 2 gloo ranks) trains a model whose test

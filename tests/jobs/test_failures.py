@@ -255,7 +255,7 @@ def test_a_spark_read_error_is_one_line_with_the_jvm_trace_in_the_log(movielens_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("verbose", [False, True])
+@pytest.mark.parametrize("verbose", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_an_infeasible_token_cap_is_one_line(movielens_prepared, tmp_path, verbose):
     run = freescale("balance", "--input", str(movielens_prepared), "--output", str(tmp_path / "out"),
                     "--world-size", "2", "--local-batch-size", "16", "--token-cap", "800", "--tracking-uri", "none",

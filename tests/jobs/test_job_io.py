@@ -356,6 +356,7 @@ def test_balance_removes_and_counts_stale_temporary_folders(odd_prepared, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_balance_killed_then_rerun_cleans_up(odd_prepared, tmp_path, capsys):
     """kill -9 of a balance run while it writes leaves <output>.tmp-<hex>; the rerun removes
     it, says so, and leaves no temporary folder."""

@@ -156,6 +156,7 @@ def test_the_default_keeps_the_leftover_as_a_short_last_step(prepared_ml, tmp_pa
     assert int((last["length"] - 1).sum()) == int(last["step_targets"].iloc[0])
 
 
+@pytest.mark.extended
 def test_deterministic_for_a_seed(prepared_ml, tmp_path):
     def assignment(out, seed):
         assert run_balance(prepared_ml, out, "--world-size", "4", "--local-batch-size", "16",

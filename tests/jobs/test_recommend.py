@@ -316,6 +316,7 @@ from tests.jobs.test_cluster import executor_python, finish, submit  # noqa: E40
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_on_the_standalone_cluster_it_writes_the_local_recommendations(
         spark_cluster, executor_python, dist, model, movielens_prepared, recommended, tmp_path):  # noqa: F811
     """spark-submit to the cluster as docs/cluster.md says, the executors' Python without the project but

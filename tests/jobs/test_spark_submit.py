@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers import load_manifest, read_all
 
+pytestmark = pytest.mark.extended  # docs/testing.md: the extended tier
+
 REPO = Path(__file__).resolve().parents[2]
 
 

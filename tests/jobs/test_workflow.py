@@ -165,6 +165,7 @@ def test_a_changed_balance_parameter_reruns_balance_and_train_not_prepare(copy, 
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_deleted_shard_file_reruns_balance_and_train(copy, capsys):
     work, config = copy
     victim = next((work / "shards").glob("rank=0/*.parquet"))
@@ -232,6 +233,7 @@ sys.exit(main(["pipeline", *sys.argv[1:]]))
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_killed_run_resumes_training_from_its_checkpoint(copy, capsys):
     """Killed (SIGKILL, the whole process group) once the first checkpoint of a longer training is
     complete; the rerun skips prepare and balance and continues the training after that step."""

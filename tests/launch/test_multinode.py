@@ -160,6 +160,7 @@ def train_nodes(shards, tmp_path, name: str, nodes: list[list[str]]) -> tuple[li
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_two_nodes_train_the_losses_of_one_node_of_two_ranks(movielens_shards, tmp_path):
     [one], one_env = train_nodes(movielens_shards, tmp_path, "one-node", [["--nproc-per-node", "2"]])
     assert one.returncode == 0, one.stderr[-3000:]

@@ -190,7 +190,7 @@ def _sigterm_run(shards, uri: str, experiment: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm-to-launcher"])
+@pytest.mark.parametrize("stop", ["ctrl-c", pytest.param("sigterm-to-launcher", marks=pytest.mark.extended)])
 def test_steps_are_recorded_as_they_go_and_a_stop_signal_ends_the_run_killed(movielens_shards, mlflow_server,
                                                                        stop, request):
     assert reachable_tracking_uri("train", mlflow_server) == mlflow_server  # a live server passes the check

@@ -288,6 +288,7 @@ def test_a_table_shard_takes_only_its_rows_of_a_grown_table():
 # ------------------------------------------------------------------ 2 ranks, through the launcher
 
 
+@pytest.mark.extended
 def test_a_warm_started_launch_starts_below_the_cold_starts_loss(warm_run, row_run):
     """2 ranks on the MovieLens shards, warm-started from the checkpoint folder of a run that trained one
     epoch (its last steps on 3 ranks): its first loss is below the same model's cold start's (row_run: the

@@ -118,6 +118,7 @@ def early_stopped(movielens_shards_1, tmp_path_factory):
     return SimpleNamespace(stopped=stopped, cut=cut, best_step=best_step, out=out, uri=uri)
 
 
+@pytest.mark.extended
 def test_early_stopping_restores_the_best_step_to_the_last_bit(early_stopped, movielens_shards_1) -> None:
     stopped, cut = early_stopped.stopped["summary"], early_stopped.cut["summary"]
     steps_per_epoch = helpers.load_manifest(movielens_shards_1)["num_steps"]
@@ -148,6 +149,7 @@ def test_validations_are_mlflow_series_at_their_steps(early_stopped, movielens_s
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_kill_9_mid_epoch_resumes_to_the_same_stop(early_stopped, movielens_shards_1, tmp_path) -> None:
     """One rank as its own process (no torchrun), checkpointed every 5 steps, killed mid-epoch
     after the best validation (12 steps past it; the stop comes a whole epoch later); the rerun
