@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "processes on two pinned cores share a run)")
     p.add_argument("--core", type=int, help="on CPU, the core to pin to (default: the last one this process may use)")
     p.add_argument("--repeats", type=int, help="timed passes (default 2 on CUDA, 3 on CPU)")
+    p.add_argument("--steps", type=int, help="steps per K, planned as one window (default: 2 at K = 64, 1 at "
+                                             "K = 256): more steps, fewer single-draw maxima in each plan's bubble")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-items", type=int, default=2000, help="synthetic catalog, as calibrate's default")
     p.add_argument("--smoke", action="store_true", help="toy sizes on CPU: checks the script, measures nothing")
@@ -127,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are --section.key value)")
     if args.repeats is not None and args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
     if args.smoke:
         args.device = "cpu"
     try:
@@ -301,7 +305,7 @@ class Bench(Markdown):
         """Plan K x B x steps lengths; time every (step, rank) batch of every plan; measured and predicted."""
         from freescale.balancing import bubble
 
-        b, steps = self.sizes.batch_size, self.sizes.steps.get(k, 1)
+        b, steps = self.sizes.batch_size, self.args.steps or self.sizes.steps.get(k, 1)
         lengths = sampler(k * b * steps)
         plans = self.plans(lengths, k, steps)
         cells = steps * k

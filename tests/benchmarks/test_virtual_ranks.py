@@ -62,3 +62,12 @@ def test_json_rows_name_every_plan_at_every_k(smoke) -> None:
     control = [r for r in rows if r["plan"] == "control"]
     assert all(r["bubble_predicted"] <= max(c["bubble_predicted"] for c in rows if c["plan"] == "contiguous")
                for r in control)
+
+
+def test_steps_is_checked_and_overrides_the_sizes_steps() -> None:
+    from benchmarks.virtual_ranks import parse_args
+
+    assert parse_args(["--device", "cpu", "--steps", "4"]).steps == 4
+    assert parse_args(["--device", "cpu"]).steps is None
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--steps", "0"])

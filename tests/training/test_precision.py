@@ -181,6 +181,7 @@ HR_TOLERANCE = 0.01
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_bf16_training_ends_near_fp32_and_is_recorded(row_run, bf16_row_run) -> None:
     """The 2-rank MovieLens-100K run in bf16 against the same run in fp32 (``row_run``).
 

@@ -132,6 +132,7 @@ def test_early_stopping_restores_the_best_step_to_the_last_bit(early_stopped, mo
     assert "best_epoch" not in cut  # no validation during training, no best epoch
 
 
+@pytest.mark.extended
 def test_validations_are_mlflow_series_at_their_steps(early_stopped, movielens_shards_1) -> None:
     from mlflow.tracking import MlflowClient
 
