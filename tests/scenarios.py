@@ -41,9 +41,9 @@ def scenario(fixture):
 
 
 QUEUED: dict[str, Callable[[Path, Path], SimpleNamespace]] = {}
-"""The trainings that need only the MovieLens shards and a folder (name -> body(shards, folder)), in the
-order of the queue: the tests that read them come late in the session, and while the Spark job tests
-run one core is mostly idle."""
+"""The trainings that need only the MovieLens shards and a folder (name -> body(shards, folder)): the
+queue runs them in QUEUE_ORDER, since the tests that read them come late in the session and while the
+Spark job tests run one core is mostly idle."""
 
 
 QUEUE_ORDER = ("failed_launches", "restarted_run", "epochs_run", "resized_run", "table_run", "killed_run")
