@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 DIST ?= dist
 
-.PHONY: install demo test test-all test-fast fault-sweep bench dist clean
+.PHONY: install demo test test-all test-fast fault-sweep bench dist clean spark-archive
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,11 @@ test-all: install
 # The tier without Spark and without a second process (tests/conftest.py: --fast), which it checks.
 test-fast: install
 	$(PY) -m pytest -q --fast tests
+
+# Once per machine, for faster later test runs: the archive of the classes a Spark job loads, which
+# every Spark JVM of the suite then maps (tests/helpers.py: DataJobsRun). The suite never writes it.
+spark-archive: install
+	$(PY) -m tests.helpers
 
 # The end-to-end tier's long sweep of bad inputs, stops and kills (about 16 minutes; not in `make test`).
 fault-sweep: install

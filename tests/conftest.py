@@ -70,8 +70,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     helpers.SELECTED_FIXTURES.update(name for item in session.items for name in item.fixturenames)
     # In the background from the start (tests/helpers.py's DataJobsRun): the no-torch check's run of
-    # the data jobs, which also writes the machine's Spark class archive when there is none. The fast
-    # tier starts no process.
+    # the data jobs (`make spark-archive` writes the machine's Spark class archive with one more).
+    # The fast tier starts no process.
     # The GPU machine has neither MLflow nor Spark (benchmarks/gpu_check.sh): its spawning tests need neither.
     data_jobs_can_run = all(importlib.util.find_spec(name) is not None for name in ("mlflow", "pyspark"))
     if (data_jobs_can_run and not session.config.getoption("fast") and not session.config.option.collectonly

@@ -81,17 +81,22 @@ def heavy_loaded(run: subprocess.CompletedProcess) -> list[str]:
 class DataJobsRun:
     """A synthetic `freescale prepare` and a `balance` of its output, in one fresh interpreter with
     MLflow tracking (sqlite), as a user runs the data jobs: started in the background when the
-    session starts (``start``), read by test_jobs' no-torch check (``result``). When this machine
-    has no SPARK_CLASS_ARCHIVE yet, its JVM writes it as it exits: the classes a prepare and a
-    balance load, which every later Spark JVM of the suite then maps (3-5 s sooner each, measured
-    on a balance and a prepare job). The archive is written under a temporary name, then renamed
-    once the JVM has exited: a JVM never maps half a file."""
+    session starts (``start``), read by test_jobs' no-torch check (``result``).
 
-    def __init__(self) -> None:
+    With ``dump`` (``make spark-archive``, not the suite: writing it cost a first run 42 CPU-s and
+    40 s more than the run alone, measured, for less than the JVMs that run after it save), and
+    when this machine has no SPARK_CLASS_ARCHIVE yet, its JVM writes the archive as it exits: the
+    classes a prepare and a balance load, which every later Spark JVM of the suite then maps (a
+    prepare and a balance in a fresh interpreter: 34-36 s and 42-46 CPU-s with it, 47-50 s and
+    57-62 CPU-s without). The archive is written under a temporary name, then renamed once the JVM
+    has exited: a JVM never maps half a file."""
+
+    def __init__(self, dump: bool = False) -> None:
         import tempfile
 
         self.root = Path(tempfile.mkdtemp(prefix="freescale-data-jobs-"))
         self.background: Background | None = None
+        self.dump = dump
 
     def code(self, dump: bool) -> str:
         out, db = self.root / "out", self.root / "mlflow.db"
@@ -106,7 +111,7 @@ class DataJobsRun:
                 "'--local-batch-size', '8', *tracking]) == 0\n" + wait_for_jvm)
 
     def start(self) -> "DataJobsRun":
-        dump = not SPARK_CLASS_ARCHIVE.exists()
+        dump = self.dump and not SPARK_CLASS_ARCHIVE.exists()
         partial = SPARK_CLASS_ARCHIVE.with_name(f"{SPARK_CLASS_ARCHIVE.name}.{os.getpid()}.partial")
         opts = f"{JVM_SPEED_OPTS} -XX:ArchiveClassesAtExit={partial}" if dump else TEST_JVM_OPTS
         env = {**os.environ, "SPARK_SUBMIT_OPTS": opts, "FREESCALE_LOG_DIR": str(self.root / "logs")}
@@ -803,3 +808,17 @@ class SparkCluster:
             time.sleep(0.2)
         if left:
             pytest.fail(f"processes of the Spark cluster still running: {left}")
+
+
+def write_spark_class_archive() -> int:
+    """`make spark-archive`: write this machine's SPARK_CLASS_ARCHIVE (a DataJobsRun that dumps it),
+    which later runs of the suite's Spark JVMs map. 0 when it exists after."""
+    run = DataJobsRun(dump=True).result()
+    if run.returncode != 0:
+        print(run.stderr[-3000:], file=sys.stderr)
+    print(f"{SPARK_CLASS_ARCHIVE}: {'written' if SPARK_CLASS_ARCHIVE.exists() else 'not written'}")
+    return 0 if SPARK_CLASS_ARCHIVE.exists() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(write_spark_class_archive())

@@ -150,11 +150,16 @@ def _run_torchrun(cmd: list[str], nnodes: int, endpoint: str | None, timeout_s: 
     log = logs.log_file("train").absolute()
     with tempfile.TemporaryDirectory(prefix="freescale-ranks-") as status_dir:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONUNBUFFERED": "1", logs.LOG_FILE_ENV: str(log), STATUS_DIR_ENV: status_dir,
-               # A store of the ranks' own for each attempt: the c10d rendezvous would share its agent's
-               # store across attempts, where a restarted rank finds the last attempt's keys (a dead
-               # peer's address: "Gloo connectFullMesh failed ... Connection refused").
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+               "PYTHONUNBUFFERED": "1", logs.LOG_FILE_ENV: str(log), STATUS_DIR_ENV: status_dir}
+        if nnodes > 1:
+            # Across nodes, a store of the ranks' own for each attempt: the agents' shared store keeps
+            # the last attempt's keys (a restarted rank read a dead peer's address: "Gloo
+            # connectFullMesh failed ... Connection refused"), and the nodes' agents count their
+            # restarts apart, so no attempt number names the keys alike on every node. One node's
+            # ranks share its agent's store, keys under the attempt (parallel/distributed.py):
+            # their own store would bind a port torchrun picked seconds before, which another
+            # job on the machine can take meanwhile (EADDRINUSE).
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         if logs.verbose():
             env[logs.VERBOSE_ENV] = "1"
             output = None

@@ -24,6 +24,7 @@ def smoke(gpu_bench_smoke) -> tuple[subprocess.CompletedProcess, str]:
     return gpu_bench_smoke
 
 
+@pytest.mark.extended  # docs/testing.md
 def test_smoke_run_prints_every_section_and_writes_them(smoke) -> None:
     run, written = smoke
     assert run.returncode == 0, run.stderr[-2000:]
@@ -38,6 +39,7 @@ def test_smoke_run_prints_every_section_and_writes_them(smoke) -> None:
     assert "6 graphed calls over 2 captures (0 dropped)" in written and "eager calls: none" in written
 
 
+@pytest.mark.extended  # docs/testing.md
 def test_smoke_run_claims_no_target(smoke) -> None:
     run, written = smoke
     targets = written.split("## Targets", 1)[1]
@@ -45,6 +47,7 @@ def test_smoke_run_claims_no_target(smoke) -> None:
     assert len(rows) >= 6 and all(row.rstrip().endswith("| n/a (smoke) |") for row in rows)
 
 
+@pytest.mark.extended  # docs/testing.md
 def test_smoke_numerics_agree(smoke) -> None:
     """The interpreter computes in fp32: triton and grouped agree to rounding."""
     run, written = smoke

@@ -33,6 +33,7 @@ def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, str, list]:
     return run, output.read_text() if output.exists() else "", json.loads(rows.read_text()) if rows.exists() else []
 
 
+@pytest.mark.extended  # docs/testing.md
 def test_smoke_run_plans_four_ways_and_prints_the_targets(smoke) -> None:
     run, written, _ = smoke
     assert run.returncode == 0, run.stderr[-2000:]  # 1 when a module the GPU machine lacks was loaded
@@ -49,6 +50,7 @@ def test_smoke_run_plans_four_ways_and_prints_the_targets(smoke) -> None:
     assert "## Targets (issue 48)" in written and written.count("n/a (smoke)") == 4 * (3 + len(PLANS))
 
 
+@pytest.mark.extended  # docs/testing.md
 def test_json_rows_name_every_plan_at_every_k(smoke) -> None:
     _, _, rows = smoke
     assert sorted({(r["ranks"], r["plan"]) for r in rows}) == sorted((k, p) for k in SMOKE.ranks for p in PLANS)

@@ -262,6 +262,7 @@ def _check_timings(mode: str, log: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # its scenarios come through request.getfixturevalue, which marks nothing
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
 def test_overlapped_modes_compute_what_plain_computes(sharding, request):
     """The same shards and seed, with user features, in each mode (the session's runs): the losses

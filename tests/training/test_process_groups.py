@@ -136,3 +136,31 @@ def test_trains_on_a_default_group_that_refuses_host_tensors(tmp_path: Path) -> 
     assert resumed["losses"] == pytest.approx(refusing["losses"][2:], rel=1e-5)
     # Not one barrier or object collective was left to the default group.
     assert [json.loads((tmp_path / f"rerouted-rank{r}.json").read_text()) for r in range(2)] == [[], []]
+
+
+def test_ranks_sharing_the_agents_store_keep_each_attempts_keys_apart(monkeypatch) -> None:
+    """On one node the ranks meet in torchrun's agent store, which outlives a restart: each
+    attempt's keys go under its number, so a restarted rank never reads its dead peers' keys. Apart
+    from the agent (several nodes), torch's env:// store is used as it is."""
+    import torch.distributed as dist
+
+    from freescale.training.parallel.distributed import attempt_store
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert attempt_store(timedelta(seconds=5)) is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert attempt_store(timedelta(seconds=5)) is None
+
+    agents = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agents.port), "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    keys = {}
+    for attempt in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        store = attempt_store(timedelta(seconds=5))
+        keys[attempt] = store
+        store.set("default_pg/rank_1", f"address of attempt {attempt}")
+    assert keys["1"].get("default_pg/rank_1") == b"address of attempt 1"
+    assert agents.get("freescale/attempt-0/default_pg/rank_1") == b"address of attempt 0"
+    assert not agents.check(["default_pg/rank_1"])

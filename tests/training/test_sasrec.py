@@ -275,11 +275,11 @@ def test_every_encoder_trains_with_every_loss(encoder: str, loss_kind: str) -> N
 @pytest.mark.spawns  # in process, but its record runs git (code_version)
 def test_calibrate_runs_with_sasrec_and_bce(tmp_path, capsys) -> None:
     out = tmp_path / "cost_model.json"
-    rc = calibrate.main(["--output", str(out), "--lengths", "4,8,16", "--repeats", "1", "--warmup", "0",
+    rc = calibrate.main(["--output", str(out), "--lengths", "8,32,128", "--repeats", "2", "--warmup", "1",
                          "--replicates", "1", "--held-out-batches", "3", "--num-items", "60",
                          "--tracking-uri", sqlite_store(tmp_path / "mlflow.db"),
                          "--model.encoder", "sasrec", "--loss.kind", "bce", "--model.embedding_dim", "16",
-                         "--model.sasrec.num_layers", "1", "--model.sasrec.max_seq_len", "16"])
+                         "--model.sasrec.num_layers", "1", "--model.sasrec.max_seq_len", "128"])
     captured = capsys.readouterr()
     report = captured.out
     assert rc == 0, captured.err

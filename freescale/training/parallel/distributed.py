@@ -10,7 +10,6 @@ passes the one that serves its tensors.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -69,6 +68,20 @@ def tensor_groups(device: torch.device, backend: str,
     return host_group, device_group
 
 
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """The store this attempt's ranks meet in, or None for torch's env:// one (a store the ranks'
+    rank 0 serves at MASTER_PORT).
+
+    Where the elastic agent shares its own store (TORCHELASTIC_USE_AGENT_STORE: one node,
+    launch/launcher.py), the keys go under this attempt's number: the store outlives a restart,
+    and a restarted rank must not read the last attempt's keys (a dead peer's address)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agents = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"freescale/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agents)
+
+
 def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
     """Join the job's process group (torchrun's env:// variables), or make a group of one.
 
@@ -98,11 +111,12 @@ def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
     timeout = timedelta(seconds=config.collective_timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(default_group_backend(backend), timeout=timeout)
+            dist.init_process_group(default_group_backend(backend), store=attempt_store(timeout), rank=rank,
+                                    world_size=world_size, timeout=timeout)
         else:
-            store = tempfile.NamedTemporaryFile(prefix="freescale-pg-", delete=False).name
-            # The store itself, not a file:// URL: torch would urlparse the temporary path.
-            dist.init_process_group(default_group_backend(backend), store=dist.FileStore(store, 1), rank=0,
+            # One process: an in-memory store, nothing left on disk (a FileStore's file outlived
+            # every run that ends without finalization).
+            dist.init_process_group(default_group_backend(backend), store=dist.HashStore(), rank=0,
                                     world_size=1, timeout=timeout)
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend,
                    *tensor_groups(device, backend, timeout))
