@@ -83,13 +83,11 @@ class DataJobsRun:
     MLflow tracking (sqlite), as a user runs the data jobs: started in the background when the
     session starts (``start``), read by test_jobs' no-torch check (``result``).
 
-    With ``dump`` (``make spark-archive``, not the suite: writing it cost a first run 42 CPU-s and
-    40 s more than the run alone, measured, for less than the JVMs that run after it save), and
-    when this machine has no SPARK_CLASS_ARCHIVE yet, its JVM writes the archive as it exits: the
-    classes a prepare and a balance load, which every later Spark JVM of the suite then maps (a
-    prepare and a balance in a fresh interpreter: 34-36 s and 42-46 CPU-s with it, 47-50 s and
-    57-62 CPU-s without). The archive is written under a temporary name, then renamed once the JVM
-    has exited: a JVM never maps half a file."""
+    With ``dump`` (``make spark-archive``; the suite never dumps, since on a fresh clone writing the
+    archive cost more than the JVMs after it saved: docs/testing.md), and when this machine has no
+    SPARK_CLASS_ARCHIVE yet, its JVM writes the archive as it exits: the classes a prepare and a
+    balance load, which every later Spark JVM of the suite then maps. The archive is written under
+    a temporary name, then renamed once the JVM has exited: a JVM never maps half a file."""
 
     def __init__(self, dump: bool = False) -> None:
         import tempfile

@@ -155,12 +155,11 @@ def test_ranks_sharing_the_agents_store_keep_each_attempts_keys_apart(monkeypatc
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agents.port), "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)
-    keys = {}
+    stores = {}
     for attempt in ("0", "1"):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
-        store = attempt_store(timedelta(seconds=5))
-        keys[attempt] = store
-        store.set("default_pg/rank_1", f"address of attempt {attempt}")
-    assert keys["1"].get("default_pg/rank_1") == b"address of attempt 1"
+        stores[attempt] = attempt_store(timedelta(seconds=5))
+        stores[attempt].set("default_pg/rank_1", f"address of attempt {attempt}")
+    assert stores["1"].get("default_pg/rank_1") == b"address of attempt 1"
     assert agents.get("freescale/attempt-0/default_pg/rank_1") == b"address of attempt 0"
     assert not agents.check(["default_pg/rank_1"])
