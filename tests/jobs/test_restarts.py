@@ -1,4 +1,4 @@
-"""`freescale train --max-restarts N`: a failed rank's job starts again from the newest checkpoint,
+"""`freescale train --max-restarts N`: a failed rank's job starts again from the newest checkpoint
 with the losses of an uninterrupted run, the same MLflow run and the restarts counted; and a stop
 signal is a stop, never a failure to restart from, wherever it lands (the run's last barrier too)."""
 from __future__ import annotations
@@ -24,7 +24,8 @@ def _lines(output: str, prefix: str) -> list[str]:
 def test_a_rank_killed_mid_run_restarts_from_the_newest_checkpoint_with_the_same_losses_and_run(restarted_run):
     """kill -9 of rank 1 (a process torchrun started, not the launcher) at step 15 of 25, checkpoints
     every 10: the job goes on from step 10 and exits 0; its losses are the uninterrupted run's; one
-    line said the restart; the summary and the one MLflow run count it."""
+    line said the restart; the summary and the one MLflow run -- continued, FINISHED, every step's
+    loss once -- count it. (tests/e2e/fault_sweep.py kills at random steps.)"""
     run, reference = restarted_run.restarted, restarted_run.stopped
     assert run.returncode == 0, run.output[-3000:]
     assert run.killed_pid != run.launcher_pid  # a rank torchrun started

@@ -219,18 +219,3 @@ def test_an_exception_ends_the_run_failed_with_the_steps_before_it(hung_run, row
     assert len(steps) >= 3 and steps == list(range(len(steps)))
     reference = row_run.log["losses"]
     assert [loss for step, loss in hung_run.logged if step < len(reference)] == reference[:min(len(steps), 8)]
-
-
-@pytest.mark.slow
-def test_kill_9_then_resume_matches_an_uninterrupted_run(killed_run, table_run):
-    """kill -9 of a rank mid-training (once here; tests/e2e/fault_sweep.py repeats it at random
-    steps). The resume gives the uninterrupted run's losses, and its MLflow run -- continued, not a
-    new one -- ends FINISHED with every step's metrics exactly once."""
-    reference = table_run.log["losses"]
-    first = killed_run.log["steps"][0]
-    assert killed_run.log["steps"] == list(range(first, len(reference)))
-    assert killed_run.log["losses"] == reference[first:]
-    assert killed_run.final_status == "FINISHED"
-    assert killed_run.logged == list(enumerate(reference))
-    assert len(runs_of(killed_run.uri)) == 1
-    assert not (killed_run.folder / "LOCK").exists()

@@ -1,8 +1,8 @@
 """`freescale export` (freescale/jobs/export.py, freescale/training/export/exporter.py, freescale/training/export/exported_model.py): a training
 checkpoint -> one model folder and an MLflow pyfunc model.
 
-The end-to-end tests share one short 2-rank training with checkpoints, recorded on the session's
-mlflow server, and one export of it. A fresh process loads the MLflow model and predicts every
+The end-to-end tests share the session's row_run (tests/scenarios.py: a short 2-rank training with
+checkpoints, recorded on the session's mlflow server) and one export of it. A fresh process loads the MLflow model and predicts every
 test user's top 10 with no TorchRec imported: they are the trainer's own evaluation ranking (its
 model rebuilt here with TorchRec tables from the same checkpoint, scored by freescale.training.eval.evaluator), and
 HR@10 and NDCG@10 computed from them are the run's summary. The fast tests build a model folder from
@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests import helpers
+from tests.scenarios import STEPS
 
 REGISTERED = "freescale-export-test"
-STEPS = 8
 
 
 def export(*argv: str) -> int:
@@ -190,19 +190,11 @@ def test_a_half_written_checkpoint_is_refused(fresh_log, tmp_path, capsys, case)
 
 
 @pytest.fixture(scope="module")
-def trained(movielens_shards, mlflow_server, tmp_path_factory):
-    """8 steps on 2 ranks, checkpoints at steps 4 and 8, evaluated on every user, recorded on the session's
-    server (experiment export-e2e)."""
-    root = tmp_path_factory.mktemp("export-train")
-    summary = root / "summary.json"
-    run = helpers.freescale_train(
-        movielens_shards, "--max-steps", str(STEPS), "--checkpoint.folder", str(root / "ckpt"),
-        "--checkpoint.every_steps", "4", "--tracking-uri", mlflow_server, "--tracking.experiment", "export-e2e",
-        "--run-name", "export-train", "--summary-json", str(summary), "--model.hstu.num_layers", "1",
-        "--loss.num_negatives", "32", "--training.eval_max_samples", "0")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return SimpleNamespace(root=root, checkpoint=root / "ckpt", shards=movielens_shards, uri=mlflow_server,
-                           summary=json.loads(summary.read_text()))
+def trained(row_run, movielens_shards, tmp_path_factory):
+    """The session's row_run (tests/scenarios.py): 8 steps on 2 ranks, checkpoints at steps 4 and 8,
+    evaluated on every user, recorded on the session's server. Exports go to a folder of this module's."""
+    return SimpleNamespace(root=tmp_path_factory.mktemp("export"), checkpoint=row_run.folder, shards=movielens_shards,
+                           uri=row_run.uri, summary=row_run.log)
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +309,6 @@ def metrics_of(tops: list[list[str]], targets: list[str]) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 def test_a_fresh_process_predicts_the_trainers_ranking_without_torchrec(trained, exported, movielens_prepared,
                                                                         movielens_dir, tmp_path):
     import pyarrow.parquet as pq
@@ -353,7 +344,6 @@ def test_a_fresh_process_predicts_the_trainers_ranking_without_torchrec(trained,
 
 
 @pytest.mark.slow
-@pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 def test_the_model_is_logged_on_the_trainings_run_and_the_folder_is_complete(trained, exported):
     from mlflow.tracking import MlflowClient
 
@@ -372,7 +362,6 @@ def test_the_model_is_logged_on_the_trainings_run_and_the_folder_is_complete(tra
 
 
 @pytest.mark.slow
-@pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 def test_registering_twice_gives_versions_1_and_2(trained, fresh_log, capsys):
     from mlflow.tracking import MlflowClient
 
@@ -398,7 +387,6 @@ def broken_copy(trained, root: Path, edit) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.e2e  # its own launch (the module's `trained`), as the scenarios of tests/scenarios.py are
 @pytest.mark.parametrize("case", ["config no longer loads", "half-written", "metadata missing", "output exists"])
 def test_bad_checkpoints_are_one_line_and_exit_2_with_nothing_written(trained, fresh_log, tmp_path, capsys, case):
     def config(step: Path):
