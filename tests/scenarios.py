@@ -322,12 +322,12 @@ RESTART_STEPS, RESTART_EVERY, RESTART_KILL_AT = 25, 10, 15  # a kill between two
 @scenario
 def restarted_run(movielens_shards, e2e_dir):
     """Two launches at once of the same 25-step training (table-wise, plain), checkpointed every 10
-    steps, each recorded in its own sqlite store, both with --max-restarts 1. One whose rank 1 is killed (kill -9) at step
-    15: torchrun restarts both ranks from the step-10 checkpoint. The other uninterrupted, then stopped
-    by SIGTERM to its process group as soon as its summary line is out (its summary file is written
-    by then): the reference losses, and a stop that lands on the run's last barrier. Attributes:
-    `restarted` and `stopped`, each with folder, uri, output, returncode, log (its --summary-json),
-    seconds; `restarted.launcher_pid` and `restarted.killed_pid`."""
+    steps, each recorded in its own sqlite store, both with --max-restarts 1. One whose rank 1 is
+    killed (kill -9) at step 15: torchrun restarts both ranks from the step-10 checkpoint. The other
+    uninterrupted, then stopped by SIGTERM to its process group as soon as its summary line is out
+    (its summary file is written by then): the reference losses, and a stop that lands on the run's
+    last barrier. Attributes: `restarted` and `stopped`, each with folder, uri, output, returncode, log
+    (its --summary-json), seconds; `restarted.launcher_pid` and `restarted.killed_pid`."""
     return queued_or_now("restarted_run", movielens_shards, e2e_dir)
 
 

@@ -2,10 +2,11 @@
 checkpoint -> one model folder and an MLflow pyfunc model.
 
 The end-to-end tests share the session's row_run (tests/scenarios.py: a short 2-rank training with
-checkpoints, recorded on the session's mlflow server) and one export of it. A fresh process loads the MLflow model and predicts every
-test user's top 10 with no TorchRec imported: they are the trainer's own evaluation ranking (its
-model rebuilt here with TorchRec tables from the same checkpoint, scored by freescale.training.eval.evaluator), and
-HR@10 and NDCG@10 computed from them are the run's summary. The fast tests build a model folder from
+checkpoints, recorded on the session's mlflow server) and one export of it. A fresh process loads
+the MLflow model and predicts every test user's top 10 with no TorchRec imported: they are the
+trainer's own evaluation ranking (its model rebuilt here with TorchRec tables from the same
+checkpoint, scored by freescale.training.eval.evaluator), and HR@10 and NDCG@10 computed from them
+are the run's summary. The fast tests build a model folder from
 a random dense model: the unknown-id policy, the input forms, the registry and bad-input refusals.
 """
 from __future__ import annotations
