@@ -96,11 +96,11 @@ class DataJobsRun:
         self.background: Background | None = None
         self.dump = dump
 
-    def code(self, dump: bool) -> str:
+    def code(self) -> str:
         out, db = self.root / "out", self.root / "mlflow.db"
         # Dumping: the JVM writes the archive as it exits, so this process waits for it to exit.
         wait_for_jvm = ("from pyspark import SparkContext\ngateway = SparkContext._gateway\n"
-                        "gateway.proc.stdin.close(); gateway.proc.wait()\n") if dump else ""
+                        "gateway.proc.stdin.close(); gateway.proc.wait()\n") if self.dump else ""
         return ("from freescale.jobs.cli import main\n"
                 f"tracking = ['--tracking-uri', 'sqlite:///{db}']\n"
                 f"assert main(['prepare', '--output', '{out}/prepared', '--synthetic-users', '300', "
@@ -109,14 +109,14 @@ class DataJobsRun:
                 "'--local-batch-size', '8', *tracking]) == 0\n" + wait_for_jvm)
 
     def start(self) -> "DataJobsRun":
-        dump = self.dump and not SPARK_CLASS_ARCHIVE.exists()
+        self.dump = dump = self.dump and not SPARK_CLASS_ARCHIVE.exists()  # an archive is never rewritten
         partial = SPARK_CLASS_ARCHIVE.with_name(f"{SPARK_CLASS_ARCHIVE.name}.{os.getpid()}.partial")
         opts = f"{JVM_SPEED_OPTS} -XX:ArchiveClassesAtExit={partial}" if dump else TEST_JVM_OPTS
         env = {**os.environ, "SPARK_SUBMIT_OPTS": opts, "FREESCALE_LOG_DIR": str(self.root / "logs")}
 
         def work() -> subprocess.CompletedProcess:
             try:
-                run = loaded_after(self.code(dump), timeout=600, env=env)
+                run = loaded_after(self.code(), timeout=600, env=env)
                 if dump and run.returncode == 0 and partial.exists():
                     os.replace(partial, SPARK_CLASS_ARCHIVE)
                 return run

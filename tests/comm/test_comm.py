@@ -279,10 +279,11 @@ def test_overlapped_modes_compute_what_plain_computes(sharding, request):
         assert resumed.log["losses"] == reference[3:]
         logs = {"prioritized": row.log, "overlap": resumed.log}
     else:
-        table, killed, plain = (request.getfixturevalue(name) for name in ("table_run", "killed_run", "restarted_run"))
+        table, killed, restarted = (request.getfixturevalue(name)
+                                    for name in ("table_run", "killed_run", "restarted_run"))
         reference = table.log["losses"]
         assert len(killed.logged) >= 2 and killed.logged == list(enumerate(reference))[:len(killed.logged)]
-        plain = plain.stopped.log
+        plain = restarted.stopped.log
         assert plain["losses"][:len(reference)] == reference
         logs = {"overlap": table.log, "plain": plain}
     assert len(reference) == 8
