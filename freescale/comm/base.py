@@ -50,6 +50,11 @@ class CollectiveBackend(ABC):
 
     def __init__(self, timeout: timedelta):
         self.timeout = timeout
+        """Bounds the groups it makes, and the waits it runs itself (the copy engine's barriers)."""
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The bound on its own waits from here on (its groups' bound is set with every group's)."""
+        self.timeout = timeout
 
     @property
     @abstractmethod

@@ -163,3 +163,55 @@ def test_ranks_sharing_the_agents_store_keep_each_attempts_keys_apart(monkeypatc
     assert stores["1"].get("default_pg/rank_1") == b"address of attempt 1"
     assert agents.get("freescale/attempt-0/default_pg/rank_1") == b"address of attempt 0"
     assert not agents.check(["default_pg/rank_1"])
+
+
+def _rank_bounds(rank: int, folder: str, port: int) -> None:
+    """One rank: rank 1 is late for the first collective (set-up, under ``init_timeout_s``) and
+    later for one after ``bound_collectives`` (under ``collective_timeout_s``); each collective's
+    outcome and how long rank 0 waited go to a file."""
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from freescale.training.config import ParallelConfig
+    from freescale.training.parallel.distributed import bound_collectives, exit_without_finalization, init_distributed
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    parallel = ParallelConfig(backend="gloo", init_timeout_s=60, collective_timeout_s=1)
+    outcomes = []
+    try:
+        env = init_distributed(parallel, threads=1)
+        for late_s, bound in ((3, None), (4, timedelta(seconds=parallel.collective_timeout_s))):
+            if bound is not None:
+                bound_collectives(bound, env.host_group)
+            if rank == 1:
+                time.sleep(late_s)
+            start = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(1), group=env.host_group)
+                outcomes.append(["ok", time.monotonic() - start])
+            except RuntimeError as exc:
+                outcomes.append([str(exc).splitlines()[0], time.monotonic() - start])
+                break
+    except BaseException:  # noqa: BLE001 - reported to the test through the file
+        outcomes.append([traceback.format_exc(), 0.0])
+    (Path(folder) / f"bounds-rank{rank}.json").write_text(json.dumps(outcomes))
+    exit_without_finalization(0)
+
+
+@pytest.mark.spawns
+def test_set_up_has_its_own_bound_and_the_steps_theirs(tmp_path: Path) -> None:
+    """A rank 3 s late in set-up is waited for under ``init_timeout_s`` (60 s) though the steps' bound
+    is 1 s: one rank's set-up (rank 0 starting its MLflow run, first-step compiles) is not a hang.
+    After ``bound_collectives`` a rank 4 s late is a hang: its peer fails after about 1 s."""
+    import torch.multiprocessing as mp
+
+    from tests.helpers import free_port
+
+    mp.spawn(_rank_bounds, args=(str(tmp_path), free_port()), nprocs=2, join=True)
+    set_up, steps = json.loads((tmp_path / "bounds-rank0.json").read_text())
+    assert set_up[0] == "ok" and set_up[1] > 2, set_up
+    assert "Timed out" in steps[0] and 0.5 < steps[1] < 3.5, steps

@@ -5,8 +5,10 @@ rank 0 gathers the raw ``[repeats, ranks]`` times into the file the launching pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,8 @@ def rank_speeds_worker(argv: list[str], prog: str) -> int:
         synthetic_batch,
         time_dense_step,
     )
-    from freescale.training.config import ParallelConfig, load_config
-    from freescale.training.parallel.distributed import init_distributed
+    from freescale.training.config import load_config
+    from freescale.training.parallel.distributed import bound_collectives, init_distributed
     from freescale.training.model.recommender import build_dense_model
 
     parser = argparse.ArgumentParser(prog=prog)
@@ -41,7 +43,7 @@ def rank_speeds_worker(argv: list[str], prog: str) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args, overrides = parser.parse_known_args(argv)
     config = load_config(args.config, overrides)
-    parallel = ParallelConfig(backend="gloo", collective_timeout_s=config.parallel.collective_timeout_s)
+    parallel = dataclasses.replace(config.parallel, backend="gloo")
     env = init_distributed(parallel, config.training.threads)
 
     # Same seed on every rank: identical parameters, batches and negatives, so any
@@ -55,6 +57,8 @@ def rank_speeds_worker(argv: list[str], prog: str) -> int:
     gathered = []
     with caching_malloc():
         for repeat in range(args.warmup + args.repeats):
+            if repeat == args.warmup:  # the warm-up repeats' first-call work is done on every rank
+                bound_collectives(timedelta(seconds=parallel.collective_timeout_s), env.host_group)
             dist.barrier(group=env.host_group)  # lock-step: every rank starts the repeat together, under the same machine load
             times = [time_dense_step(model, table, b, config.loss.num_negatives, config.loss.full_softmax, seed=i,
                                      loss_kind=config.loss.kind)

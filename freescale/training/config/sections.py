@@ -148,8 +148,18 @@ class ParallelConfig:
     """Process-group backend: auto (nccl on CUDA, else gloo), gloo or nccl."""
     sharding: ShardingName = "row_wise"
     """Item table sharding: row_wise or table_wise."""
+    init_timeout_s: float = 600.0
+    """Bounds each collective until the first step this process trains has ended on every rank:
+    joining, restoring a checkpoint, building the model, rank 0 starting its MLflow run, the first
+    step's compiles. One rank's set-up runs while its peers wait, so it gets its own bound."""
     collective_timeout_s: float = 300.0
-    """A rank blocked this long in a collective (a peer died or hangs) fails instead of waiting forever."""
+    """After the first step: a rank blocked this long in a collective (a peer died or hangs) fails
+    instead of waiting forever."""
+
+    def __post_init__(self) -> None:
+        for name in ("init_timeout_s", "collective_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass

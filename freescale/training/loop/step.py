@@ -116,6 +116,11 @@ class TrainStep(ABC):
         """Whether a later batch's exchange has started (never at a checkpoint or the end)."""
         return False
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The bound on the step's own waits, beyond its process groups' (a comm backend's; plain
+        mode has none)."""
+        return None
+
     def _loss(self, batch: SequenceBatch, negatives: torch.Tensor, source: EmbeddingSource,
               timer: StepTimer) -> torch.Tensor:
         """This rank's loss, scaled so the ranks' gradients average to the step's per-target
@@ -203,6 +208,9 @@ class OverlappedStep(TrainStep):
     def in_flight(self) -> bool:
         return self._next is not None
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.layer.backend.set_timeout(timeout)
+
     def progress(self, batches: Iterator[StepBatch]) -> StepTiming:
         timer = StepTimer()
         current = self._next or self._start(batches, timer)
@@ -252,4 +260,4 @@ def build_step(config: TrainConfig, parts: StepParts, sharded_model: nn.Module, 
     if config.comm.mode == "plain":
         return BlockingStep(parts, dense, env.backend, env.device_group)
     return OverlappedStep(parts, CommLayer(config.comm, sharded_model, env, dense,
-                                           timedelta(seconds=config.parallel.collective_timeout_s)))
+                                           timedelta(seconds=config.parallel.init_timeout_s)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from freescale.shards.manifest import Manifest, ShardError, load_manifest
 from freescale.training.timing.bubbles import TIMING_FIELDS, StepTimeLog
 from freescale.training.checkpoint.checkpointer import Checkpointer
 from freescale.training.config import TrainConfig, to_flat_dict
-from freescale.training.parallel.distributed import DistEnv, all_ranks_ok, init_distributed
+from freescale.training.parallel.distributed import DistEnv, all_ranks_ok, bound_collectives, init_distributed
 from freescale.training.eval.evaluator import SPLIT_PREFIX, NegativeDraws, check_protocol, evaluate
 from freescale.training.model.recommender import build_model
 from freescale.training.checkpoint.init_from import warm_start
@@ -111,6 +112,7 @@ class Trainer:
                                             self.sharded_model, self.env, dense)
             self.log = StepTimeLog(self.env.world_size, config.training.timing_sync_every, self.env.host_group)
             self.step = 0
+            self._set_up_ended = False
             planned, self.max_steps = planned_steps(config, self.manifest.num_steps)
             if self.replan is not None:
                 self.max_steps = replanned_end(self.max_steps, self.replan, self.manifest.num_steps)
@@ -263,6 +265,7 @@ class Trainer:
                 self.schedule.apply(self.step)
                 self._report(reporter, self.log.record(self.step, self.training_step.progress(batches)))
                 self.step += 1
+                self._end_set_up()
             assert not self.training_step.in_flight(), "an exchange was left in flight past its batches"
             # Every trained step reaches the sink before a checkpoint holds the sink's state.
             self._report(reporter, self.log.flush())
@@ -287,6 +290,16 @@ class Trainer:
         summary.update(self._evaluate(tuple(SPLIT_PREFIX)))
         return TrainResult(summary, timings, self.steps, self.losses, self.manifest,
                            self.training_step.comm_issue_order)
+
+    def _end_set_up(self) -> None:
+        """After the first step this process trained (every rank has built, restored, compiled):
+        ``parallel.collective_timeout_s`` bounds the collectives instead of ``init_timeout_s``."""
+        if self._set_up_ended:
+            return
+        self._set_up_ended = True
+        timeout = timedelta(seconds=self.config.parallel.collective_timeout_s)
+        bound_collectives(timeout, self.env.host_group)
+        self.training_step.set_timeout(timeout)
 
     def _timing_summary(self, timings: Path | None) -> dict[str, float]:
         """``run_summary`` of rank 0's timing file, read column by column, on every rank (a collective)."""

@@ -85,10 +85,11 @@ def attempt_store(timeout: timedelta) -> dist.Store | None:
 def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
     """Join the job's process group (torchrun's env:// variables), or make a group of one.
 
-    `collective_timeout_s` bounds every collective: when a rank dies, the others
-    fail with a timeout error instead of waiting forever (gloo enforces it on each
-    transfer; nccl through its watchdog). A default group already started (by whoever
-    runs the trainer) is kept; groups serving what it does not are made beside it.
+    `init_timeout_s` bounds every collective until ``bound_collectives`` sets
+    `collective_timeout_s` after the first step: when a rank dies, the others fail with a
+    timeout error instead of waiting forever (gloo enforces it on each transfer; nccl through
+    its watchdog). A default group already started (by whoever runs the trainer) is kept;
+    groups serving what it does not are made beside it.
     """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -108,7 +109,7 @@ def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
     # Ranks sharing a host share its cores: oversubscribed intra-op threads would
     # make compute times (and so the measured bubbles) depend on scheduling noise.
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world_size))
-    timeout = timedelta(seconds=config.collective_timeout_s)
+    timeout = timedelta(seconds=config.init_timeout_s)
     if not dist.is_initialized():
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(default_group_backend(backend), store=attempt_store(timeout), rank=rank,
@@ -120,6 +121,18 @@ def init_distributed(config: ParallelConfig, threads: int = 0) -> DistEnv:
                                     world_size=1, timeout=timeout)
     return DistEnv(rank, world_size, local_rank, local_world_size, device, backend,
                    *tensor_groups(device, backend, timeout))
+
+
+def bound_collectives(timeout: timedelta, host_group: dist.ProcessGroup | None) -> None:
+    """Every process group's collectives from here on are bounded by ``timeout`` (the groups were
+    made under ``init_timeout_s``; work already issued keeps its bound). Collective: a barrier
+    first, so that no rank waits under the new bound for a peer still in work the old one covered
+    (torchtitan moves from its init to its train timeout the same way)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier(group=host_group)
+    for group in list(dist.distributed_c10d._pg_map):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 _stopping_together = False
