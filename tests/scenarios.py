@@ -383,8 +383,9 @@ def run_restarted(movielens_shards: Path, e2e_dir: Path) -> SimpleNamespace:
 def hung_run(movielens_shards, e2e_dir):
     """Row-wise, prioritized, recorded in a sqlite store, a 10 s collective timeout after the first
     step (set-up keeps init_timeout_s's 600 s: 10 s failed a loaded machine's set-up in CI); rank 1
-    is stopped (SIGSTOP: alive but silent) after step 2, so rank 0's next collective times out. Mostly a wait: it starts in the background as soon as
-    the MovieLens shards exist (conftest.py), when a selected test uses it."""
+    is stopped (SIGSTOP: alive but silent) after step 2, so rank 0's next collective times out.
+    Mostly a wait: it starts in the background as soon as the MovieLens shards exist (conftest.py),
+    when a selected test uses it."""
     return background_or_now("hung_run", lambda: run_hung(movielens_shards, e2e_dir))
 
 
